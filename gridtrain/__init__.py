@@ -1,0 +1,1 @@
+"""gridtrain: plan and run multi-dimensional parallel pretraining of Llama-style models."""

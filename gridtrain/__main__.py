@@ -1,0 +1,3 @@
+from gridtrain.cli import main
+
+main()
