@@ -1,3 +1,5 @@
+import sys
+
 from gridtrain.cli import main
 
-main()
+sys.exit(main())

@@ -1,0 +1,151 @@
+"""The `gridtrain` command: train, model, data prepare, calibrate, plot."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from gridtrain.config import ConfigError, all_keys, load_config, parse_overrides, validate
+
+log = logging.getLogger("gridtrain")
+
+
+def setup_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s",
+                        datefmt="%H:%M:%S", stream=sys.stderr)
+
+
+def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
+    if args.help_config:
+        for key, (hint, doc) in all_keys().items():
+            print(f"--{key:<36} {doc}")
+        return 0
+    overrides = parse_overrides(extra)
+    if args.resume:
+        overrides["checkpoint.resume"] = "true"
+    cfg = load_config(args.config, overrides)
+    validate(cfg)
+    from gridtrain.train.trainer import Trainer  # torch and the data stack load only when needed
+
+    final = Trainer(cfg).run()
+    if "loss/val" in final:
+        print(f"final validation loss {final['loss/val']:.4f} (perplexity {final['loss/val_ppl']:.2f})")
+    return 0
+
+
+def cmd_model(args: argparse.Namespace, extra: list[str]) -> int:
+    from gridtrain.model.args import PRESETS, model_args
+    from gridtrain.model.stats import build_meta, count_parameters, flops_per_token
+
+    if args.list or not args.preset:
+        for name, fn in PRESETS.items():
+            print(f"{name:<14} {fn.__doc__.splitlines()[0]}")
+        return 0
+    overrides = {k.split(".", 1)[1]: v for k, v in parse_overrides(extra).items()}
+    cfg = load_config(None, {f"model.{k}": v for k, v in overrides.items()} | {"model.preset": args.preset})
+    margs = cfg.model.args()
+    problems = margs.validate()
+    if problems:
+        raise ConfigError(problems)
+    counts = count_parameters(build_meta(margs))
+    seq_len = args.seq_len or margs.max_seq_len
+    print(f"{args.preset}: dim {margs.dim}, {margs.n_layers} layers, {margs.n_heads} heads, "
+          f"{margs.n_kv_heads} KV heads, ffn {margs.hidden_dim}, vocab {margs.vocab_size}")
+    for part in ("embedding", "attention", "mlp", "norms", "output"):
+        n = getattr(counts, part)
+        print(f"  {part:<10} {n:>17,}  {n / 1e9:9.4f}B  {100 * n / counts.total:5.1f}%")
+    print(f"  {'total':<10} {counts.total:>17,}  {counts.total / 1e9:9.4f}B")
+    fpt = flops_per_token(margs, seq_len, counts)
+    print(f"model FLOPs per token at seq_len {seq_len}: {fpt:,.0f} ({fpt / 1e9:.2f} GFLOP) "
+          "= 6N + 12*L*H*Q*T, N without the input embedding")
+    return 0
+
+
+def cmd_data(args: argparse.Namespace, extra: list[str]) -> int:
+    from gridtrain.data.shards import TokenStore, ensure_prepared, prepare
+    from gridtrain.data.tokenizer import build_tokenizer
+
+    if args.out:
+        tokenizer = build_tokenizer(args.tokenizer, args.source, Path(args.cache_dir).expanduser())
+        from gridtrain.data.corpus import default_corpus
+
+        out = prepare(args.source or default_corpus(), tokenizer, Path(args.out), args.val_fraction, args.seed)
+    else:
+        out = ensure_prepared(args.source, args.tokenizer, Path(args.cache_dir).expanduser(),
+                              args.val_fraction, args.seed)
+    for split in ("train", "val"):
+        store = TokenStore(out, split)
+        print(f"{split}: {store.num_tokens:,} tokens in {len(store.doc_starts):,} documents")
+    print(f"prepared: {out}  (train with --data.corpus {out})")
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace, extra: list[str]) -> int:
+    from gridtrain.plan.hardware import calibrate, calibration_path
+
+    peaks = calibrate(args.threads, args.seconds)
+    for mode, flops in peaks.items():
+        print(f"{mode:<5} peak matmul {flops / 1e9:10.1f} GFLOP/s")
+    print(f"cached in {calibration_path()}")
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace, extra: list[str]) -> int:
+    from gridtrain.train.plot import plot_run
+
+    out = plot_run(Path(args.run_dir), Path(args.out) if args.out else None)
+    print(f"wrote {out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gridtrain", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("train", help="train a model; --section.key VALUE overrides any config key")
+    p.add_argument("--config", help="a TOML file (see configs/)")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    p.add_argument("--help-config", action="store_true", help="list every config key with its meaning")
+    p.set_defaults(func=cmd_train)
+    p = sub.add_parser("model", help="parameter count and FLOPs per token of a model preset")
+    p.add_argument("preset", nargs="?")
+    p.add_argument("--list", action="store_true", help="list the presets")
+    p.add_argument("--seq-len", type=int, help="sequence length for the FLOPs (default: the context)")
+    p.set_defaults(func=cmd_model)
+    p = sub.add_parser("data", help="prepare token shards from text")
+    dsub = p.add_subparsers(dest="data_command", required=True)
+    d = dsub.add_parser("prepare", help="tokenize a file, directory or JSON lines into shards")
+    d.add_argument("source", nargs="?", help="default: the Python standard library's source")
+    d.add_argument("--tokenizer", default="byte", help="'byte', 'bpe:N' or a tokenizer.json")
+    d.add_argument("--out", help="output directory (default: the cache, as training uses it)")
+    d.add_argument("--val-fraction", type=float, default=0.005)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--cache-dir", default="~/.cache/gridtrain")
+    d.set_defaults(func=cmd_data)
+    p = sub.add_parser("calibrate", help="measure this CPU's peak matmul FLOP/s (for MFU)")
+    p.add_argument("--threads", type=int)
+    p.add_argument("--seconds", type=float, default=2.0, help="time per precision")
+    p.set_defaults(func=cmd_calibrate)
+    p = sub.add_parser("plot", help="PNG of a run's loss and throughput curves")
+    p.add_argument("run_dir")
+    p.add_argument("--out", help="default: RUN_DIR/curves.png")
+    p.set_defaults(func=cmd_plot)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    setup_logging()
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command not in ("train", "model"):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    try:
+        return args.func(args, extra)
+    except ConfigError as e:
+        print(f"gridtrain: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""Peak FLOP/s of the device a run uses: published dense peaks for accelerators, a measured one
+for CPUs (`gridtrain calibrate`: large matmuls, the result cached per machine and thread count).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# Dense (no sparsity) 16-bit tensor-core peaks, FLOP/s, from the vendors' data sheets.
+ACCELERATOR_BF16_PEAK = {
+    "H200": 989e12, "H100 PCIe": 756e12, "H100": 989e12, "A100": 312e12, "B200": 2250e12,
+    "V100": 125e12, "L40S": 362e12, "A10G": 70e12,
+}
+
+CALIBRATION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def calibration_path() -> Path:
+    root = os.environ.get("GRIDTRAIN_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "gridtrain")
+    return Path(root) / "calibration.json"
+
+
+def machine_key(threads: int) -> str:
+    """Identity of a CPU measurement: processor, core count, threads used, torch version."""
+    from gridtrain.train.device import cpu_model_name  # noqa: PLC0415 - avoid a cycle at import
+
+    return f"{cpu_model_name()}|{os.cpu_count()}cpu|{threads}threads|torch{torch.__version__}"
+
+
+def measure_matmul_flops(dtype: torch.dtype, size: int, seconds: float) -> float:
+    """Best achieved FLOP/s of a (size x size) @ (size x size) matmul over about `seconds`."""
+    a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
+    a @ b  # warm-up: first-call dispatch and packing
+    best, deadline = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        start = time.perf_counter()
+        a @ b
+        best = max(best, 2 * size**3 / (time.perf_counter() - start))
+    return best
+
+
+def measure_peak(dtype: torch.dtype, seconds: float, sizes: tuple[int, ...] = (512, 1024, 2048, 4096)) -> float:
+    """The best over growing square sizes; stops growing when one matmul would outlast the budget
+    (fp16 has no fast path on many CPUs, where a 4096^3 product takes minutes)."""
+    best = 0.0
+    for size in sizes:
+        if best and 2 * size**3 / best > seconds / 2:
+            break
+        best = max(best, measure_matmul_flops(dtype, size, seconds / len(sizes)))
+    return best
+
+
+def calibrate(threads: int | None = None, seconds: float = 2.0,
+              modes: tuple[str, ...] = tuple(CALIBRATION_DTYPES)) -> dict[str, float]:
+    """Measure this CPU's peak matmul FLOP/s for each precision mode and cache it (merged with
+    what the cache already holds for this machine); returns {mode: FLOP/s} for `modes`."""
+    if threads is not None:
+        torch.set_num_threads(threads)
+    key = machine_key(torch.get_num_threads())
+    peaks = {mode: measure_peak(CALIBRATION_DTYPES[mode], seconds) for mode in modes}
+    path = calibration_path()
+    cache = json.loads(path.read_text()) if path.exists() else {}
+    entry = cache.setdefault(key, {"peak_flops": {}})
+    entry["peak_flops"].update(peaks)
+    entry.update(measured_at=time.time(), machine=platform.node())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(cache, indent=2))
+    os.replace(tmp, path)
+    return peaks
+
+
+def cpu_peak_flops(precision: str, threads: int | None = None) -> float:
+    """The cached measured peak for this CPU and thread count; measured now if not cached."""
+    threads = threads or torch.get_num_threads()
+    path = calibration_path()
+    cache = json.loads(path.read_text()) if path.exists() else {}
+    peaks = cache.get(machine_key(threads), {}).get("peak_flops", {})
+    if precision not in peaks:
+        log.info("no %s calibration for this CPU with %d threads: measuring the matmul peak now "
+                 "(`gridtrain calibrate` does it ahead)", precision, threads)
+        peaks = calibrate(threads, seconds=1.5, modes=(precision,))
+    return peaks[precision]
+
+
+def peak_flops(device: torch.device, device_name: str, precision: str) -> float:
+    """The dense peak that MFU divides by: the precision's matmul peak on this device."""
+    if device.type == "cpu":
+        return cpu_peak_flops(precision)
+    for name, peak in ACCELERATOR_BF16_PEAK.items():
+        if name in device_name:
+            # fp32 runs on TF32 tensor cores at half the 16-bit rate on these parts.
+            return peak / 2 if precision == "fp32" else peak
+    log.warning("unknown accelerator %r: MFU is reported against the H100 peak", device_name)
+    return ACCELERATOR_BF16_PEAK["H100"]

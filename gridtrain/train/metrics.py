@@ -1,0 +1,98 @@
+"""One metrics writer: a log line per logged step, metrics.jsonl, TensorBoard, a progress bar.
+
+Keys are namespaced and carry units (`throughput/tokens_per_s`, `memory/peak_GiB`, `mfu_pct`).
+Exactly one rank writes (the caller decides which).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("gridtrain")
+
+
+def format_line(step: int, total: int, m: dict[str, float]) -> str:
+    parts = [f"step {step:>{len(str(total))}}/{total}"]
+    if "loss/train" in m:
+        parts.append(f"loss {m['loss/train']:.4f}")
+    if "grad/norm" in m:
+        parts.append(f"grad_norm {m['grad/norm']:.3f}")
+    if "lr" in m:
+        parts.append(f"lr {m['lr']:.2e}")
+    if "throughput/tokens_per_s" in m:
+        parts.append(f"tok/s {m['throughput/tokens_per_s']:,.0f}")
+    if "mfu_pct" in m:
+        parts.append(f"mfu {m['mfu_pct']:.1f}%")
+    if "memory/peak_GiB" in m:
+        parts.append(f"mem {m['memory/peak_GiB']:.2f} GiB")
+    if "precision/loss_scale" in m:
+        parts.append(f"scale {m['precision/loss_scale']:.0f}")
+    if "loss/val" in m:
+        parts.append(f"val_loss {m['loss/val']:.4f} val_ppl {m['loss/val_ppl']:.2f}")
+    return " | ".join(parts)
+
+
+class MetricsWriter:
+    """Writes metrics to `<run_dir>/metrics.jsonl` (appending, so a resumed run continues the
+    file) and TensorBoard, logs one line per call, and drives the progress bar."""
+
+    def __init__(self, run_dir: Path, total_steps: int, start_step: int, tensorboard: bool,
+                 progress: bool) -> None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.total = total_steps
+        self._jsonl = open(run_dir / "metrics.jsonl", "a")
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter  # heavy import, only when asked
+
+            self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=start_step + 1)
+        self._bar = None
+        if progress and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=start_step, unit="step", leave=False,
+                             dynamic_ncols=True)
+
+    def write(self, step: int, metrics: dict[str, float], echo: bool = True) -> None:
+        record: dict[str, Any] = {"step": step, "time": time.time(), **metrics}
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        if self._tb is not None:
+            for key, value in metrics.items():
+                self._tb.add_scalar(key, value, step)
+        if echo:
+            line = format_line(step, self.total, metrics)
+            if self._bar is not None:
+                self._bar.write(line)
+            else:
+                log.info(line)
+
+    def advance(self, loss: float | None = None) -> None:
+        if self._bar is not None:
+            self._bar.update(1)
+            if loss is not None:
+                self._bar.set_postfix(loss=f"{loss:.4f}")
+
+    def close(self) -> None:
+        self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._bar is not None:
+            self._bar.close()
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """The records of a run's metrics.jsonl; a resumed run's later records replace earlier ones
+    for the same step."""
+    by_step: dict[tuple[int, bool], dict[str, Any]] = {}
+    with open(run_dir / "metrics.jsonl") as f:
+        for line in f:
+            if line.strip():
+                rec = json.loads(line)
+                by_step[(rec["step"], "loss/val" in rec and "loss/train" not in rec)] = rec
+    return [by_step[k] for k in sorted(by_step)]
