@@ -72,7 +72,9 @@ class ModelArgs:
                 f"pick n_heads among {_divisors(self.dim)[:8]}"
             )
         elif self.head_dim % 2:
-            errors.append(f"head_dim = dim / n_heads = {self.head_dim} must be even for RoPE")
+            errors.append(f"head_dim = model.dim / model.n_heads = {self.dim} / {self.n_heads} = "
+                          f"{self.head_dim} must be even for RoPE: choose model.n_heads so that "
+                          "dim / n_heads is even")
         if self.n_heads % self.n_kv_heads:
             errors.append(
                 f"model.n_heads ({self.n_heads}) must be divisible by model.n_kv_heads "

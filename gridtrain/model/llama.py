@@ -162,6 +162,9 @@ class Transformer(nn.Module):
         if seed is not None:
             torch.manual_seed(seed)
         std = self.args.init_std
+        if self.args.tie_embeddings and self.output is not None and self.tok_embeddings is not None:
+            # `to_empty()` materialises each module's parameters separately: tie them again.
+            self.output.weight = self.tok_embeddings.weight
         self.freqs_cis = rope_frequencies(self.args).to(self.freqs_cis.device)
         if self.tok_embeddings is not None:
             # A tied matrix is also the output head, so it gets the head's small scale.

@@ -1,0 +1,114 @@
+"""Shared fixtures: a fake CPU calibration (no test measures matmul peaks), a tiny deterministic
+text corpus, and `make_config` for the `tiny` model preset on that corpus."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+
+from gridtrain.config import Config, load_config
+from gridtrain.plan import hardware
+from gridtrain.plan.hardware import CALIBRATION_DTYPES, machine_key
+
+FAKE_PEAK_FLOPS = 1.0e11
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fake_calibration(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Point GRIDTRAIN_CACHE at a session directory holding peaks for every thread count the
+    tests may run with (the trainer sets torch's thread count from train.threads)."""
+    cache = tmp_path_factory.mktemp("gridtrain-cache")
+    max_threads = max(os.cpu_count() or 1, torch.get_num_threads())
+    entries = {machine_key(n): {"peak_flops": {mode: FAKE_PEAK_FLOPS for mode in CALIBRATION_DTYPES}}
+               for n in range(1, max_threads + 1)}
+    (cache / "calibration.json").write_text(json.dumps(entries))
+    old = os.environ.get("GRIDTRAIN_CACHE")
+    os.environ["GRIDTRAIN_CACHE"] = str(cache)
+    # The machine is shared with benchmarks: one thread for everything the tests run.
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield cache
+    torch.set_num_threads(old_threads)
+    if old is None:
+        os.environ.pop("GRIDTRAIN_CACHE", None)
+    else:
+        os.environ["GRIDTRAIN_CACHE"] = old
+
+
+@pytest.fixture(autouse=True)
+def no_calibration(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test that would measure the CPU (a cache miss) fails instead of spending seconds."""
+
+    def refuse(*args: Any, **kwargs: Any) -> dict[str, float]:
+        raise AssertionError("a test tried to calibrate the CPU: the fake calibration missed "
+                             f"(key {machine_key(torch.get_num_threads())})")
+
+    monkeypatch.setattr(hardware, "calibrate", refuse)
+
+
+_WORDS = (
+    "the a an of to in and or but if when while model token layer batch step loss rate grid "
+    "train data shard rank pipeline tensor gradient weight optimizer scale memory device small "
+    "large quick brown fox lazy dog river stone light shadow north south old new green blue red "
+    "house garden window paper letter number story reason simple careful early late under over"
+).split()
+
+
+def _sentence(rng: random.Random) -> str:
+    words = [rng.choice(_WORDS) for _ in range(rng.randint(4, 14))]
+    words[0] = words[0].capitalize()
+    return " ".join(words) + rng.choice((".", ".", ".", "?", "!"))
+
+
+def write_corpus(root: Path, num_docs: int = 100, seed: int = 0) -> Path:
+    """`num_docs` pseudo-English documents of about 3 KB each (about 300 KB in all)."""
+    rng = random.Random(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    for i in range(num_docs):
+        paragraphs = [" ".join(_sentence(rng) for _ in range(rng.randint(3, 7))) for _ in range(12)]
+        (root / f"doc{i:03d}.txt").write_text(f"Document {i}\n\n" + "\n\n".join(paragraphs) + "\n")
+    return root
+
+
+@pytest.fixture(scope="session")
+def corpus_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+def tiny_overrides(tmp_path: Path, corpus: Path) -> dict[str, Any]:
+    return {
+        "run_dir": str(tmp_path / "run"),
+        "model.preset": "tiny",
+        "data.corpus": str(corpus),
+        "data.cache_dir": str(tmp_path / "data-cache"),
+        "data.seq_len": 32,
+        "train.micro_batch": 2,
+        "train.global_batch": 4,
+        "train.steps": 4,
+        "train.warmup_steps": 1,
+        "train.val_every": 0,
+        "train.threads": 1,
+        "metrics.tensorboard": False,
+        "metrics.progress": False,
+    }
+
+
+@pytest.fixture
+def make_config(corpus_dir: Path) -> Callable[..., Config]:
+    """make_config(tmp_path, **overrides) -> Config of the tiny preset on the tiny corpus.
+
+    Override keys are dotted (`**{"train.steps": 6}`) or use '__' for the dot (`train__steps=6`).
+    """
+
+    def make(tmp_path: Path, **overrides: Any) -> Config:
+        items = tiny_overrides(Path(tmp_path), corpus_dir)
+        items.update({k.replace("__", "."): v for k, v in overrides.items()})
+        return load_config(None, items)
+
+    return make
