@@ -145,6 +145,40 @@ def bench_shape(name: str, rounds: int, steps_per_round: int, warmup: int) -> di
             "peak_GFLOPs": peak / 1e9, "threads": torch.get_num_threads()}
 
 
+def profile_breakdown(name: str) -> dict[str, float]:
+    """Seconds of one gridtrain step by kind of op (self CPU time): matmuls, attention, the rest.
+
+    Shows where the time goes that MFU does not credit: the attention kernel's share, and the
+    achieved FLOP/s of the matmuls alone against the measured peak.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    preset, seq, batch, precision = SHAPES[name]
+    cfg = load_config(None, {
+        "model.preset": preset, "data.seq_len": seq, "train.micro_batch": batch,
+        "train.global_batch": batch, "train.precision": precision, "train.steps": 10**6,
+        "train.warmup_steps": 10, "train.val_every": 0, "run_dir": "/tmp/gridtrain-bench"})
+    trainer = Trainer(cfg)
+    for _ in range(3):
+        trainer.train_step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        trainer.train_step()
+    kinds = {"matmul": 0.0, "attention": 0.0, "other": 0.0}
+    for event in prof.key_averages():
+        seconds = event.self_cpu_time_total / 1e6
+        if event.key in ("aten::mm", "aten::addmm", "aten::bmm"):
+            kinds["matmul"] += seconds
+        elif "scaled_dot_product" in event.key:
+            kinds["attention"] += seconds
+        else:
+            kinds["other"] += seconds
+    tokens = batch * seq
+    matmul_flops = (trainer.flops_per_token - 12 * trainer.args.n_layers * trainer.args.dim * seq) * tokens  # 6N
+    kinds["matmul_GFLOPs"] = matmul_flops / kinds["matmul"] / 1e9
+    kinds["peak_GFLOPs"] = cpu_peak_flops(precision) / 1e9
+    return kinds
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=[*SHAPES, "all"], default="all")
@@ -152,6 +186,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help="steps per side per round")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--profile", action="store_true",
+                        help="also split one gridtrain step into matmul, attention and other time")
     args = parser.parse_args()
     names = list(SHAPES) if args.shape == "all" else [args.shape]
     results = [bench_shape(n, args.rounds, args.steps, args.warmup) for n in names]
@@ -161,6 +197,13 @@ def main() -> None:
         print(f"{r['shape']:<6} {r['params_M']:>7.1f}M {r['precision']:<5} {r['gridtrain_tokens_per_s']:>16,.0f} "
               f"{r['plain_tokens_per_s']:>12,.0f} {r['ratio']:>6.3f} {r['gridtrain_GFLOPs']:>8.1f} "
               f"{r['gridtrain_mfu_pct']:>5.1f}% {r['peak_GFLOPs']:>13.1f}")
+    if args.profile:
+        for name in names:
+            k = profile_breakdown(name)
+            total = k["matmul"] + k["attention"] + k["other"]
+            print(f"{name}: step {total * 1e3:.0f} ms = matmul {k['matmul'] * 1e3:.0f} ms "
+                  f"({k['matmul_GFLOPs']:.0f} GFLOP/s, {100 * k['matmul_GFLOPs'] / k['peak_GFLOPs']:.0f}% "
+                  f"of peak) + attention {k['attention'] * 1e3:.0f} ms + other {k['other'] * 1e3:.0f} ms")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     if any(not math.isfinite(r["ratio"]) for r in results):
