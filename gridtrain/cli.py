@@ -7,7 +7,8 @@ import logging
 import sys
 from pathlib import Path
 
-from gridtrain.config import ConfigError, all_keys, load_config, parse_overrides, validate
+from gridtrain.checks import validate
+from gridtrain.config import ConfigError, all_keys, load_config, parse_overrides
 
 log = logging.getLogger("gridtrain")
 

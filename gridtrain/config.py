@@ -136,6 +136,37 @@ class CheckpointConfig:
 
 
 @dataclass
+class ParallelConfig:
+    dp_replicate: int = 1
+    """Data-parallel replicas that hold full copies of the (tensor/pipeline-split) model."""
+    dp_shard: int = -1
+    """Data-parallel ranks that shard parameters, gradients and optimizer state (ZeRO/FSDP);
+    -1 takes what the world leaves after the other degrees."""
+    tp: int = 1
+    """Tensor-parallel degree: attention heads and MLP columns split across this many ranks."""
+    pp: int = 1
+    """Pipeline-parallel degree: the layers split into this many groups of stages."""
+    cp: int = 1
+    """Context-parallel degree (reserved: must be 1 until ring attention lands)."""
+    ep: int = 1
+    """Expert-parallel degree (reserved: must be 1 until mixture-of-experts lands)."""
+    zero_stage: int = 3
+    """0: DDP; 1: optimizer state sharded; 2: also gradients; 3: also parameters (FSDP).
+    Stages 0 and 1 treat every data-parallel rank as a replica; 2 and 3 shard over dp_shard and
+    replicate over dp_replicate (HSDP when both exceed 1)."""
+    sequence_parallel: bool = False
+    """With tp > 1: also split norms and residual regions along the sequence (Megatron SP)."""
+    pp_schedule: str = "1f1b"
+    """'gpipe', '1f1b', 'interleaved-1f1b', 'looped-bfs', 'interleaved-zb', 'zbv' or 'dualpipev'."""
+    pp_virtual_stages: int = 1
+    """Stages per pipeline rank (2 or more interleaves; 'zbv' and 'dualpipev' need exactly 2)."""
+    pp_fewer_edge_layers: int = 0
+    """Layers fewer on the first and last stage, which also hold embedding and head (Llama 3: 1)."""
+    nproc: int = 1
+    """Processes started by `gridtrain train --nproc N` (torchrun sets the world size itself)."""
+
+
+@dataclass
 class MetricsConfig:
     log_every: int = 10
     """Log a line (and write metrics) every N steps."""
@@ -153,6 +184,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     @property
@@ -295,133 +327,3 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     if problems:
         raise ConfigError(problems)
     return cfg
-
-
-# ---------------------------------------------------------------------------------------------
-# Validation: every relation checked before anything starts
-
-SCHEDULES = ("cosine", "linear", "wsd", "constant")
-PRECISIONS = ("fp32", "bf16", "fp16")
-AC_MODES = ("off", "selective", "full")
-
-
-def _choice(key: str, value: str, options: tuple[str, ...]) -> list[str]:
-    if value in options:
-        return []
-    return [f"{key} = '{value}' is not one of {', '.join(options)}"]
-
-
-def _at_least(key: str, value: float, low: float) -> list[str]:
-    return [] if value >= low else [f"{key} = {value} must be >= {low}"]
-
-
-def _in_range(key: str, value: float, low: float, high: float) -> list[str]:
-    return [] if low <= value <= high else [f"{key} = {value} must lie in [{low}, {high}]"]
-
-
-def _check_model(cfg: Config) -> list[str]:
-    if cfg.model.preset not in PRESETS:
-        return [f"model.preset = '{cfg.model.preset}' is unknown; choose one of {', '.join(PRESETS)}"]
-    args = cfg.model.args()
-    problems = args.validate()
-    if cfg.data.seq_len > args.max_seq_len:
-        problems.append(
-            f"data.seq_len ({cfg.data.seq_len}) is longer than the model's context "
-            f"model.max_seq_len ({args.max_seq_len}): lower data.seq_len or raise model.max_seq_len")
-    return problems
-
-
-def _check_batch(cfg: Config, dp: int) -> list[str]:
-    t, seq_len = cfg.train, cfg.data.seq_len
-    problems = _at_least("train.micro_batch", t.micro_batch, 1) + _at_least("data.seq_len", seq_len, 1)
-    if t.global_batch_tokens is not None:
-        if t.global_batch_tokens <= 0 or seq_len <= 0 or t.global_batch_tokens % seq_len:
-            return problems + [
-                f"train.global_batch_tokens ({t.global_batch_tokens}) must be a positive multiple of "
-                f"data.seq_len ({seq_len}): try {max(1, round(t.global_batch_tokens / max(seq_len, 1))) * seq_len}"]
-    elif t.global_batch < 1:
-        return problems + [f"train.global_batch = {t.global_batch} must be >= 1"]
-    if problems:
-        return problems
-    per_step = t.micro_batch * dp
-    if cfg.global_batch_seqs % per_step:
-        fixed = max(1, round(cfg.global_batch_seqs / per_step)) * per_step
-        return [f"train.global_batch ({cfg.global_batch_seqs} sequences) must be divisible by "
-                f"train.micro_batch ({t.micro_batch}) x data-parallel degree ({dp}) = {per_step}: "
-                f"set train.global_batch to {fixed} or choose a micro_batch that divides it"]
-    return []
-
-
-def _check_train(cfg: Config) -> list[str]:
-    t = cfg.train
-    problems = _at_least("train.steps", t.steps, 1)
-    problems += [] if t.lr > 0 else [f"train.lr = {t.lr} must be > 0"]
-    problems += _in_range("train.min_lr_ratio", t.min_lr_ratio, 0.0, 1.0)
-    if not 0 <= t.warmup_steps <= max(t.steps, 0):
-        problems.append(f"train.warmup_steps ({t.warmup_steps}) must lie in [0, train.steps "
-                        f"({t.steps})]: lower train.warmup_steps or raise train.steps")
-    problems += _choice("train.schedule", t.schedule, SCHEDULES)
-    if not 0 < t.decay_fraction <= 1:
-        problems.append(f"train.decay_fraction = {t.decay_fraction} must lie in (0, 1]")
-    problems += _at_least("train.weight_decay", t.weight_decay, 0.0)
-    for key, beta in (("train.beta1", t.beta1), ("train.beta2", t.beta2)):
-        if not 0 <= beta < 1:
-            problems.append(f"{key} = {beta} must lie in [0, 1)")
-    problems += [] if t.eps > 0 else [f"train.eps = {t.eps} must be > 0"]
-    problems += _at_least("train.grad_clip", t.grad_clip, 0.0)
-    problems += _choice("train.precision", t.precision, PRECISIONS)
-    problems += [] if t.loss_scale_init > 0 else [f"train.loss_scale_init = {t.loss_scale_init} must be > 0"]
-    problems += _at_least("train.loss_scale_growth_interval", t.loss_scale_growth_interval, 1)
-    problems += _choice("train.activation_checkpointing", t.activation_checkpointing, AC_MODES)
-    problems += _at_least("train.val_every", t.val_every, 0) + _at_least("train.val_batches", t.val_batches, 1)
-    if t.threads is not None:
-        problems += _at_least("train.threads", t.threads, 1)
-    return problems
-
-
-def _check_data(cfg: Config) -> list[str]:
-    d = cfg.data
-    problems = []
-    if not 0 < d.val_fraction < 0.5:
-        problems.append(f"data.val_fraction = {d.val_fraction} must lie in (0, 0.5)")
-    if d.corpus is not None and not Path(d.corpus).expanduser().exists():
-        problems.append(f"data.corpus = '{d.corpus}' does not exist: give a file or directory, "
-                        "or leave it unset for the Python standard library")
-    vocab = tokenizer_vocab_size(d.tokenizer)
-    if vocab is None:
-        problems.append(f"data.tokenizer = '{d.tokenizer}' is not 'byte', 'bpe:N' or an existing "
-                        "tokenizer.json")
-    elif cfg.model.preset in PRESETS and vocab > cfg.model.args().vocab_size:
-        problems.append(
-            f"model.vocab_size ({cfg.model.args().vocab_size}) is smaller than the vocabulary of "
-            f"data.tokenizer '{d.tokenizer}' ({vocab}): set model.vocab_size to at least "
-            f"{64 * math.ceil(vocab / 64)}")
-    return problems
-
-
-def tokenizer_vocab_size(spec: str) -> int | None:
-    """The vocabulary a tokenizer spec will have, without building it (None if the spec is bad)."""
-    if spec == "byte":
-        return 257  # 256 byte values + <eos>
-    if spec.startswith("bpe:"):
-        n = spec[4:]
-        return int(n) if n.isdigit() and int(n) >= 258 else None
-    path = Path(spec).expanduser()
-    if path.is_file():
-        from tokenizers import Tokenizer  # only for this path: the file must parse
-
-        try:
-            return Tokenizer.from_file(str(path)).get_vocab_size()
-        except Exception:  # noqa: BLE001 - any parse failure means the file is not a tokenizer
-            return None
-    return None
-
-
-def validate(cfg: Config, dp: int = 1) -> None:
-    """Raise ConfigError listing every broken relation; `dp` is the data-parallel degree."""
-    problems = _check_model(cfg) + _check_batch(cfg, dp) + _check_train(cfg) + _check_data(cfg)
-    problems += _at_least("checkpoint.interval", cfg.checkpoint.interval, 0)
-    problems += _at_least("checkpoint.keep", cfg.checkpoint.keep, 1)
-    problems += _at_least("metrics.log_every", cfg.metrics.log_every, 1)
-    if problems:
-        raise ConfigError(problems)

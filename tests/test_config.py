@@ -1,7 +1,8 @@
 import pytest
 
 from gridtrain.cli import main
-from gridtrain.config import Config, ConfigError, all_keys, load_config, parse_overrides, validate
+from gridtrain.checks import validate
+from gridtrain.config import Config, ConfigError, all_keys, load_config, parse_overrides
 
 # (overrides, the key the message must name); each case breaks exactly one relation of the
 # (valid) default configuration.
@@ -84,8 +85,8 @@ def test_batch_message_gives_a_fix():
     assert "train.micro_batch (4)" in str(info.value)
     assert "set train.global_batch to 8 " in str(info.value)  # the nearest multiple of 4
     with pytest.raises(ConfigError, match=r"degree \(2\) = 16: set train.global_batch to 32 "):
-        validate(load_config(None, {"train.global_batch": "24", "train.micro_batch": "8"}), dp=2)
-    validate(load_config(None, {"train.global_batch": "32", "train.micro_batch": "8"}), dp=2)
+        validate(load_config(None, {"train.global_batch": "24", "train.micro_batch": "8"}), world=2)
+    validate(load_config(None, {"train.global_batch": "32", "train.micro_batch": "8"}), world=2)
 
 
 def test_global_batch_tokens_sets_sequences():

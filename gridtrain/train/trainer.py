@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from gridtrain.config import Config, validate
+from gridtrain.checks import validate
+from gridtrain.config import Config
 from gridtrain.data.sampler import BatchReader, ValReader
 from gridtrain.data.shards import TokenStore, ensure_prepared
 from gridtrain.model.args import ModelArgs

@@ -1,0 +1,228 @@
+"""Validation of a configuration: every relation checked once, before anything starts.
+
+Each problem names the key, the numbers and the fix; all problems are reported together.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+from gridtrain.config import Config, ConfigError
+from gridtrain.model.args import PRESETS
+from gridtrain.parallel.dims import (PP_SCHEDULES, SINGLE_STAGE_SCHEDULES, V_SCHEDULES, ParallelDims,
+                                     stage_layer_counts)
+
+LR_SCHEDULES = ("cosine", "linear", "wsd", "constant")
+PRECISIONS = ("fp32", "bf16", "fp16")
+AC_MODES = ("off", "selective", "full")
+
+
+def _choice(key: str, value: str, options: tuple[str, ...]) -> list[str]:
+    if value in options:
+        return []
+    return [f"{key} = '{value}' is not one of {', '.join(options)}"]
+
+
+def _at_least(key: str, value: float, low: float) -> list[str]:
+    return [] if value >= low else [f"{key} = {value} must be >= {low}"]
+
+
+def _in_range(key: str, value: float, low: float, high: float) -> list[str]:
+    return [] if low <= value <= high else [f"{key} = {value} must lie in [{low}, {high}]"]
+
+
+def _check_model(cfg: Config) -> list[str]:
+    if cfg.model.preset not in PRESETS:
+        return [f"model.preset = '{cfg.model.preset}' is unknown; choose one of {', '.join(PRESETS)}"]
+    args = cfg.model.args()
+    problems = args.validate()
+    if cfg.data.seq_len > args.max_seq_len:
+        problems.append(
+            f"data.seq_len ({cfg.data.seq_len}) is longer than the model's context "
+            f"model.max_seq_len ({args.max_seq_len}): lower data.seq_len or raise model.max_seq_len")
+    return problems
+
+
+def _check_batch(cfg: Config, dp: int) -> list[str]:
+    t, seq_len = cfg.train, cfg.data.seq_len
+    problems = _at_least("train.micro_batch", t.micro_batch, 1) + _at_least("data.seq_len", seq_len, 1)
+    if t.global_batch_tokens is not None:
+        if t.global_batch_tokens <= 0 or seq_len <= 0 or t.global_batch_tokens % seq_len:
+            return problems + [
+                f"train.global_batch_tokens ({t.global_batch_tokens}) must be a positive multiple of "
+                f"data.seq_len ({seq_len}): try {max(1, round(t.global_batch_tokens / max(seq_len, 1))) * seq_len}"]
+    elif t.global_batch < 1:
+        return problems + [f"train.global_batch = {t.global_batch} must be >= 1"]
+    if problems:
+        return problems
+    per_step = t.micro_batch * dp
+    if cfg.global_batch_seqs % per_step:
+        fixed = max(1, round(cfg.global_batch_seqs / per_step)) * per_step
+        return [f"train.global_batch ({cfg.global_batch_seqs} sequences) must be divisible by "
+                f"train.micro_batch ({t.micro_batch}) x data-parallel degree ({dp}) = {per_step}: "
+                f"set train.global_batch to {fixed} or choose a micro_batch that divides it"]
+    return []
+
+
+def _check_train(cfg: Config) -> list[str]:
+    t = cfg.train
+    problems = _at_least("train.steps", t.steps, 1)
+    problems += [] if t.lr > 0 else [f"train.lr = {t.lr} must be > 0"]
+    problems += _in_range("train.min_lr_ratio", t.min_lr_ratio, 0.0, 1.0)
+    if not 0 <= t.warmup_steps <= max(t.steps, 0):
+        problems.append(f"train.warmup_steps ({t.warmup_steps}) must lie in [0, train.steps "
+                        f"({t.steps})]: lower train.warmup_steps or raise train.steps")
+    problems += _choice("train.schedule", t.schedule, LR_SCHEDULES)
+    if not 0 < t.decay_fraction <= 1:
+        problems.append(f"train.decay_fraction = {t.decay_fraction} must lie in (0, 1]")
+    problems += _at_least("train.weight_decay", t.weight_decay, 0.0)
+    for key, beta in (("train.beta1", t.beta1), ("train.beta2", t.beta2)):
+        if not 0 <= beta < 1:
+            problems.append(f"{key} = {beta} must lie in [0, 1)")
+    problems += [] if t.eps > 0 else [f"train.eps = {t.eps} must be > 0"]
+    problems += _at_least("train.grad_clip", t.grad_clip, 0.0)
+    problems += _choice("train.precision", t.precision, PRECISIONS)
+    problems += [] if t.loss_scale_init > 0 else [f"train.loss_scale_init = {t.loss_scale_init} must be > 0"]
+    problems += _at_least("train.loss_scale_growth_interval", t.loss_scale_growth_interval, 1)
+    problems += _choice("train.activation_checkpointing", t.activation_checkpointing, AC_MODES)
+    problems += _at_least("train.val_every", t.val_every, 0) + _at_least("train.val_batches", t.val_batches, 1)
+    if t.threads is not None:
+        problems += _at_least("train.threads", t.threads, 1)
+    return problems
+
+
+def _check_data(cfg: Config) -> list[str]:
+    d = cfg.data
+    problems = []
+    if not 0 < d.val_fraction < 0.5:
+        problems.append(f"data.val_fraction = {d.val_fraction} must lie in (0, 0.5)")
+    if d.corpus is not None and not Path(d.corpus).expanduser().exists():
+        problems.append(f"data.corpus = '{d.corpus}' does not exist: give a file or directory, "
+                        "or leave it unset for the Python standard library")
+    vocab = tokenizer_vocab_size(d.tokenizer)
+    if vocab is None:
+        problems.append(f"data.tokenizer = '{d.tokenizer}' is not 'byte', 'bpe:N' or an existing "
+                        "tokenizer.json")
+    elif cfg.model.preset in PRESETS and vocab > cfg.model.args().vocab_size:
+        problems.append(
+            f"model.vocab_size ({cfg.model.args().vocab_size}) is smaller than the vocabulary of "
+            f"data.tokenizer '{d.tokenizer}' ({vocab}): set model.vocab_size to at least "
+            f"{64 * math.ceil(vocab / 64)}")
+    return problems
+
+
+def tokenizer_vocab_size(spec: str) -> int | None:
+    """The vocabulary a tokenizer spec will have, without building it (None if the spec is bad)."""
+    if spec == "byte":
+        return 257  # 256 byte values + <eos>
+    if spec.startswith("bpe:"):
+        n = spec[4:]
+        return int(n) if n.isdigit() and int(n) >= 258 else None
+    path = Path(spec).expanduser()
+    if path.is_file():
+        from tokenizers import Tokenizer  # only for this path: the file must parse
+
+        try:
+            return Tokenizer.from_file(str(path)).get_vocab_size()
+        except Exception:  # noqa: BLE001 - any parse failure means the file is not a tokenizer
+            return None
+    return None
+
+
+def world_size(cfg: Config) -> int:
+    """Processes of the run: torchrun's WORLD_SIZE when launched by it, else parallel.nproc."""
+    return int(os.environ.get("WORLD_SIZE", cfg.parallel.nproc))
+
+
+def parallel_dims(cfg: Config, world: int | None = None) -> ParallelDims:
+    p = cfg.parallel
+    return ParallelDims.resolve(p.dp_replicate, p.dp_shard, p.cp, p.tp, p.pp, p.ep,
+                                world if world is not None else world_size(cfg))
+
+
+def _check_tp(cfg: Config, tp: int) -> list[str]:
+    if tp == 1 or cfg.model.preset not in PRESETS:
+        if cfg.parallel.sequence_parallel and tp == 1:
+            return ["parallel.sequence_parallel needs parallel.tp > 1: raise tp or turn it off"]
+        return []
+    args, problems = cfg.model.args(), []
+    for key, value in (("n_heads", args.n_heads), ("n_kv_heads", args.n_kv_heads),
+                       ("ffn_dim", args.hidden_dim), ("vocab_size", args.vocab_size)):
+        if value % tp:
+            fits = [d for d in range(1, tp + 1) if value % d == 0 and d & (d - 1) == 0]
+            problems.append(f"parallel.tp ({tp}) must divide model.{key} ({value}), since each "
+                            f"tensor-parallel rank takes an equal share: set parallel.tp to {fits[-1]}")
+    if cfg.parallel.sequence_parallel and cfg.data.seq_len % tp:
+        problems.append(f"parallel.sequence_parallel splits data.seq_len ({cfg.data.seq_len}) over "
+                        f"parallel.tp ({tp}): make seq_len a multiple of {tp}")
+    return problems
+
+
+def _check_pp(cfg: Config, dims: ParallelDims) -> list[str]:
+    p = cfg.parallel
+    problems = _choice("parallel.pp_schedule", p.pp_schedule, PP_SCHEDULES)
+    problems += _at_least("parallel.pp_virtual_stages", p.pp_virtual_stages, 1)
+    if dims.pp == 1 or problems:
+        return problems
+    if p.pp_schedule in SINGLE_STAGE_SCHEDULES and p.pp_virtual_stages != 1:
+        problems.append(f"parallel.pp_schedule '{p.pp_schedule}' runs one stage per rank, but "
+                        f"parallel.pp_virtual_stages = {p.pp_virtual_stages}: use 'interleaved-1f1b' "
+                        "or set pp_virtual_stages to 1")
+    if p.pp_schedule in V_SCHEDULES and p.pp_virtual_stages != 2:
+        problems.append(f"parallel.pp_schedule '{p.pp_schedule}' needs exactly 2 stages per rank: "
+                        "set parallel.pp_virtual_stages to 2")
+    stages = dims.pp * p.pp_virtual_stages
+    if cfg.model.preset in PRESETS:
+        n_layers = cfg.model.args().n_layers
+        counts = stage_layer_counts(n_layers, stages, p.pp_fewer_edge_layers)
+        if min(counts) < 1:
+            problems.append(
+                f"model.n_layers ({n_layers}) is too few for parallel.pp ({dims.pp}) x "
+                f"pp_virtual_stages ({p.pp_virtual_stages}) = {stages} stages with "
+                f"pp_fewer_edge_layers {p.pp_fewer_edge_layers} (layers per stage {counts}): lower pp "
+                "or the virtual stages, or add layers")
+        if cfg.model.args().tie_embeddings:
+            problems.append("model.tie_embeddings cannot be used with parallel.pp > 1: the embedding "
+                            "and the output head live on different stages; untie them")
+    if dims.dp >= 1 and cfg.global_batch_seqs % (cfg.train.micro_batch * dims.dp) == 0:
+        micro = cfg.global_batch_seqs // (cfg.train.micro_batch * dims.dp)
+        need = stages if p.pp_schedule in ("1f1b", "dualpipev") else 1
+        if p.pp_schedule in ("interleaved-1f1b", "interleaved-zb") and micro > dims.pp and micro % dims.pp:
+            problems.append(f"parallel.pp_schedule '{p.pp_schedule}' needs the micro-batches per step "
+                            f"({micro}) to be a multiple of parallel.pp ({dims.pp}): set "
+                            f"train.global_batch to {math.ceil(micro / dims.pp) * dims.pp * cfg.train.micro_batch * dims.dp}")
+        elif micro < need:
+            problems.append(
+                f"too few micro-batches for parallel.pp_schedule '{p.pp_schedule}': train.global_batch "
+                f"({cfg.global_batch_seqs}) / (train.micro_batch ({cfg.train.micro_batch}) x data-parallel "
+                f"degree ({dims.dp})) = {micro} < {need} stages: set train.global_batch to "
+                f"{need * cfg.train.micro_batch * dims.dp} or lower train.micro_batch")
+    return problems
+
+
+def _check_parallel(cfg: Config, dims: ParallelDims) -> list[str]:
+    p = cfg.parallel
+    problems = dims.problems() + _at_least("parallel.nproc", p.nproc, 1)
+    if p.zero_stage not in (0, 1, 2, 3):
+        problems.append(f"parallel.zero_stage = {p.zero_stage} is not one of 0, 1, 2, 3")
+    if problems:
+        return problems
+    if p.zero_stage == 1 and (dims.tp > 1 or dims.pp > 1):
+        problems.append("parallel.zero_stage 1 shards a plain optimizer over DDP and does not combine "
+                        "with tp or pp: use parallel.zero_stage 2 (gradients and optimizer sharded)")
+    return problems + _check_tp(cfg, dims.tp) + _check_pp(cfg, dims)
+
+
+def validate(cfg: Config, world: int | None = None) -> ParallelDims:
+    """Raise ConfigError listing every broken relation; return the resolved layout."""
+    dims = parallel_dims(cfg, world)
+    problems = _check_model(cfg) + _check_parallel(cfg, dims)
+    problems += _check_batch(cfg, max(dims.dp, 1)) + _check_train(cfg) + _check_data(cfg)
+    problems += _at_least("checkpoint.interval", cfg.checkpoint.interval, 0)
+    problems += _at_least("checkpoint.keep", cfg.checkpoint.keep, 1)
+    problems += _at_least("metrics.log_every", cfg.metrics.log_every, 1)
+    if problems:
+        raise ConfigError(problems)
+    return dims
