@@ -139,7 +139,7 @@ def world_size(cfg: Config) -> int:
 def parallel_dims(cfg: Config, world: int | None = None) -> ParallelDims:
     p = cfg.parallel
     return ParallelDims.resolve(p.dp_replicate, p.dp_shard, p.cp, p.tp, p.pp, p.ep,
-                                world if world is not None else world_size(cfg))
+                                world if world is not None else world_size(cfg), p.zero_stage)
 
 
 def _check_tp(cfg: Config, tp: int) -> list[str]:
@@ -209,6 +209,11 @@ def _check_parallel(cfg: Config, dims: ParallelDims) -> list[str]:
         problems.append(f"parallel.zero_stage = {p.zero_stage} is not one of 0, 1, 2, 3")
     if problems:
         return problems
+    if p.zero_stage in (0, 1) and dims.dp_shard > 1:
+        problems.append(
+            f"parallel.zero_stage {p.zero_stage} keeps a full copy on every data-parallel rank, but "
+            f"parallel.dp_shard = {dims.dp_shard}: set parallel.dp_replicate to "
+            f"{dims.dp_replicate * dims.dp_shard} and dp_shard to 1, or use zero_stage 2 or 3 to shard")
     if p.zero_stage == 1 and (dims.tp > 1 or dims.pp > 1):
         problems.append("parallel.zero_stage 1 shards a plain optimizer over DDP and does not combine "
                         "with tp or pp: use parallel.zero_stage 2 (gradients and optimizer sharded)")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -26,14 +28,37 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     overrides = parse_overrides(extra)
     if args.resume:
         overrides["checkpoint.resume"] = "true"
+    if args.nproc is not None:
+        overrides["parallel.nproc"] = str(args.nproc)
     cfg = load_config(args.config, overrides)
-    validate(cfg)
+    dims = validate(cfg)  # every rank checks again, but nothing starts if this fails
+    if cfg.parallel.nproc > 1 and "LOCAL_RANK" not in os.environ:
+        return launch(cfg.parallel.nproc, sys.argv[1:] if args.argv is None else args.argv)
     from gridtrain.train.trainer import Trainer  # torch and the data stack load only when needed
 
-    final = Trainer(cfg).run()
-    if "loss/val" in final:
+    trainer = Trainer(cfg)
+    try:
+        final = trainer.run()
+    finally:
+        from gridtrain.train.distributed import shutdown
+
+        shutdown()
+    if "loss/val" in final and trainer.is_writer:
         print(f"final validation loss {final['loss/val']:.4f} (perplexity {final['loss/val_ppl']:.2f})")
+    del dims
     return 0
+
+
+def launch(nproc: int, argv: list[str]) -> int:
+    """Start `nproc` local processes through torchrun, each running this same command."""
+    forwarded = [a for a in argv if not a.startswith("--nproc")]
+    if "--nproc" in argv:  # drop the value that followed the flag
+        i = argv.index("--nproc")
+        forwarded = [a for j, a in enumerate(argv) if j not in (i, i + 1)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "gridtrain", *forwarded]
+    log.info("launching %d processes: %s", nproc, " ".join(cmd[2:]))
+    return subprocess.call(cmd)
 
 
 def cmd_model(args: argparse.Namespace, extra: list[str]) -> int:
@@ -108,7 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="a TOML file (see configs/)")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
     p.add_argument("--help-config", action="store_true", help="list every config key with its meaning")
-    p.set_defaults(func=cmd_train)
+    p.add_argument("--nproc", type=int, help="start this many local processes through torchrun")
+    p.set_defaults(func=cmd_train, argv=None)
     p = sub.add_parser("model", help="parameter count and FLOPs per token of a model preset")
     p.add_argument("preset", nargs="?")
     p.add_argument("--list", action="store_true", help="list the presets")
@@ -139,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging()
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    if argv is not None:
+        args.argv = argv
     if extra and args.command not in ("train", "model"):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:

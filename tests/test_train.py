@@ -9,7 +9,7 @@ from torch import nn
 from gridtrain.cli import main
 from gridtrain.config import TrainConfig
 from gridtrain.model.args import model_args
-from gridtrain.parallel.apply import parallelize
+from gridtrain.parallel.apply import apply_activation_checkpointing
 from gridtrain.train import checkpoint
 from gridtrain.train.metrics import read_metrics
 from gridtrain.train.optim import lr_at
@@ -38,8 +38,8 @@ def _capture_grads(trainer: Trainer) -> dict[str, torch.Tensor]:
     grads: dict[str, torch.Tensor] = {}
     unscale = trainer.precision.unscale_
 
-    def capture(optimizer):
-        unscale(optimizer)
+    def capture(optimizer, group=None):
+        unscale(optimizer, group)
         grads.update({n: p.grad.clone() for n, p in trainer.model.named_parameters()})
 
     trainer.precision.unscale_ = capture
@@ -292,7 +292,7 @@ def test_checkpoint_keep_and_latest(tmp_path):
     model, opt = _toy_state()
     root = tmp_path / "ckpt"
     for step in range(1, 6):
-        path = checkpoint.save(root, step, model, opt, {"step": torch.tensor(step)}, keep=2)
+        path = checkpoint.save(root, step, [model], [opt], {"step": torch.tensor(step)}, keep=2)
         assert path == root / f"step-{step:07d}"
     assert sorted(p.name for p in root.iterdir()) == ["step-0000004", "step-0000005"]
     assert checkpoint.latest_checkpoint(root) == root / "step-0000005"
@@ -301,7 +301,7 @@ def test_checkpoint_keep_and_latest(tmp_path):
 def test_incomplete_checkpoints_are_never_chosen(tmp_path):
     model, opt = _toy_state()
     root = tmp_path / "ckpt"
-    good = checkpoint.save(root, 5, model, opt, {"step": torch.tensor(5)}, keep=3)
+    good = checkpoint.save(root, 5, [model], [opt], {"step": torch.tensor(5)}, keep=3)
     # A crash mid-save leaves a .tmp directory (even one holding .metadata), and a directory
     # without .metadata is incomplete; neither may be picked.
     shutil.copytree(good, root / "step-0000009.tmp")
@@ -313,7 +313,7 @@ def test_incomplete_checkpoints_are_never_chosen(tmp_path):
     # Saving over a leftover .tmp of the same step replaces it and leaves no .tmp behind.
     (root / "step-0000006.tmp").mkdir()
     (root / "step-0000006.tmp" / "junk").write_text("x")
-    path = checkpoint.save(root, 6, model, opt, {"step": torch.tensor(6)}, keep=3)
+    path = checkpoint.save(root, 6, [model], [opt], {"step": torch.tensor(6)}, keep=3)
     assert checkpoint.latest_checkpoint(root) == path
     assert not (root / "step-0000006.tmp").exists() and not (path / "junk").exists()
     assert checkpoint.latest_checkpoint(tmp_path / "nowhere") is None
@@ -321,11 +321,11 @@ def test_incomplete_checkpoints_are_never_chosen(tmp_path):
 
 def test_checkpoint_load_round_trip(tmp_path):
     model, opt = _toy_state()
-    path = checkpoint.save(tmp_path, 1, model, opt, {"step": torch.tensor(7)}, keep=1)
+    path = checkpoint.save(tmp_path, 1, [model], [opt], {"step": torch.tensor(7)}, keep=1)
     torch.manual_seed(1)
     other = nn.Linear(3, 2)
     other_opt = torch.optim.AdamW(other.parameters(), lr=0.1)
-    state = checkpoint.load(path, other, other_opt, {"step": torch.tensor(0)})
+    state = checkpoint.load(path, [other], [other_opt], {"step": torch.tensor(0)})
     assert int(state["step"]) == 7
     assert torch.equal(other.weight, model.weight) and torch.equal(other.bias, model.bias)
     assert torch.equal(other_opt.state[other.weight]["exp_avg"], opt.state[model.weight]["exp_avg"])
@@ -391,7 +391,7 @@ def _loss_and_grads(mode: str):
     # A pre-hook: recomputation stops early, once the last saved tensor is rebuilt (torch's
     # checkpoint early stop), so a forward (post-)hook of the block's last module may never fire.
     model.layers["0"].feed_forward.register_forward_pre_hook(lambda *_: calls.append(1))
-    parallelize(model, mode, compile=False)
+    apply_activation_checkpointing(model, mode)
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, args.vocab_size, (2, 24), generator=g)
     targets = torch.randint(0, args.vocab_size, (2, 24), generator=g)

@@ -77,7 +77,9 @@ class Attention(nn.Module):
         q = self.wq(x).view(B, T, -1, self.head_dim)  # (B, T, n_heads, head_dim)
         k = self.wk(x).view(B, T, -1, self.head_dim)  # (B, T, n_kv_heads, head_dim)
         v = self.wv(x).view(B, T, -1, self.head_dim)
-        q, k = apply_rope(q, freqs), apply_rope(k, freqs)
+        # freqs covers the model's whole context; slice to T here, where the sequence is whole
+        # even when sequence parallelism splits it outside attention.
+        q, k = apply_rope(q, freqs[:T]), apply_rope(k, freqs[:T])
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, head_dim)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         out = out.transpose(1, 2).reshape(B, T, -1)  # (B, T, n_heads * head_dim)
@@ -150,9 +152,8 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        freqs = self.freqs_cis[: h.shape[1]]
         for layer in self.layers.values():
-            h = layer(h, freqs)
+            h = layer(h, self.freqs_cis)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 

@@ -1,10 +1,13 @@
-"""The one ordered composition of what gridtrain applies to a single-device model from outside.
+"""The one ordered composition of everything applied to the single-device model from outside.
 
-Order (torchtitan's): pipeline split, tensor parallel, activation checkpointing, compile, then
-FSDP/DDP. Until the parallel runtime lands, a world of one applies the middle two.
+Order (torchtitan's): pipeline split, then per stage tensor parallel, activation checkpointing,
+compile, and data parallel (FSDP/DDP) last, so FSDP shards what TP already split.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -57,9 +60,58 @@ def apply_compile(model: Transformer) -> None:
         block.compile(fullgraph=True)
 
 
-def parallelize(model: Transformer, activation_checkpointing: str, compile: bool) -> nn.Module:
-    """Apply, in order, everything gridtrain does to the model from outside."""
-    apply_activation_checkpointing(model, activation_checkpointing)
-    if compile:
-        apply_compile(model)
-    return model
+@dataclass
+class ParallelModel:
+    """What one rank runs: its model parts (the whole model, or its pipeline stages) and, with
+    pipeline parallelism, the schedule that drives them."""
+
+    parts: list[nn.Module]
+    stage_indices: list[int] = field(default_factory=lambda: [0])
+    num_stages: int = 1
+    schedule: Any = None
+
+    @property
+    def has_first_stage(self) -> bool:
+        return 0 in self.stage_indices
+
+    @property
+    def has_last_stage(self) -> bool:
+        return self.num_stages - 1 in self.stage_indices
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for part in self.parts for p in part.parameters()]
+
+
+def parallelize(model: Transformer, cfg: Any, dims: Any = None, mesh: Any = None,
+                loss_fn: Callable | None = None, n_microbatches: int = 1,
+                device: torch.device | None = None) -> ParallelModel:
+    """Apply, in order: pipeline split, tensor parallel, activation checkpointing, compile,
+    data parallel. `cfg` is the run's Config; without `dims` (a world of one) only the middle
+    two apply."""
+    p, t = cfg.parallel, cfg.train
+    if dims is not None and dims.pp > 1:
+        from gridtrain.parallel.pipeline import build_stages
+
+        stages = build_stages(model, mesh["pp"], p.pp_virtual_stages, p.pp_schedule, p.pp_fewer_edge_layers)
+    else:
+        stages = [(0, model)]
+    for _, part in stages:
+        if dims is not None and dims.tp > 1:
+            from gridtrain.parallel.tensor import apply_tp
+
+            apply_tp(part, mesh["tp"], p.sequence_parallel)
+        apply_activation_checkpointing(part, t.activation_checkpointing)
+        if t.compile:
+            apply_compile(part)
+        if dims is not None and dims.dp > 1:
+            from gridtrain.parallel.data import apply_data_parallel
+
+            apply_data_parallel(part, mesh, p.zero_stage, dims.dp_replicate, dims.tp)
+    result = ParallelModel([m for _, m in stages], [s for s, _ in stages])
+    if dims is not None and dims.pp > 1:
+        from gridtrain.parallel.pipeline import build_schedule
+
+        result.num_stages = dims.pp * p.pp_virtual_stages
+        result.schedule = build_schedule(stages, mesh["pp"], result.num_stages, p.pp_schedule,
+                                         n_microbatches, loss_fn, device)
+    return result

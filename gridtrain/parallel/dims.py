@@ -37,12 +37,15 @@ class ParallelDims:
 
     @classmethod
     def resolve(cls, dp_replicate: int, dp_shard: int, cp: int, tp: int, pp: int, ep: int,
-                world_size: int) -> ParallelDims:
-        """Fill in dp_shard = -1 with what the world leaves (left as -1 when it cannot)."""
+                world_size: int, zero_stage: int = 3) -> ParallelDims:
+        """Fill in dp_shard = -1 with what the world leaves (left as -1 when it cannot). ZeRO
+        stages 0 and 1 keep full copies, so there the remainder goes to dp_replicate instead."""
         if dp_shard == -1:
             rest = dp_replicate * cp * tp * pp
             if rest > 0 and world_size % rest == 0:
                 dp_shard = world_size // rest
+                if zero_stage in (0, 1) and dp_replicate == 1:
+                    dp_replicate, dp_shard = dp_shard, 1
         return cls(dp_replicate, dp_shard, cp, tp, pp, ep, world_size)
 
     @property

@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 log = logging.getLogger(__name__)
 
@@ -47,41 +48,63 @@ def latest_checkpoint(root: Path) -> Path | None:
     return found[-1][1] if found else None
 
 
-def _state(model: nn.Module, optimizer: torch.optim.Optimizer,
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _state(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
            trainer_state: dict[str, torch.Tensor]) -> dict[str, object]:
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    """One state dict for all of this rank's model parts: keys are global parameter names (and
+    flattened optimizer keys), so any layout can write and any other can read it."""
+    model_sd: dict[str, object] = {}
+    optim_sd: dict[str, object] = {}
+    for part, opt in zip(parts, optimizers):
+        msd, osd = get_state_dict(part, opt, options=_FLAT)
+        model_sd.update(msd)
+        optim_sd.update(osd)
     return {"model": model_sd, "optim": optim_sd, "trainer": trainer_state}
 
 
-def save(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+def _sync() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def save(root: Path, step: int, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
          trainer_state: dict[str, torch.Tensor], keep: int) -> Path:
-    """Write the checkpoint of `step` atomically and keep only the newest `keep`."""
+    """Write the checkpoint of `step` atomically (rank 0 renames once every rank has written)
+    and keep only the newest `keep`."""
     final = step_dir(root, step)
     tmp = final.with_name(final.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
+    leader = not dist.is_initialized() or dist.get_rank() == 0
+    if leader:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    _sync()
     with warnings.catch_warnings():
         # A world of one runs DCP without a process group, which it announces each time.
         warnings.filterwarnings("ignore", message=".*single process.*")
-        dcp.save(_state(model, optimizer, trainer_state), checkpoint_id=tmp)
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    for _, old in list_checkpoints(root)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+        dcp.save(_state(parts, optimizers, trainer_state), checkpoint_id=tmp)
+    _sync()
+    if leader:
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        for _, old in list_checkpoints(root)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    _sync()
     return final
 
 
-def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+def load(path: Path, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
          trainer_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Load a checkpoint into the model and optimizer in place; returns the trainer's state.
-
-    `trainer_state` gives the keys and shapes expected (its values are overwritten).
-    """
-    state = _state(model, optimizer, trainer_state)
+    """Load a checkpoint into the model parts and optimizers in place; returns the trainer's
+    state. `trainer_state` gives the keys and shapes expected (its values are overwritten)."""
+    state = _state(parts, optimizers, trainer_state)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*single process.*")
         dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    for part, opt in zip(parts, optimizers):
+        set_state_dict(part, opt, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=StateDictOptions(flatten_optimizer_state_dict=True, strict=False))
     return state["trainer"]  # type: ignore[return-value]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -10,10 +11,13 @@ from torch import nn
 from gridtrain.config import TrainConfig
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+def build_optimizer(model: nn.Module, cfg: TrainConfig, mesh: Any = None, zero_stage: int = 0,
+                    dp: int = 1) -> torch.optim.Optimizer:
     """AdamW; weight decay applies to 2-D weights except embeddings (norm gains are 1-D).
 
-    The learning rate set here is the peak; the schedule scales it each step (`set_lr`).
+    With ZeRO stage 1 over several data-parallel ranks, the optimizer state is sharded
+    (ZeroRedundancyOptimizer). The learning rate set here is the peak; the schedule scales it
+    each step (`set_lr`).
     """
     decay, no_decay = [], []
     for name, p in model.named_parameters():
@@ -22,8 +26,13 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
         (decay if p.ndim >= 2 and "tok_embeddings" not in name else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
+    defaults = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    if mesh is not None and dp > 1 and zero_stage == 1:
+        from gridtrain.parallel.data import build_zero1_optimizer
+
+        return build_zero1_optimizer(groups, mesh, **defaults)
     # foreach on CPU; fused where the device supports it (CUDA), chosen by torch itself.
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    return torch.optim.AdamW(groups, **defaults)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

@@ -12,6 +12,7 @@ import contextlib
 from typing import ContextManager
 
 import torch
+import torch.distributed as dist
 
 from gridtrain.config import TrainConfig
 
@@ -40,9 +41,19 @@ class Precision:
     def backward(self, loss: torch.Tensor) -> None:
         self.scaler.scale(loss).backward()
 
-    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        """Divide the gradients by S in place (before clipping); a no-op outside fp16."""
+    def unscale_(self, optimizer: torch.optim.Optimizer, group: dist.ProcessGroup | None = None) -> None:
+        """Divide the gradients by S in place (before clipping); a no-op outside fp16.
+
+        With sharded or split gradients each rank sees only its part, so the overflow flag is
+        all-reduced (max) over `group`: every rank then skips, or steps, together.
+        """
+        if not self.scaler.is_enabled():
+            return
         self.scaler.unscale_(optimizer)
+        if group is not None:
+            state = self.scaler._per_optimizer_states[id(optimizer)]
+            for found_inf in state["found_inf_per_device"].values():
+                dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Optimizer step unless fp16 found an overflow; updates S. Returns whether it stepped."""

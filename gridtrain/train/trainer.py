@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from gridtrain.checks import validate
 from gridtrain.config import Config
@@ -24,11 +26,16 @@ from gridtrain.model.args import ModelArgs
 from gridtrain.model.llama import Transformer
 from gridtrain.model.stats import count_parameters, flops_per_token
 from gridtrain.parallel.apply import parallelize
+from gridtrain.parallel.data import set_gradient_sync
+from gridtrain.parallel.grads import clip_grad_norm
+from gridtrain.parallel.tensor import loss_context
 from gridtrain.plan.hardware import peak_flops
 from gridtrain.train import checkpoint
-from gridtrain.train.device import device_name, memory_gib, pick_device
+from gridtrain.train.device import device_name, memory_gib
+from gridtrain.train.distributed import World, init_world
 from gridtrain.train.metrics import MetricsWriter
 from gridtrain.train.optim import build_optimizer, lr_at, set_lr
+from gridtrain.train.units import units_table
 from gridtrain.train.precision import Precision
 
 log = logging.getLogger("gridtrain")
@@ -56,41 +63,69 @@ class Data:
     tokens: int
 
 
-def build_data(cfg: Config) -> Data:
+def build_data(cfg: Config, world: World) -> Data:
+    """Token shards (prepared once, by rank 0, while the others wait) and the readers."""
     cache = Path(cfg.data.cache_dir).expanduser()
-    prepared = ensure_prepared(cfg.data.corpus, cfg.data.tokenizer, cache, cfg.data.val_fraction,
-                               cfg.train.seed)
+    args = (cfg.data.corpus, cfg.data.tokenizer, cache, cfg.data.val_fraction, cfg.train.seed)
+    if world.rank == 0:
+        prepared = ensure_prepared(*args)
+    if world.distributed:
+        dist.barrier()
+    if world.rank != 0:
+        prepared = ensure_prepared(*args)
     store = TokenStore(prepared, "train")
     val = ValReader(TokenStore(prepared, "val"), cfg.data.seq_len) if cfg.train.val_every else None
     return Data(BatchReader(store, cfg.data.seq_len, cfg.train.seed), val, store.num_tokens)
 
 
+def scalar(t: torch.Tensor) -> torch.Tensor:
+    """A loss or norm as a plain tensor (loss parallel returns a replicated DTensor)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 class Trainer:
-    """Single-process trainer (a world of one); later layouts reuse its step and bookkeeping."""
+    """Trains one rank's share of the run: any layout of ParallelDims, or a world of one."""
 
     def __init__(self, cfg: Config) -> None:
-        validate(cfg)
+        self.dims = validate(cfg)  # before any process group exists
+        self.world = init_world()
         self.cfg, t = cfg, cfg.train
         if t.threads:
             torch.set_num_threads(t.threads)
-        self.device = pick_device()
+        self.device = self.world.device
+        self.mesh = self.dims.build_mesh(self.device.type) if self.world.distributed else None
+        self.coords = self.dims.coordinates(self.world.rank)
         self.args = cfg.model.args()
-        self.data = build_data(cfg)
-        self.model = build_model(self.args, t.seed, self.device)
-        parallelize(self.model, t.activation_checkpointing, t.compile)
-        self.optimizer = build_optimizer(self.model, t)
-        self.precision = Precision(t, self.device)
+        self.data = build_data(cfg, self.world)
         self.global_batch = cfg.global_batch_seqs
-        self.accum = self.global_batch // t.micro_batch
+        self.local_batch = self.global_batch // self.dims.dp
+        self.accum = self.local_batch // t.micro_batch
         self.tokens_per_step = self.global_batch * cfg.data.seq_len
-        counts = count_parameters(self.model)
+        full = build_model(self.args, t.seed, self.device)
+        counts = count_parameters(full)
         self.num_params = counts.total
         self.flops_per_token = flops_per_token(self.args, cfg.data.seq_len, counts)
+        self.precision = Precision(t, self.device)
+        self.pmodel = parallelize(full, cfg, self.dims if self.world.distributed else None, self.mesh,
+                                  self.pipeline_loss, self.accum, self.device)
+        self.model = self.pmodel.parts[0]
+        self.optimizers = [build_optimizer(part, t, self.mesh, cfg.parallel.zero_stage, self.dims.dp)
+                           for part in self.pmodel.parts]
+        self.optimizer = self.optimizers[0]
         self.peak = peak_flops(self.device, device_name(self.device), t.precision)
         self.step = 0
         self.ckpt_dir = cfg.checkpoint_dir
+        self.is_writer = self.coords["dp"] == 0 and self.coords["tp"] == 0 and self.pmodel.has_last_stage
         if cfg.checkpoint.resume:
             self.resume()
+
+    def group(self, axis: str) -> dist.ProcessGroup | None:
+        """The process group of a mesh axis ('world' for all ranks); None when it has one rank."""
+        if self.mesh is None:
+            return None
+        if axis == "world":
+            return dist.group.WORLD
+        return self.mesh[axis].get_group() if self.dims.degrees[axis] > 1 else None
 
     # -- state -------------------------------------------------------------------------------
 
@@ -100,7 +135,7 @@ class Trainer:
                 "rng": torch.get_rng_state(), **self.precision.state_dict()}
 
     def save(self) -> Path:
-        path = checkpoint.save(self.ckpt_dir, self.step, self.model, self.optimizer,
+        path = checkpoint.save(self.ckpt_dir, self.step, self.pmodel.parts, self.optimizers,
                                self.trainer_state(), self.cfg.checkpoint.keep)
         log.info("saved checkpoint %s", path)
         return path
@@ -110,7 +145,7 @@ class Trainer:
         if path is None:
             log.info("--resume: no checkpoint in %s, starting from step 0", self.ckpt_dir)
             return
-        state = checkpoint.load(path, self.model, self.optimizer, self.trainer_state())
+        state = checkpoint.load(path, self.pmodel.parts, self.optimizers, self.trainer_state())
         self.step = int(state["step"])
         samples = int(state["samples"])
         if samples != self.step * self.global_batch:
@@ -123,51 +158,93 @@ class Trainer:
 
     # -- one step ----------------------------------------------------------------------------
 
+    def pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Loss of one pipeline micro-batch (the schedule averages the gradients over them)."""
+        return self.precision.scaler.scale(loss_fn(logits, targets))
+
+    def local_batch_range(self) -> int:
+        """First global sample index of this data-parallel rank's slice of the current step."""
+        return self.step * self.global_batch + self.coords["dp"] * self.local_batch
+
+    def forward_backward(self) -> torch.Tensor:
+        """Forward and backward over this rank's slice; returns the mean loss over its samples
+        (zero on pipeline ranks without the last stage)."""
+        mb, first = self.cfg.train.micro_batch, self.local_batch_range()
+        if self.pmodel.schedule is not None:
+            inputs, targets = self.data.train.read(first, self.local_batch)
+            losses: list[torch.Tensor] = []
+            with self.precision.autocast(), loss_context(self.dims.tp):
+                self.pmodel.schedule.step(inputs.to(self.device), target=targets.to(self.device),
+                                          losses=losses, return_outputs=False)
+            if not losses:
+                return torch.zeros((), device=self.device)
+            return sum(scalar(l).detach() for l in losses) / (len(losses) * self.precision.loss_scale)
+        loss_sum = torch.zeros((), device=self.device)
+        for micro in range(self.accum):
+            set_gradient_sync(self.model, micro == self.accum - 1)
+            inputs, targets = self.data.train.read(first + micro * mb, mb)
+            with loss_context(self.dims.tp):
+                with self.precision.autocast():
+                    logits = self.model(inputs.to(self.device))
+                loss = loss_fn(logits, targets.to(self.device)) / self.accum
+                self.precision.backward(loss)
+            loss_sum += scalar(loss).detach()
+        return loss_sum
+
     def train_step(self) -> dict[str, float]:
         """One optimizer step over the global batch; returns its metrics."""
         t, start = self.cfg.train, time.perf_counter()
         lr = lr_at(self.step, t)
-        set_lr(self.optimizer, lr)
-        first = self.step * self.global_batch
-        loss_sum = torch.zeros((), device=self.device)
-        for micro in range(self.accum):
-            inputs, targets = self.data.train.read(first + micro * t.micro_batch, t.micro_batch)
-            inputs, targets = inputs.to(self.device), targets.to(self.device)
-            with self.precision.autocast():
-                logits = self.model(inputs)
-            loss = loss_fn(logits, targets) / self.accum
-            self.precision.backward(loss)
-            loss_sum += loss.detach()
-        self.precision.unscale_(self.optimizer)
+        for opt in self.optimizers:
+            set_lr(opt, lr)
+        loss = self.forward_backward()
+        for opt in self.optimizers:
+            self.precision.unscale_(opt, self.group("world"))
         max_norm = t.grad_clip if t.grad_clip > 0 else math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=True)
-        stepped = self.precision.step(self.optimizer)
-        self.optimizer.zero_grad(set_to_none=True)
+        grad_norm = clip_grad_norm(self.pmodel.parameters(), max_norm, self.group("pp"))
+        stepped = all([self.precision.step(opt) for opt in self.optimizers])
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
         self.step += 1
-        loss_value = loss_sum.item()  # synchronises, so the step time below is honest
+        loss_value = self.reduce_loss(loss)  # synchronises, so the step time below is honest
         seconds = time.perf_counter() - start
         tokens_per_s = self.tokens_per_step / seconds
         metrics = {"loss/train": loss_value, "grad/norm": grad_norm.item(), "lr": lr,
                    "throughput/tokens_per_s": tokens_per_s, "time/step_s": seconds,
-                   "mfu_pct": 100 * self.flops_per_token * tokens_per_s / self.peak,
+                   "mfu_pct": 100 * self.flops_per_token * tokens_per_s / (self.peak * self.world.world_size),
                    "flops/achieved_TFLOPs": self.flops_per_token * tokens_per_s / 1e12,
                    "optim/skipped_steps": float(not stepped), **memory_gib(self.device)}
         if t.precision == "fp16":
             metrics["precision/loss_scale"] = self.precision.loss_scale
         return metrics
 
+    def reduce_loss(self, loss: torch.Tensor) -> float:
+        """The global batch's mean loss: averaged over data-parallel ranks, taken from the last
+        pipeline stage."""
+        if self.world.distributed:
+            if self.dims.pp > 1:
+                dist.all_reduce(loss, group=self.group("pp"))
+            if self.dims.dp > 1:
+                dist.all_reduce(loss, group=self.mesh["dp"].get_group())
+                loss = loss / self.dims.dp
+        return loss.item()
+
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """Mean loss over the first `val_batches` micro-batches of the held-out split."""
-        self.model.eval()
-        total, count = 0.0, 0
+        if self.pmodel.schedule is not None:
+            return {}  # evaluation through a pipeline: not yet
+        for part in self.pmodel.parts:
+            part.eval()
+        total, count = torch.zeros(()), 0
         for inputs, targets in self.data.val.batches(self.cfg.train.micro_batch, self.cfg.train.val_batches):
-            with self.precision.autocast():
+            with loss_context(self.dims.tp), self.precision.autocast():
                 logits = self.model(inputs.to(self.device))
-            total += loss_fn(logits, targets.to(self.device)).item() * targets.numel()
+                total += scalar(loss_fn(logits, targets.to(self.device))).float().cpu() * targets.numel()
             count += targets.numel()
-        self.model.train()
-        loss = total / count
+        for part in self.pmodel.parts:
+            part.train()
+        loss = total.item() / count
         return {"loss/val": loss, "loss/val_ppl": math.exp(min(loss, 50.0))}
 
     # -- the run -----------------------------------------------------------------------------
@@ -176,13 +253,11 @@ class Trainer:
         c, a = self.cfg, self.args
         return (f"model {c.model.preset}: {self.num_params / 1e6:.2f}M parameters, {a.n_layers} layers, "
                 f"dim {a.dim}, {a.n_heads} heads / {a.n_kv_heads} KV, ffn {a.hidden_dim}, vocab "
-                f"{a.vocab_size} | {self.flops_per_token / 1e6:.1f} MFLOP/token\n"
-                f"batch: micro {c.train.micro_batch} x accumulation {self.accum} x data-parallel 1 = "
-                f"{self.global_batch} sequences = {self.tokens_per_step:,} tokens per step; "
-                f"{c.train.steps} steps = {c.train.steps * self.tokens_per_step / 1e6:.1f}M tokens "
-                f"({self.data.tokens / 1e6:.1f}M in the training split)\n"
+                f"{a.vocab_size} | {self.flops_per_token / 1e6:.1f} MFLOP/token | "
+                f"{self.data.tokens / 1e6:.1f}M tokens in the training split\n"
                 f"device {self.device} ({device_name(self.device)}, {torch.get_num_threads()} threads), "
-                f"precision {c.train.precision}, peak {self.peak / 1e12:.2f} TFLOP/s for MFU")
+                f"precision {c.train.precision}, peak {self.peak / 1e12:.2f} TFLOP/s per process for MFU\n"
+                + units_table(c, self.dims, self.world.num_nodes))
 
     def should(self, interval: int) -> bool:
         return interval > 0 and (self.step % interval == 0 or self.step == self.cfg.train.steps)
@@ -190,21 +265,27 @@ class Trainer:
     def run(self) -> dict[str, float]:
         """Train to `train.steps`; returns the last step's metrics (with validation if run)."""
         cfg = self.cfg
-        log.info("%s", self.describe())
+        if self.world.rank == 0:
+            log.info("%s", self.describe())
         writer = MetricsWriter(Path(cfg.run_dir), cfg.train.steps, self.step, cfg.metrics.tensorboard,
-                               cfg.metrics.progress)
+                               cfg.metrics.progress) if self.is_writer else None
         metrics: dict[str, float] = {}
-        if self.step == 0 and self.data.val is not None:
-            writer.write(0, self.evaluate())
+        can_validate = self.data.val is not None and self.pmodel.schedule is None
+        if self.step == 0 and can_validate:
+            val = self.evaluate()
+            if writer:
+                writer.write(0, val)
         try:
             while self.step < cfg.train.steps:
                 metrics = self.train_step()
-                if self.should(cfg.train.val_every) and self.data.val is not None:
+                if self.should(cfg.train.val_every) and can_validate:
                     metrics.update(self.evaluate())
-                writer.write(self.step, metrics, echo=self.should(cfg.metrics.log_every) or "loss/val" in metrics)
-                writer.advance(metrics["loss/train"])
+                if writer:
+                    writer.write(self.step, metrics, echo=self.should(cfg.metrics.log_every) or "loss/val" in metrics)
+                    writer.advance(metrics["loss/train"])
                 if self.should(cfg.checkpoint.interval):
                     self.save()
         finally:
-            writer.close()
+            if writer:
+                writer.close()
         return metrics

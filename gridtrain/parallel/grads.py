@@ -1,0 +1,53 @@
+"""Gradient norm and clipping across every way a layout splits the parameters.
+
+A gradient is a plain tensor (replicated: DDP, or TP-replicated norms) or a DTensor (sharded by
+FSDP and/or TP). The squared norms of DTensor groups are reduced over their own meshes by DTensor
+(an all-reduce of one scalar per mesh); plain gradients are complete on every rank and counted
+once. With pipeline parallelism each stage holds different parameters, so the squared norm is
+summed over the 'pp' axis (one all-reduce of a scalar).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+
+def total_grad_norm(params: list[torch.nn.Parameter], pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The L2 norm of all gradients of the model, as one process would compute it."""
+    by_mesh: dict[object, list[torch.Tensor]] = {}
+    plain: list[torch.Tensor] = []
+    for p in params:
+        if p.grad is None:
+            continue
+        if isinstance(p.grad, DTensor):
+            by_mesh.setdefault((p.grad.device_mesh, p.grad.placements), []).append(p.grad)
+        else:
+            plain.append(p.grad)
+    squares = torch.zeros((), dtype=torch.float32, device=params[0].device if params else "cpu")
+    for grads in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+        squares = squares + norm.full_tensor().float() ** 2
+    if plain:
+        squares = squares + torch.nn.utils.get_total_norm(plain, foreach=True).float() ** 2
+    if pp_group is not None:
+        dist.all_reduce(squares, group=pp_group)
+    return squares.sqrt()
+
+
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float,
+                   pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Scale gradients so their global norm is at most `max_norm` (inf: report only)."""
+    norm = total_grad_norm(params, pp_group)
+    if math.isfinite(max_norm):
+        by_mesh: dict[object, list[torch.nn.Parameter]] = {}
+        for p in params:
+            if p.grad is not None:
+                key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else None
+                by_mesh.setdefault(key, []).append(p)
+        for group in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
+    return norm

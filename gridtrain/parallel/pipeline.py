@@ -1,0 +1,78 @@
+"""Pipeline parallelism through `torch.distributed.pipelining`, over the 'pp' axis.
+
+The model is cut into pp x pp_virtual_stages stages of consecutive layers (embedding on the first,
+final norm and head on the last); each pipeline rank keeps its stages and drops the rest. Between
+stages, one point-to-point send per micro-batch carries the B x T x dim activations forward (or
+B x T/tp x dim with sequence parallelism), and the same size of gradient comes back.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (PipelineScheduleMulti, PipelineScheduleSingle, Schedule1F1B,
+                                                    ScheduleDualPipeV, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                                    ScheduleInterleavedZeroBubble, ScheduleLoopedBFS,
+                                                    ScheduleZBVZeroBubble)
+
+from gridtrain.model.llama import Transformer
+from gridtrain.parallel.dims import stage_layer_counts, stage_ranks
+
+SCHEDULES = {
+    "gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B,
+    "looped-bfs": ScheduleLoopedBFS, "interleaved-zb": ScheduleInterleavedZeroBubble,
+    "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV,
+}
+
+
+def stage_layer_ranges(n_layers: int, num_stages: int, fewer_edge_layers: int) -> list[range]:
+    counts = stage_layer_counts(n_layers, num_stages, fewer_edge_layers)
+    starts = [sum(counts[:i]) for i in range(num_stages)]
+    return [range(s, s + c) for s, c in zip(starts, counts)]
+
+
+def split_stage(model: Transformer, layers: range, first: bool, last: bool) -> Transformer:
+    """A copy of `model` that keeps only `layers` (with their global names), plus the embedding
+    on the first stage and norm and head on the last."""
+    stage = copy.deepcopy(model)
+    for name in list(stage.layers.keys()):
+        if int(name) not in layers:
+            del stage.layers[name]
+    if not first:
+        stage.tok_embeddings = None
+    if not last:
+        stage.norm = None
+        stage.output = None
+    return stage
+
+
+def local_stage_indices(pp_rank: int, pp: int, virtual: int, schedule: str) -> list[int]:
+    return [s for s, r in enumerate(stage_ranks(pp, virtual, schedule)) if r == pp_rank]
+
+
+def build_stages(model: Transformer, pp_mesh: DeviceMesh, virtual: int, schedule: str,
+                 fewer_edge_layers: int) -> list[tuple[int, Transformer]]:
+    """(stage index, stage module) for each stage this pipeline rank runs."""
+    pp = pp_mesh.size()
+    num_stages = pp * virtual
+    ranges = stage_layer_ranges(model.args.n_layers, num_stages, fewer_edge_layers)
+    mine = local_stage_indices(pp_mesh.get_local_rank(), pp, virtual, schedule)
+    return [(s, split_stage(model, ranges[s], s == 0, s == num_stages - 1)) for s in mine]
+
+
+def build_schedule(stages: list[tuple[int, nn.Module]], pp_mesh: DeviceMesh, num_stages: int,
+                   schedule: str, n_microbatches: int, loss_fn: Callable, device: torch.device
+                   ) -> PipelineScheduleSingle | PipelineScheduleMulti:
+    """The schedule over this rank's stages; gradients are averaged over the micro-batches."""
+    group = pp_mesh.get_group()
+    pipeline_stages = [PipelineStage(module, index, num_stages, device, group=group)
+                       for index, module in stages]
+    cls = SCHEDULES[schedule]
+    if issubclass(cls, PipelineScheduleSingle):
+        return cls(pipeline_stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
+    return cls(pipeline_stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)

@@ -1,0 +1,69 @@
+"""Tensor parallelism (Megatron-LM) through DTensor `parallelize_module` plans, over the 'tp' axis.
+
+Attention is split by heads (query and KV heads alike), the MLP column-then-row: per block one
+all-reduce in forward after attention and one after the MLP (and their mirror in backward), each
+of B x T x dim activations. With sequence parallelism the norms and residuals are split along the
+sequence, and each all-reduce becomes a reduce-scatter plus an all-gather of the same total volume.
+The embedding is vocabulary-parallel (row-wise) and the output head column-wise, its logits kept
+sharded on the vocabulary for the loss (`loss_parallel`), so the full logits never exist on a rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import ContextManager
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                               SequenceParallel, loss_parallel, parallelize_module)
+
+
+def block_plan(sequence_parallel: bool) -> dict[str, object]:
+    """Placement of each submodule of a transformer block."""
+    if not sequence_parallel:
+        return {
+            "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(),
+            "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(),
+        }
+    return {
+        "attention_norm": SequenceParallel(),
+        "attention": PrepareModuleInput(input_layouts=(Shard(1), None),
+                                        desired_input_layouts=(Replicate(), None)),
+        "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+    }
+
+
+def outer_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, object]:
+    """Embedding (vocabulary-parallel), final norm and output head, for those this stage holds."""
+    seq = Shard(1) if sequence_parallel else Replicate()
+    plan: dict[str, object] = {}
+    if model.tok_embeddings is not None:
+        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+    if model.norm is not None and sequence_parallel:
+        plan["norm"] = SequenceParallel()
+    if model.output is not None:
+        plan["output"] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)
+    return plan
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """Shard the model's existing weights over `tp_mesh` in place (every rank holds the same full
+    weights before, so each keeps exactly its slice of the single-process model)."""
+    parallelize_module(model, tp_mesh, outer_plan(model, sequence_parallel))
+    plan = block_plan(sequence_parallel)
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, plan)
+
+
+def loss_context(tp: int) -> ContextManager:
+    """Cross-entropy over vocabulary-sharded logits (forward and backward must run inside)."""
+    return loss_parallel() if tp > 1 else contextlib.nullcontext()

@@ -1,0 +1,53 @@
+"""Process-group start-up for a run launched by torchrun (or a world of one without it)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from gridtrain.train.device import pick_device
+
+# Each rank keeps a ring buffer of its last collectives (gloo and NCCL alike): the accounting reads
+# it every step, and it is what a hung run dumps. Must be set before the first process group.
+os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "20000")
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def num_nodes(self) -> int:
+        return max(1, self.world_size // self.local_world_size)
+
+
+def init_world(timeout_s: float = 600.0) -> World:
+    """Join the process group torchrun describes in the environment (gloo on CPU, NCCL for
+    CUDA tensors); a plain `python -m gridtrain train` is a world of one with no process group."""
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    device = pick_device()
+    if world_size > 1 and not dist.is_initialized():
+        backend = "gloo" if device.type == "cpu" else f"cpu:gloo,{device.type}:nccl"
+        if device.type != "cpu":
+            torch.accelerator.set_device_index(device.index)
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return World(rank, world_size, local_rank, local_world, device)
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
