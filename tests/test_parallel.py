@@ -1,0 +1,161 @@
+"""Every parallel layout against one process: per-step losses and final (gathered) weights.
+
+One torchrun launch per world size (2, 4, 8) runs all of that size's layouts, fp32 and bf16, since
+starting processes dominates the time (tests/dist/run_layouts.py). The reference is the
+single-process Trainer on the same global batch, here in the test process.
+
+Tolerances. fp32: losses within 1e-5 relative and weights within 1e-5, as the layouts only change
+the order of floating-point sums. bf16: data- and pipeline-parallel layouts run the same bf16
+matmuls on the same micro-batches as one process and stay as tight as fp32. Tensor parallelism
+does not: a row-parallel matmul rounds each rank's partial sum to bf16 before the all-reduce,
+where one process rounds once after the whole reduction, so activations differ by about bf16's
+unit roundoff (2^-9). Losses still agree to 1e-4 relative. Weights mostly agree to fp32 precision,
+but Adam divides each gradient by its own RMS, so where a gradient is near zero a rounding can flip
+the sign of that element's update: such an element differs by at most 2 x lr per step. The bf16
+weight check is therefore: every element within 2 x lr x steps, and the mean difference below
+1e-4 (a wrong layout moves most elements, not a few).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gridtrain.config import load_config
+from gridtrain.train.trainer import Trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS, LR = 4, 2e-3
+
+LAYOUTS = {
+    2: {
+        "ddp2": {"parallel.zero_stage": 0},
+        "zero1": {"parallel.zero_stage": 1},
+        "zero2": {"parallel.zero_stage": 2},
+        "tp2": {"parallel.tp": 2},
+        "tp2_sp": {"parallel.tp": 2, "parallel.sequence_parallel": True},
+        "pp2_gpipe": {"parallel.pp": 2, "parallel.pp_schedule": "gpipe"},
+        "pp2_1f1b": {"parallel.pp": 2, "parallel.pp_schedule": "1f1b"},
+        "pp2_interleaved": {"parallel.pp": 2, "parallel.pp_schedule": "interleaved-1f1b",
+                            "parallel.pp_virtual_stages": 2},
+        "pp2_looped_bfs": {"parallel.pp": 2, "parallel.pp_schedule": "looped-bfs",
+                           "parallel.pp_virtual_stages": 2},
+        "pp2_interleaved_zb": {"parallel.pp": 2, "parallel.pp_schedule": "interleaved-zb",
+                               "parallel.pp_virtual_stages": 2},
+        "pp2_zbv": {"parallel.pp": 2, "parallel.pp_schedule": "zbv", "parallel.pp_virtual_stages": 2},
+        "pp2_dualpipev": {"parallel.pp": 2, "parallel.pp_schedule": "dualpipev",
+                          "parallel.pp_virtual_stages": 2},
+        "fsdp2_accum4": {"train.micro_batch": 1},
+    },
+    4: {
+        "fsdp4": {},
+        "hsdp2x2": {"parallel.dp_replicate": 2, "parallel.dp_shard": 2},
+        "tp4_gqa": {"parallel.tp": 4},
+        "pp2_tp2": {"parallel.pp": 2, "parallel.tp": 2},
+        "pp2_fsdp2": {"parallel.pp": 2, "parallel.dp_shard": 2},
+    },
+    8: {
+        "pp2_tp2_fsdp2": {"parallel.pp": 2, "parallel.tp": 2, "parallel.dp_shard": 2},
+    },
+}
+PRECISIONS = ("fp32", "bf16")
+
+
+def base_overrides(tmp: Path, corpus: Path) -> dict[str, object]:
+    """A GQA model (8 query heads, 4 KV heads) with 4 layers, so tp 4 and 4 pipeline stages fit."""
+    return {
+        "run_dir": str(tmp / "run"), "model.preset": "tiny", "model.n_layers": 4, "model.n_heads": 8,
+        "model.n_kv_heads": 4, "model.ffn_dim": 128, "data.corpus": str(corpus),
+        "data.cache_dir": str(tmp / "cache"), "data.seq_len": 32, "train.micro_batch": 2,
+        "train.global_batch": 8, "train.steps": STEPS, "train.lr": LR, "train.warmup_steps": 1,
+        "train.val_every": 0, "metrics.tensorboard": False, "metrics.progress": False,
+    }
+
+
+def launch(world: int, spec: dict[str, dict[str, object]], out: Path) -> None:
+    spec_path = out / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+           str(ROOT / "tests" / "dist" / "run_layouts.py"), str(spec_path), str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory, corpus_dir: Path) -> dict[int, Path]:
+    """Launch each world size once with all its layouts in both precisions."""
+    outs = {}
+    for world, layouts in LAYOUTS.items():
+        out = tmp_path_factory.mktemp(f"world{world}")
+        base = base_overrides(out, corpus_dir)
+        spec = {f"{name}-{prec}": {**base, **layout, "train.precision": prec}
+                for name, layout in layouts.items() for prec in PRECISIONS}
+        launch(world, spec, out)
+        outs[world] = out
+    return outs
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory: pytest.TempPathFactory, corpus_dir: Path) -> dict[tuple[str, int], dict]:
+    """Single-process runs, one per precision and micro-batch size."""
+    cache: dict[tuple[str, int], dict] = {}
+
+    def get(precision: str, micro_batch: int) -> dict:
+        key = (precision, micro_batch)
+        if key not in cache:
+            tmp = tmp_path_factory.mktemp("reference")
+            cfg = load_config(None, {**base_overrides(tmp, corpus_dir), "train.precision": precision,
+                                     "train.micro_batch": micro_batch})
+            trainer = Trainer(cfg)
+            losses = [trainer.train_step()["loss/train"] for _ in range(STEPS)]
+            cache[key] = {"losses": losses,
+                          "weights": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}}
+        return cache[key]
+
+    return get  # type: ignore[return-value]
+
+
+def load_run(out: Path, case: str) -> dict:
+    files = sorted(out.glob(f"{case}.pp*.pt"))
+    assert files, f"{case} wrote no result"
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        part = torch.load(f, weights_only=True)
+        weights.update(part["weights"])
+    return {"losses": part["losses"], "weights": weights}
+
+
+CASES = [(world, name, prec) for world, layouts in LAYOUTS.items() for name in layouts for prec in PRECISIONS]
+
+
+@pytest.mark.parametrize("world,name,precision", CASES, ids=[f"{n}-{p}" for _, n, p in CASES])
+def test_layout_matches_one_process(runs, references, world, name, precision):
+    got = load_run(runs[world], f"{name}-{precision}")
+    micro = LAYOUTS[world][name].get("train.micro_batch", 2)
+    ref = references(precision, micro)
+    uses_tp = "parallel.tp" in LAYOUTS[world][name]
+    loss_rtol = 1e-4 if precision == "bf16" and uses_tp else 1e-5
+    assert got["losses"] == pytest.approx(ref["losses"], rel=loss_rtol)
+    assert set(got["weights"]) == set(ref["weights"])
+    for key, want in ref["weights"].items():
+        have = got["weights"][key]
+        if precision == "bf16" and uses_tp:
+            diff = (have - want).abs()
+            assert diff.max() <= 2 * LR * STEPS, key
+            assert diff.mean() < 1e-4, key
+        else:
+            torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5, msg=key)
+
+
+def test_layouts_really_differ_from_one_process_layout(runs):
+    """Guard against a harness that silently ran one process: TP shards show in bf16 rounding."""
+    tp = load_run(runs[2], "tp2-bf16")["losses"]
+    pp = load_run(runs[2], "pp2_1f1b-bf16")["losses"]
+    assert tp != pp
