@@ -174,6 +174,8 @@ class MetricsConfig:
     """Also write TensorBoard event files into the run directory."""
     progress: bool = True
     """Show a progress bar when standard error is a terminal."""
+    account_every: int = 50
+    """Measure memory buckets and collective bytes on step 1 and every N steps; 0 turns it off."""
 
 
 @dataclass

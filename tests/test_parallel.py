@@ -55,6 +55,7 @@ LAYOUTS = {
     },
     4: {
         "fsdp4": {},
+        "ddp4": {"parallel.zero_stage": 0},
         "hsdp2x2": {"parallel.dp_replicate": 2, "parallel.dp_shard": 2},
         "tp4_gqa": {"parallel.tp": 4},
         "pp2_tp2": {"parallel.pp": 2, "parallel.tp": 2},
@@ -159,3 +160,46 @@ def test_layouts_really_differ_from_one_process_layout(runs):
     tp = load_run(runs[2], "tp2-bf16")["losses"]
     pp = load_run(runs[2], "pp2_1f1b-bf16")["losses"]
     assert tp != pp
+
+
+# ---------------------------------------------------------------------------------------------
+# Accounting (step 1 of each run is accounted: metrics.account_every defaults to 50)
+
+
+def accounting(out: Path, case: str) -> list[dict]:
+    records = []
+    for path in sorted((out / case / "accounting").glob("rank*.jsonl")):
+        records.append(json.loads(path.read_text().splitlines()[0]))
+    assert records, f"{case} wrote no accounting"
+    return records
+
+
+def model_bytes(references) -> int:
+    return sum(t.numel() * t.element_size() for t in references("fp32", 2)["weights"].values())
+
+
+def test_zero3_holds_one_nth_of_parameters(runs, references):
+    total = model_bytes(references)
+    for rec in accounting(runs[4], "fsdp4-fp32"):
+        assert rec["memory/params_bytes"] == total / 4
+        assert rec["memory/grads_bytes"] == total / 4
+        # AdamW: two moments of the parameter's size, plus one scalar step count per parameter.
+        assert rec["memory/optimizer_bytes"] == pytest.approx(2 * total / 4, abs=4 * 64)
+
+
+def test_ddp_all_reduces_each_gradient_byte_once_per_step(runs, references):
+    total = model_bytes(references)
+    for world, case in ((2, "ddp2-fp32"), (4, "ddp4-fp32")):
+        for rec in accounting(runs[world], case):
+            assert rec["memory/params_bytes"] == total
+            assert rec["memory/grads_bytes"] == total
+            assert rec["comm/dp_replicate/all_reduce_bytes"] == total
+            # Ring all-reduce: each rank sends 2(N-1)/N of the buffer.
+            assert rec["comm/dp_replicate/all_reduce_wire_bytes"] == pytest.approx(2 * (world - 1) / world * total)
+
+
+def test_pipeline_sends_activations_between_stages(runs):
+    """PP 2, 1F1B, 4 micro-batches of 2 x 32 tokens x dim 64 in fp32: each forward send is
+    2*32*64*4 = 16,384 bytes; stage 0 sends 4 activations, stage 1 sends 4 gradients back."""
+    for rec in accounting(runs[2], "pp2_1f1b-fp32"):
+        assert rec["comm/pp/send_bytes"] == 4 * 2 * 32 * 64 * 4

@@ -69,6 +69,7 @@ class ParallelModel:
     stage_indices: list[int] = field(default_factory=lambda: [0])
     num_stages: int = 1
     schedule: Any = None
+    traffic: Any = None  # PipelineTraffic when there is a pipeline
 
     @property
     def has_first_stage(self) -> bool:
@@ -109,9 +110,10 @@ def parallelize(model: Transformer, cfg: Any, dims: Any = None, mesh: Any = None
             apply_data_parallel(part, mesh, p.zero_stage, dims.dp_replicate, dims.tp)
     result = ParallelModel([m for _, m in stages], [s for s, _ in stages])
     if dims is not None and dims.pp > 1:
-        from gridtrain.parallel.pipeline import build_schedule
+        from gridtrain.parallel.pipeline import PipelineTraffic, build_schedule
 
         result.num_stages = dims.pp * p.pp_virtual_stages
+        result.traffic = PipelineTraffic(stages, result.num_stages)
         result.schedule = build_schedule(stages, mesh["pp"], result.num_stages, p.pp_schedule,
                                          n_microbatches, loss_fn, device)
     return result

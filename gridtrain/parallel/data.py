@@ -44,7 +44,8 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool) 
 def apply_ddp(model: nn.Module, mesh: DeviceMesh) -> None:
     """Composable DDP over the 1-D data-parallel mesh: gradients all-reduced in 25 MB buckets as
     backward produces them. Module and parameter names stay as they were."""
-    replicate(model, device_mesh=mesh, bucket_cap_mb=25)
+    # Buffers (the RoPE tables) are computed identically on every rank: no need to broadcast them.
+    replicate(model, device_mesh=mesh, bucket_cap_mb=25, broadcast_buffers=False)
 
 
 def apply_data_parallel(model: nn.Module, mesh: DeviceMesh, zero_stage: int, dp_replicate: int,

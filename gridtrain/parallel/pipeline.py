@@ -76,3 +76,31 @@ def build_schedule(stages: list[tuple[int, nn.Module]], pp_mesh: DeviceMesh, num
     if issubclass(cls, PipelineScheduleSingle):
         return cls(pipeline_stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
     return cls(pipeline_stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
+
+
+class PipelineTraffic:
+    """Bytes this rank sends to its pipeline neighbours, observed on the stage modules: each
+    forward of a stage that is not the last sends its output; each backward of a stage that is
+    not the first sends the gradient of its input, the size of that input. (Point-to-point ops
+    are not in gloo's flight recorder, so they are counted here.)"""
+
+    def __init__(self, stages: list[tuple[int, nn.Module]], num_stages: int) -> None:
+        self.send_bytes = 0
+        self.sends = 0
+        for index, module in stages:
+            module.register_forward_hook(self._hook(first=index == 0, last=index == num_stages - 1))
+
+    def _hook(self, first: bool, last: bool) -> Callable:
+        def count(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+            if not last:
+                self.send_bytes += _local_nbytes(output)
+                self.sends += 1
+            if not first and torch.is_grad_enabled():
+                self.send_bytes += _local_nbytes(args[0])
+                self.sends += 1
+        return count
+
+
+def _local_nbytes(t: torch.Tensor) -> int:
+    t = t.to_local() if hasattr(t, "to_local") else t
+    return t.numel() * t.element_size()

@@ -7,6 +7,7 @@ by `accum`, so the accumulated gradient is the gradient of the mean loss over th
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
@@ -25,6 +26,8 @@ from gridtrain.data.shards import TokenStore, ensure_prepared
 from gridtrain.model.args import ModelArgs
 from gridtrain.model.llama import Transformer
 from gridtrain.model.stats import count_parameters, flops_per_token
+from gridtrain.parallel.accounting import (CollectiveLog, SavedActivations, flatten_comm, grad_bytes,
+                                          optimizer_bytes, param_bytes)
 from gridtrain.parallel.apply import parallelize
 from gridtrain.parallel.data import set_gradient_sync
 from gridtrain.parallel.grads import clip_grad_norm
@@ -116,6 +119,7 @@ class Trainer:
         self.step = 0
         self.ckpt_dir = cfg.checkpoint_dir
         self.is_writer = self.coords["dp"] == 0 and self.coords["tp"] == 0 and self.pmodel.has_last_stage
+        self.comm_log = CollectiveLog(self.axis_groups()) if self.world.distributed else None
         if cfg.checkpoint.resume:
             self.resume()
 
@@ -126,6 +130,18 @@ class Trainer:
         if axis == "world":
             return dist.group.WORLD
         return self.mesh[axis].get_group() if self.dims.degrees[axis] > 1 else None
+
+    def axis_groups(self) -> dict[str, dist.ProcessGroup]:
+        """Process group of each mesh axis with more than one rank, then the flattened ones."""
+        groups = {axis: self.mesh[axis].get_group() for axis, n in self.dims.degrees.items() if n > 1}
+        if self.dims.dp > 1:
+            groups["dp"] = self.mesh["dp"].get_group()
+        groups["world"] = dist.group.WORLD
+        return groups
+
+    def accounting_due(self) -> bool:
+        every = self.cfg.metrics.account_every
+        return every > 0 and (self.step == 0 or (self.step + 1) % every == 0)
 
     # -- state -------------------------------------------------------------------------------
 
@@ -197,12 +213,26 @@ class Trainer:
         lr = lr_at(self.step, t)
         for opt in self.optimizers:
             set_lr(opt, lr)
-        loss = self.forward_backward()
+        account = self.accounting_due()
+        if account:
+            meter = SavedActivations(self.pmodel.parameters())
+            if self.comm_log:
+                self.comm_log.start()
+            sent_before = self.pmodel.traffic.send_bytes if self.pmodel.traffic else 0
+            with meter:
+                loss = self.forward_backward()
+            grads = grad_bytes(self.pmodel.parameters())
+        else:
+            loss = self.forward_backward()
         for opt in self.optimizers:
             self.precision.unscale_(opt, self.group("world"))
         max_norm = t.grad_clip if t.grad_clip > 0 else math.inf
         grad_norm = clip_grad_norm(self.pmodel.parameters(), max_norm, self.group("pp"))
         stepped = all([self.precision.step(opt) for opt in self.optimizers])
+        accounting = {}
+        if account:
+            sent = self.pmodel.traffic.send_bytes - sent_before if self.pmodel.traffic else None
+            accounting = self.account(meter.bytes, grads, sent)
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         self.step += 1
@@ -213,10 +243,27 @@ class Trainer:
                    "throughput/tokens_per_s": tokens_per_s, "time/step_s": seconds,
                    "mfu_pct": 100 * self.flops_per_token * tokens_per_s / (self.peak * self.world.world_size),
                    "flops/achieved_TFLOPs": self.flops_per_token * tokens_per_s / 1e12,
-                   "optim/skipped_steps": float(not stepped), **memory_gib(self.device)}
+                   "optim/skipped_steps": float(not stepped), **memory_gib(self.device), **accounting}
         if t.precision == "fp16":
             metrics["precision/loss_scale"] = self.precision.loss_scale
         return metrics
+
+    def account(self, saved_bytes: int, grads: int, pp_sent: int | None) -> dict[str, float]:
+        """This rank's memory buckets and the step's collectives; also appended to
+        <run_dir>/accounting/rank<r>.jsonl, one line per accounted step."""
+        record = {"memory/params_bytes": float(param_bytes(self.pmodel.parameters())),
+                  "memory/grads_bytes": float(grads),
+                  "memory/optimizer_bytes": float(optimizer_bytes(self.optimizers)),
+                  "memory/activations_bytes": float(saved_bytes)}
+        if self.comm_log:
+            record.update(flatten_comm(self.comm_log.since_start()))
+        if pp_sent is not None:
+            record["comm/pp/send_bytes"] = float(pp_sent)
+        path = Path(self.cfg.run_dir) / "accounting" / f"rank{self.world.rank}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:
+            f.write(json.dumps({"step": self.step + 1, "rank": self.world.rank, **self.coords, **record}) + "\n")
+        return record
 
     def reduce_loss(self, loss: torch.Tensor) -> float:
         """The global batch's mean loss: averaged over data-parallel ranks, taken from the last

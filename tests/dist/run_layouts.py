@@ -21,7 +21,7 @@ from gridtrain.train.trainer import Trainer
 
 
 def run_case(name: str, overrides: dict[str, object], out: Path) -> None:
-    cfg = load_config(None, overrides)
+    cfg = load_config(None, {**overrides, "run_dir": str(out / name)})
     trainer = Trainer(cfg)
     losses, norms = [], []
     for _ in range(cfg.train.steps):

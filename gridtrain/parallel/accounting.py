@@ -1,0 +1,177 @@
+"""Accounting: bytes each rank holds per memory bucket, and bytes it moves per collective and axis.
+
+Memory buckets, per rank, at rest after an optimizer step:
+- parameters, gradients, optimizer state: the local storage of each tensor (a DTensor counts its
+  local shard only, so ZeRO-3 over N ranks holds 1/N of the parameter bytes);
+- activations: bytes saved for backward during one micro-batch's forward, measured with
+  saved-tensor hooks, each storage counted once and parameters (saved by matmuls for their input
+  gradient) excluded.
+
+Collectives come from the flight recorder every rank keeps (TORCH_FR_BUFFER_SIZE, gloo and NCCL
+alike), which sees what DDP, FSDP, DTensor and pipelining issue from C++ as well as Python.
+Per collective: the payload (all-reduce and reduce-scatter: the full input; all-gather: the full
+output; send: the message) and the bytes a rank puts on the wire under the ring algorithm over a
+group of N: all-reduce 2(N-1)/N x payload, all-gather and reduce-scatter (N-1)/N x payload,
+send and broadcast the payload.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+from torch.autograd.graph import saved_tensors_hooks
+from torch.distributed.tensor import DTensor
+
+DTYPE_BYTES = {"Float": 4, "BFloat16": 2, "Half": 2, "Double": 8, "Long": 8, "Int": 4, "Short": 2,
+               "Char": 1, "Byte": 1, "Bool": 1, "Float8_e4m3fn": 1, "Float8_e5m2": 1}
+
+
+def local_bytes(t: torch.Tensor) -> int:
+    if isinstance(t, DTensor):
+        t = t.to_local()
+    return t.numel() * t.element_size()
+
+
+def param_bytes(params: Iterable[torch.Tensor]) -> int:
+    return sum(local_bytes(p) for p in params)
+
+
+def grad_bytes(params: Iterable[torch.Tensor]) -> int:
+    return sum(local_bytes(p.grad) for p in params if p.grad is not None)
+
+
+def optimizer_bytes(optimizers: Iterable[torch.optim.Optimizer]) -> int:
+    """Local bytes of every optimizer-state tensor (ZeroRedundancyOptimizer: its own shard)."""
+    total = 0
+    for opt in optimizers:
+        inner = getattr(opt, "optim", opt)  # ZeroRedundancyOptimizer keeps the local one here
+        for state in inner.state.values():
+            total += sum(local_bytes(v) for v in state.values() if isinstance(v, torch.Tensor))
+    return total
+
+
+class SavedActivations:
+    """Context manager: bytes saved for backward from the start until the first backward begins,
+    each storage once, parameters excluded. That is what a rank holds at the turn from forward to
+    backward: one micro-batch without a pipeline; the warm-up micro-batches of its stages with one
+    (1F1B), or all of them (GPipe). Nothing saved is freed before that turn, so a storage address
+    seen twice is the same storage."""
+
+    def __init__(self, params: Iterable[torch.Tensor]) -> None:
+        self._param_ptrs = {_storage_ptr(p) for p in params}
+        self._seen: set[tuple[int, int]] = set()
+        self._in_backward = False
+        self.bytes = 0
+        self._hooks = saved_tensors_hooks(self._pack, self._unpack)
+
+    def _unpack(self, t: torch.Tensor) -> torch.Tensor:
+        self._in_backward = True
+        return t
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        local = t.to_local() if isinstance(t, DTensor) else t
+        if self._in_backward or local.device.type == "meta":
+            return t
+        try:
+            ptr = _storage_ptr(local)
+            key = (ptr, local.untyped_storage().nbytes())
+        except RuntimeError:  # a tensor without a plain storage (a wrapper subclass): its own bytes
+            self.bytes += local.numel() * local.element_size()
+            return t
+        if ptr not in self._param_ptrs and key not in self._seen:
+            self._seen.add(key)
+            self.bytes += key[1]
+        return t
+
+    def __enter__(self) -> SavedActivations:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._hooks.__exit__(*exc)
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    if isinstance(t, DTensor):
+        t = t.to_local()
+    try:
+        return t.untyped_storage().data_ptr()
+    except RuntimeError:
+        return -1
+
+
+def _kind(profiling_name: str) -> str:
+    name = profiling_name.split(":")[-1].lower().replace("allreduce", "all_reduce")
+    for kind in ("all_reduce", "reduce_scatter", "all_to_all", "broadcast", "barrier", "send", "recv"):
+        if kind in name or kind.replace("_", "") in name:
+            return kind
+    if "gather" in name:
+        return "all_gather"
+    return name
+
+
+def _numel(sizes: list[list[int]]) -> int:
+    total = 0
+    for shape in sizes:
+        n = 1
+        for d in shape:
+            n *= d
+        total += n
+    return total
+
+
+WIRE_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+               "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
+               "broadcast": lambda n: 1.0, "send": lambda n: 1.0, "recv": lambda n: 0.0,
+               "barrier": lambda n: 0.0}
+
+
+class CollectiveLog:
+    """Reads this rank's flight recorder and sums the collectives issued since `start()`."""
+
+    def __init__(self, axis_groups: dict[str, dist.ProcessGroup]) -> None:
+        # Several axes may share one group (an axis of size 1 is never asked for): first wins.
+        self.axis_of: dict[str, str] = {}
+        self.size_of: dict[str, int] = {}
+        for axis, group in axis_groups.items():
+            name = group.group_name
+            self.axis_of.setdefault(name, axis)
+            self.size_of.setdefault(name, group.size())
+        self._last_id = -1
+
+    @staticmethod
+    def _entries() -> list[dict]:
+        raw = torch._C._distributed_c10d._dump_fr_trace_json(True, False)
+        return json.loads(raw).get("entries", [])
+
+    def start(self) -> None:
+        entries = self._entries()
+        self._last_id = entries[-1]["record_id"] if entries else -1
+
+    def since_start(self) -> dict[str, dict[str, float]]:
+        """{axis: {kind_bytes: payload, kind_wire_bytes: ring bytes on the wire, kind_calls: n}}."""
+        out: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        for e in self._entries():
+            if e["record_id"] <= self._last_id:
+                continue
+            kind = _kind(e["profiling_name"])
+            pg_name = e["process_group"][0]
+            axis = self.axis_of.get(pg_name, f"group{pg_name}")
+            n = self.size_of.get(pg_name, 1)
+            sizes = e["output_sizes"] if kind == "all_gather" else e["input_sizes"]
+            dtypes = e["output_dtypes"] if kind == "all_gather" else e["input_dtypes"]
+            elem = DTYPE_BYTES.get(dtypes[0], 4) if dtypes else 4
+            payload = _numel(sizes) * elem
+            out[axis][f"{kind}_bytes"] += payload
+            out[axis][f"{kind}_wire_bytes"] += payload * WIRE_FACTOR.get(kind, lambda n: 1.0)(n)
+            out[axis][f"{kind}_calls"] += 1
+        return {axis: dict(v) for axis, v in out.items()}
+
+
+def flatten_comm(comm: dict[str, dict[str, float]]) -> dict[str, float]:
+    """{axis: {key: v}} -> {'comm/axis/key': v} for the metrics writer."""
+    return {f"comm/{axis}/{key}": value for axis, kinds in comm.items() for key, value in kinds.items()}
