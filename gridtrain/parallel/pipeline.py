@@ -82,7 +82,8 @@ class PipelineTraffic:
     """Bytes this rank sends to its pipeline neighbours, observed on the stage modules: each
     forward of a stage that is not the last sends its output; each backward of a stage that is
     not the first sends the gradient of its input, the size of that input. (Point-to-point ops
-    are not in gloo's flight recorder, so they are counted here.)"""
+    are not in gloo's flight recorder, so they are counted here.) The first step also counts the
+    schedule's one-off shape-inference pass over one micro-batch."""
 
     def __init__(self, stages: list[tuple[int, nn.Module]], num_stages: int) -> None:
         self.send_bytes = 0
