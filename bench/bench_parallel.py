@@ -13,6 +13,7 @@ volume of the algorithm, in fp32:
          gradients: (N-1)/N x (2P + G)
   TP     two all-reduces per block in forward and two in backward of B x T x dim activations,
          plus the embedding's forward and the head input's backward: (4L + 2) x 2(N-1)/N x BTh
+         per micro-batch; with no data parallelism the global batch is N micro-batches
 """
 
 from __future__ import annotations
@@ -61,8 +62,9 @@ def minimum_bytes(name: str, n: int) -> float:
         return 2 * (n - 1) / n * params
     if name.startswith("FSDP"):
         return (n - 1) / n * 3 * params
+    # TP has no data parallelism here: the global batch of n micro-batches runs through each rank.
     activation = MICRO * SEQ * args.dim * 4
-    return (4 * args.n_layers + 2) * 2 * (n - 1) / n * activation
+    return n * (4 * args.n_layers + 2) * 2 * (n - 1) / n * activation
 
 
 def wire_bytes(accounting: dict) -> float:

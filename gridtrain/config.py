@@ -81,7 +81,7 @@ class TrainConfig:
     """Sequences per optimizer step (micro_batch x accumulation x data-parallel degree)."""
     global_batch_tokens: int | None = None
     """Global batch in tokens instead of sequences; must be a multiple of data.seq_len."""
-    micro_batch: int = 8
+    micro_batch: int = 4
     """Sequences in one forward/backward pass of one data-parallel rank."""
     lr: float = 2e-3
     """Peak learning rate."""

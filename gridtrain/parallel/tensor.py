@@ -23,7 +23,13 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 def block_plan(sequence_parallel: bool) -> dict[str, object]:
     """Placement of each submodule of a transformer block."""
     if not sequence_parallel:
+        # The block input enters attention (and the MLP) as one replicated DTensor, so the input
+        # gradients of wq, wk and wv add up as partial sums and cross the group in one all-reduce
+        # (Megatron's f), not one per projection.
         return {
+            "attention": PrepareModuleInput(input_layouts=(Replicate(), None),
+                                            desired_input_layouts=(Replicate(), None)),
+            "feed_forward": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)),
             "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(),
             "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),

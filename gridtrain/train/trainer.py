@@ -278,21 +278,38 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Mean loss over the first `val_batches` micro-batches of the held-out split."""
-        if self.pmodel.schedule is not None:
-            return {}  # evaluation through a pipeline: not yet
+        """Mean loss over the first `val_batches` micro-batches of the held-out split (through the
+        pipeline schedule's forward-only pass when there is one: whole pipeline batches only)."""
         for part in self.pmodel.parts:
             part.eval()
-        total, count = torch.zeros(()), 0
-        for inputs, targets in self.data.val.batches(self.cfg.train.micro_batch, self.cfg.train.val_batches):
+        total, count = torch.zeros(()), torch.zeros(())
+        mb, num = self.cfg.train.micro_batch, self.cfg.train.val_batches
+        size = mb if self.pmodel.schedule is None else mb * self.accum
+        for inputs, targets in self.data.val.batches(size, max(1, num * mb // size)):
+            if len(inputs) < size:
+                break
             with loss_context(self.dims.tp), self.precision.autocast():
-                logits = self.model(inputs.to(self.device))
-                total += scalar(loss_fn(logits, targets.to(self.device))).float().cpu() * targets.numel()
-            count += targets.numel()
+                loss = self.val_loss(inputs.to(self.device), targets.to(self.device))
+            if loss is not None:
+                total += loss.float().cpu() * targets.numel()
+                count += targets.numel()
         for part in self.pmodel.parts:
             part.train()
-        loss = total.item() / count
+        if self.dims.pp > 1:  # only the last stage has losses
+            both = torch.stack([total, count])
+            dist.all_reduce(both, group=self.group("pp"))
+            total, count = both[0], both[1]
+        loss = (total / count).item()
         return {"loss/val": loss, "loss/val_ppl": math.exp(min(loss, 50.0))}
+
+    def val_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        if self.pmodel.schedule is None:
+            return scalar(loss_fn(self.model(inputs), targets))
+        losses: list[torch.Tensor] = []
+        self.pmodel.schedule.eval(inputs, target=targets, losses=losses)
+        if not losses:
+            return None
+        return sum(scalar(l) for l in losses) / (len(losses) * self.precision.loss_scale)
 
     # -- the run -----------------------------------------------------------------------------
 
@@ -317,7 +334,7 @@ class Trainer:
         writer = MetricsWriter(Path(cfg.run_dir), cfg.train.steps, self.step, cfg.metrics.tensorboard,
                                cfg.metrics.progress) if self.is_writer else None
         metrics: dict[str, float] = {}
-        can_validate = self.data.val is not None and self.pmodel.schedule is None
+        can_validate = self.data.val is not None
         if self.step == 0 and can_validate:
             val = self.evaluate()
             if writer:
