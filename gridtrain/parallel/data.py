@@ -22,8 +22,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from gridtrain.parallel.dims import Mesh
 
-def dp_mesh(mesh: DeviceMesh, dp_replicate: int) -> DeviceMesh:
+
+def dp_mesh(mesh: Mesh, dp_replicate: int) -> DeviceMesh:
     """The mesh FSDP shards over: 1-D 'dp_shard', or 2-D (replicate, shard) for HSDP."""
     return mesh["dp_replicate", "dp_shard"] if dp_replicate > 1 else mesh["dp_shard"]
 
@@ -44,11 +46,12 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool) 
 def apply_ddp(model: nn.Module, mesh: DeviceMesh) -> None:
     """Composable DDP over the 1-D data-parallel mesh: gradients all-reduced in 25 MB buckets as
     backward produces them. Module and parameter names stay as they were."""
-    # Buffers (the RoPE tables) are computed identically on every rank: no need to broadcast them.
-    replicate(model, device_mesh=mesh, bucket_cap_mb=25, broadcast_buffers=False)
+    # Buffers (the RoPE tables) are computed identically on every rank: no need to sync them
+    # before every forward.
+    replicate(model, device_mesh=mesh, bucket_cap_mb=25, forward_sync_buffers=False)
 
 
-def apply_data_parallel(model: nn.Module, mesh: DeviceMesh, zero_stage: int, dp_replicate: int,
+def apply_data_parallel(model: nn.Module, mesh: Mesh, zero_stage: int, dp_replicate: int,
                         tp: int) -> None:
     if zero_stage in (0, 1) and tp == 1:
         apply_ddp(model, mesh["dp_replicate"])
@@ -68,7 +71,7 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
         model.set_requires_gradient_sync(enabled)
 
 
-def build_zero1_optimizer(param_groups: list[dict], mesh: DeviceMesh, **defaults: object) -> ZeroRedundancyOptimizer:
+def build_zero1_optimizer(param_groups: list[dict], mesh: Mesh, **defaults: object) -> ZeroRedundancyOptimizer:
     """AdamW whose state is sharded over the data-parallel ranks: each rank updates the
     parameters it owns and broadcasts them (ZeRO stage 1)."""
     return ZeroRedundancyOptimizer(param_groups, optimizer_class=torch.optim.AdamW,

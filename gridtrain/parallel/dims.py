@@ -92,16 +92,16 @@ class ParallelDims:
                 "parallel.dp_shard to -1 to fill the world")
         return errors
 
-    def build_mesh(self, device_type: str) -> DeviceMesh:
+    def build_mesh(self, device_type: str) -> Mesh:
         """The one mesh, axes outer to inner pp, dp_replicate, dp_shard, cp, tp, plus the flattened
         axes 'dp' (dp_replicate x dp_shard: batch split and loss average) and 'dp_cp'."""
         from torch.distributed.device_mesh import init_device_mesh
 
         shape = tuple(self.degrees.values())
-        mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_AXES)
-        mesh["dp_replicate", "dp_shard"]._flatten("dp")
-        mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
-        return mesh
+        root = init_device_mesh(device_type, shape, mesh_dim_names=MESH_AXES)
+        flat = {"dp": root["dp_replicate", "dp_shard"]._flatten("dp"),
+                "dp_cp": root["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")}
+        return Mesh(root, flat)
 
     def coordinates(self, rank: int) -> dict[str, int]:
         """This rank's index along each axis of `arange(world).view(pp, dp_rep, dp_shard, cp, tp)`."""
@@ -112,6 +112,21 @@ class ParallelDims:
             rank //= size
         coords["dp"] = coords["dp_replicate"] * self.dp_shard + coords["dp_shard"]
         return coords
+
+
+class Mesh:
+    """The root DeviceMesh, with its flattened axes kept beside it (torch wants them bookkept
+    rather than sliced from the root): `mesh["tp"]`, `mesh["dp_replicate", "dp_shard"]`,
+    `mesh["dp"]`."""
+
+    def __init__(self, root: DeviceMesh, flat: dict[str, DeviceMesh]) -> None:
+        self.root = root
+        self.flat = flat
+
+    def __getitem__(self, axes: str | tuple[str, ...]) -> DeviceMesh:
+        if isinstance(axes, str) and axes in self.flat:
+            return self.flat[axes]
+        return self.root[axes]
 
 
 def stage_layer_counts(n_layers: int, num_stages: int, fewer_edge_layers: int = 0) -> list[int]:

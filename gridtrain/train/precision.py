@@ -9,14 +9,42 @@ skip the optimizer step and halve S; after `growth_interval` clean steps in a ro
 from __future__ import annotations
 
 import contextlib
+from collections import defaultdict
 from typing import ContextManager
 
 import torch
 import torch.distributed as dist
+from torch.amp.grad_scaler import _MultiDeviceReplicator
+from torch.distributed.tensor import DTensor
 
 from gridtrain.config import TrainConfig
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class ShardAwareGradScaler(torch.amp.GradScaler):
+    """torch.amp.GradScaler that also unscales DTensor gradients (FSDP, TP), through their local
+    shards; the overflow flag is then all-reduced by `Precision.unscale_`."""
+
+    def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor,
+                        found_inf: torch.Tensor, allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
+        per_device_inv_scale = _MultiDeviceReplicator(inv_scale)
+        per_device_found_inf = _MultiDeviceReplicator(found_inf)
+        grads: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(lambda: defaultdict(list))
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    if param.grad is None:
+                        continue
+                    grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+                    if not allow_fp16 and grad.dtype == torch.float16:
+                        raise ValueError("Attempting to unscale FP16 gradients.")
+                    grads[grad.device][grad.dtype].append(grad)
+            for device, per_dtype in grads.items():
+                for grad_list in per_dtype.values():
+                    torch._amp_foreach_non_finite_check_and_unscale_(
+                        grad_list, per_device_found_inf.get(device), per_device_inv_scale.get(device))
+        return per_device_found_inf._per_device_tensors
 
 
 class Precision:
@@ -25,7 +53,7 @@ class Precision:
     def __init__(self, cfg: TrainConfig, device: torch.device) -> None:
         self.mode = cfg.precision
         self.device_type = device.type
-        self.scaler = torch.amp.GradScaler(
+        self.scaler = ShardAwareGradScaler(
             device.type, init_scale=cfg.loss_scale_init, growth_factor=2.0, backoff_factor=0.5,
             growth_interval=cfg.loss_scale_growth_interval, enabled=self.mode == "fp16")
 
@@ -37,6 +65,11 @@ class Precision:
     @property
     def loss_scale(self) -> float:
         return self.scaler.get_scale() if self.scaler.is_enabled() else 1.0
+
+    def begin_step(self) -> None:
+        """Make sure the scale exists on every rank, also on pipeline ranks that compute no loss."""
+        if self.scaler.is_enabled() and self.scaler._scale is None:
+            self.scaler._lazy_init_scale_growth_tracker(torch.device(self.device_type))
 
     def backward(self, loss: torch.Tensor) -> None:
         self.scaler.scale(loss).backward()

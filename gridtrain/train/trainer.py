@@ -186,6 +186,7 @@ class Trainer:
         """Forward and backward over this rank's slice; returns the mean loss over its samples
         (zero on pipeline ranks without the last stage)."""
         mb, first = self.cfg.train.micro_batch, self.local_batch_range()
+        self.precision.begin_step()
         if self.pmodel.schedule is not None:
             inputs, targets = self.data.train.read(first, self.local_batch)
             losses: list[torch.Tensor] = []
