@@ -108,13 +108,20 @@ def plain_step(model: nn.Module, opt: torch.optim.Optimizer, batch: torch.Tensor
     return loss.item()
 
 
-def bench_shape(name: str, rounds: int, steps_per_round: int, warmup: int) -> dict[str, float]:
+def bench_trainer(name: str) -> Trainer:
+    """gridtrain's trainer on a shape, as users run it, with one micro-batch per step."""
     preset, seq, batch, precision = SHAPES[name]
     cfg = load_config(None, {
         "model.preset": preset, "data.seq_len": seq, "train.micro_batch": batch,
         "train.global_batch": batch, "train.precision": precision, "train.steps": 10**6,
-        "train.warmup_steps": 10, "train.val_every": 0, "run_dir": "/tmp/gridtrain-bench"})
-    trainer = Trainer(cfg)
+        "train.warmup_steps": 10, "train.val_every": 0,
+        "run_dir": "/tmp/gridtrain-bench"})
+    return Trainer(cfg)
+
+
+def bench_shape(name: str, rounds: int, steps_per_round: int, warmup: int) -> dict[str, float]:
+    _, seq, batch, precision = SHAPES[name]
+    trainer = bench_trainer(name)
     a = trainer.args
     torch.manual_seed(0)
     plain = PlainLlama(a.vocab_size, a.dim, a.n_layers, a.n_heads, a.n_kv_heads, a.hidden_dim, seq)
@@ -153,12 +160,8 @@ def profile_breakdown(name: str) -> dict[str, float]:
     """
     from torch.profiler import ProfilerActivity, profile
 
-    preset, seq, batch, precision = SHAPES[name]
-    cfg = load_config(None, {
-        "model.preset": preset, "data.seq_len": seq, "train.micro_batch": batch,
-        "train.global_batch": batch, "train.precision": precision, "train.steps": 10**6,
-        "train.warmup_steps": 10, "train.val_every": 0, "run_dir": "/tmp/gridtrain-bench"})
-    trainer = Trainer(cfg)
+    _, seq, batch, precision = SHAPES[name]
+    trainer = bench_trainer(name)
     for _ in range(3):
         trainer.train_step()
     with profile(activities=[ProfilerActivity.CPU]) as prof:

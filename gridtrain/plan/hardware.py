@@ -30,10 +30,19 @@ def calibration_path() -> Path:
     return Path(root) / "calibration.json"
 
 
+def cpu_model_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def machine_key(threads: int) -> str:
     """Identity of a CPU measurement: processor, core count, threads used, torch version."""
-    from gridtrain.train.device import cpu_model_name  # noqa: PLC0415 - avoid a cycle at import
-
     return f"{cpu_model_name()}|{os.cpu_count()}cpu|{threads}threads|torch{torch.__version__}"
 
 

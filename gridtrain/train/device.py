@@ -7,6 +7,8 @@ import resource
 
 import torch
 
+from gridtrain.plan.hardware import cpu_model_name
+
 
 def pick_device() -> torch.device:
     """The current accelerator when one is present (CUDA, XPU, ...), else the CPU."""
@@ -21,19 +23,6 @@ def device_name(device: torch.device) -> str:
     if device.type == "cpu":
         return cpu_model_name()
     return torch.get_device_module(device.type).get_device_name(device)
-
-
-def cpu_model_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine()
 
 
 def memory_gib(device: torch.device) -> dict[str, float]:
