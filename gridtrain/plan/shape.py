@@ -1,0 +1,136 @@
+"""The shape of a model as the planner sees it: sizes only, no weights, no torch.
+
+One `ModelShape` covers both block families the planner meets:
+- Llama blocks (gridtrain's model): RMSNorm, grouped-query attention without biases, SwiGLU MLP
+  with three matrices of width `ffn`, rotary positions (no position table);
+- GPT blocks (most published runs, e.g. Megatron's SC21 table): LayerNorm with bias, multi-head
+  attention and a GELU MLP of width `ffn` (4h) with biases, learned positions, tied embeddings.
+Parameter counts are exact for both and equal gridtrain.model.stats.count_parameters for Llama.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from gridtrain.model.args import ModelArgs
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    hidden: int
+    """Width of the residual stream (h)."""
+    num_layers: int
+    """Transformer blocks (l or L)."""
+    num_heads: int
+    """Query heads (a)."""
+    num_kv_heads: int
+    """Key/value heads (equal to num_heads without grouped-query attention)."""
+    ffn: int
+    """Hidden width of the MLP (SwiGLU: each of its three matrices; GPT: 4h)."""
+    vocab: int
+    """Rows of the embedding and the output head (V)."""
+    block: str = "llama"
+    """'llama' (RMSNorm, GQA, SwiGLU, no biases) or 'gpt' (LayerNorm, GELU MLP, biases)."""
+    tie_embeddings: bool = False
+    """The output head shares the embedding matrix."""
+    max_positions: int = 0
+    """Rows of a learned position table (GPT; 0 for rotary positions)."""
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.num_heads
+
+    @property
+    def kv_width(self) -> int:
+        """Width of K (and of V): num_kv_heads x head_dim."""
+        return self.num_kv_heads * self.head_dim
+
+
+def from_args(args: ModelArgs) -> ModelShape:
+    """The shape of a gridtrain model (a preset or `model.*` keys)."""
+    return ModelShape(hidden=args.dim, num_layers=args.n_layers, num_heads=args.n_heads,
+                      num_kv_heads=args.n_kv_heads or args.n_heads, ffn=args.hidden_dim,
+                      vocab=args.vocab_size, block="llama", tie_embeddings=args.tie_embeddings)
+
+
+def gpt(hidden: int, num_layers: int, num_heads: int, vocab: int = 51_200, seq_len: int = 2048,
+        ffn: int | None = None) -> ModelShape:
+    """A GPT block stack as in Megatron-LM (Narayanan et al. 2021): ffn = 4h, tied embeddings,
+    learned positions for `seq_len`."""
+    return ModelShape(hidden=hidden, num_layers=num_layers, num_heads=num_heads,
+                      num_kv_heads=num_heads, ffn=ffn or 4 * hidden, vocab=vocab, block="gpt",
+                      tie_embeddings=True, max_positions=seq_len)
+
+
+def with_layers(shape: ModelShape, num_layers: int) -> ModelShape:
+    return replace(shape, num_layers=num_layers)
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Parameters by part, named as gridtrain.model.stats.ParamCounts."""
+
+    embedding: int
+    attention: int
+    mlp: int
+    norms: int
+    output: int
+
+    @property
+    def total(self) -> int:
+        return self.embedding + self.attention + self.mlp + self.norms + self.output
+
+    @property
+    def non_embedding(self) -> int:
+        return self.total - self.embedding
+
+
+def attention_params(shape: ModelShape) -> int:
+    """One block's attention: Wq (h x h), Wk and Wv (h x kv_width each), Wo (h x h).
+
+    Llama: 2h^2 + 2 h kv_width (GQA; the seed 003 capstone's 4h^2 assumes full multi-head).
+    GPT adds biases: 3h for QKV and h for the output projection (4h^2 + 4h)."""
+    h = shape.hidden
+    weights = 2 * h * h + 2 * h * shape.kv_width
+    return weights + (2 * h + 2 * shape.kv_width if shape.block == "gpt" else 0)
+
+
+def mlp_params(shape: ModelShape) -> int:
+    """One block's MLP. SwiGLU: three h x ffn matrices (3 h ffn). GPT: two, with biases
+    (2 h ffn + ffn + h; 8h^2 + 5h at ffn = 4h)."""
+    h, f = shape.hidden, shape.ffn
+    if shape.block == "gpt":
+        return 2 * h * f + f + h
+    return 3 * h * f
+
+
+def norm_params(shape: ModelShape) -> int:
+    """Norms of one block: two RMSNorm weights (2h) or two LayerNorms with bias (4h)."""
+    return 4 * shape.hidden if shape.block == "gpt" else 2 * shape.hidden
+
+
+def block_params(shape: ModelShape) -> int:
+    """Parameters of one transformer block. GPT: 12h^2 + 13h (Megatron, Narayanan et al. Eq. 2)."""
+    return attention_params(shape) + mlp_params(shape) + norm_params(shape)
+
+
+def param_counts(shape: ModelShape) -> ParamCounts:
+    """Every parameter by part; a tied head counts once, under the embedding (as gridtrain's
+    stats do). The final norm counts under norms; a learned position table under embedding."""
+    h, l = shape.hidden, shape.num_layers
+    final_norm = norm_params(shape) // 2
+    return ParamCounts(
+        embedding=shape.vocab * h + shape.max_positions * h,
+        attention=l * attention_params(shape),
+        mlp=l * mlp_params(shape),
+        norms=l * norm_params(shape) + final_norm,
+        output=0 if shape.tie_embeddings else shape.vocab * h,
+    )
+
+
+def matmul_params(shape: ModelShape) -> int:
+    """N of the 6N rule: parameters that take part in matmuls. The input embedding is a lookup
+    and does not count, nor does a learned position table, unless the embedding is tied to the
+    head, whose matmul is done (gridtrain's stats, PaLM's convention); norms count (they are small)."""
+    head = shape.vocab * shape.hidden if shape.tie_embeddings else 0
+    return param_counts(shape).non_embedding + head
