@@ -3,6 +3,8 @@ returns 2 with the relation, the numbers and a fix, and never reaches torchrun."
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from gridtrain import cli
@@ -82,3 +84,23 @@ def test_coordinates_follow_the_rank_grid():
     # arange(8).view(pp=2, dp_replicate=1, dp_shard=2, cp=1, tp=2)
     assert dims.coordinates(5) == {"tp": 1, "cp": 0, "dp_shard": 0, "dp_replicate": 0, "pp": 1, "dp": 0}
     assert dims.coordinates(3)["dp"] == 1 and dims.coordinates(3)["pp"] == 0
+
+
+def test_units_table_reproduces_seed_000():
+    """Seed 000's worked example: Llama 3 70B on 16,384 GPUs with TP=8, PP=4, DP=512, micro-batch
+    4 x 8,192 tokens, accumulation 4: 67,108,864 tokens per step."""
+    from gridtrain.train.units import units_table
+
+    cfg = load_config(None, {"model.preset": "llama3-70b", "data.seq_len": 8192, "parallel.tp": 8,
+                             "parallel.pp": 4, "train.micro_batch": 4, "train.global_batch": 4 * 4 * 512,
+                             "train.steps": 10})
+    dims = parallel_dims(cfg, 16384)
+    assert dims.dp == 512 and dims.model_parallel == 32
+    table = units_table(cfg, dims, num_nodes=16384 // 8)
+    rows = dict(re.split(r"\s{2,}", line.strip())[:2] for line in table.splitlines()[1:11])
+    assert rows == {"processes (GPUs)": "16384", "nodes": "2048", "tensor-parallel groups": "2048",
+                    "pipeline stages": "4", "model-parallel groups": "512", "data-parallel replicas": "512",
+                    "micro-batch": "4", "accumulation steps": "4", "global batch": "8192",
+                    "optimizer steps": "10"}
+    assert "67,108,864 tokens" in table
+    assert "stage 3 (pp rank 3): layers 60-79" in table  # 80 layers, 20 per stage
