@@ -19,6 +19,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from gridtrain.plan.layout import Layout
+from gridtrain.plan.memory import StateBytes, kv_heads_per_rank, rank_layers, rank_params
+from gridtrain.plan.shape import ModelShape
+
 # Innermost (fastest links) to outermost: Llama 3 paper, section 3.3.2, orders the dimensions
 # [TP, CP, PP, DP]. Seed 003's capstone answer says TP, PP, CP, DP; we follow the paper: CP's
 # ring attention exchanges KV blocks in every layer of every micro-batch, far more often than
@@ -223,6 +227,37 @@ def ep_bytes_per_layer(tokens: int, hidden: int, top_k: int, ep: int, act_bytes:
     if ep <= 1:
         return 0.0
     return 4 * (ep - 1) / ep * tokens * top_k * hidden * act_bytes
+
+
+def bytes_per_step(shape: ModelShape, layout: Layout, rank: int = 0, state: StateBytes = StateBytes(),
+                   act_bytes: int = 2) -> dict[str, float]:
+    """Bytes one GPU on pipeline rank `rank` sends per optimizer step, by mesh axis, from the
+    per-axis functions above: 'dp' (stages 0/1: all-reduce over all DP ranks), or 'dp_shard' and
+    'dp_replicate' (stages 2/3, HSDP); 'tp' (4 or 6 all-reduces per layer per micro-batch);
+    'pp' (activation sends); 'cp' (KV blocks). Axes of degree 1 are left out."""
+    params = rank_params(shape, layout, rank, rank_layers(shape, layout)[rank])
+    weights, grads = params * state.weights, params * state.gradients
+    layers, m = rank_layers(shape, layout)[rank], layout.num_microbatches
+    tokens = layout.tokens_per_microbatch
+    full = layout.recompute == "full"
+    out: dict[str, float] = {}
+    if layout.zero_stage in (0, 1) and layout.dp > 1:
+        out["dp"] = dp_bytes_per_step(weights, layout.dp, layout.zero_stage, m, grads)
+    elif layout.zero_stage in (2, 3):
+        if layout.dp_shard > 1:
+            out["dp_shard"] = dp_bytes_per_step(weights, layout.dp_shard, layout.zero_stage, m, grads)
+        if layout.dp_replicate > 1:
+            out["dp_replicate"] = ring_all_reduce_bytes(grads / layout.dp_shard, layout.dp_replicate)
+    if layout.tp > 1:
+        out["tp"] = layers * m * tp_bytes_per_layer(tokens // layout.cp, shape.hidden, layout.tp,
+                                                    act_bytes, full)
+    if layout.pp > 1:
+        out["pp"] = pp_bytes_per_step(tokens // layout.cp, shape.hidden, m, layout.virtual_stages,
+                                      act_bytes, layout.tp, layout.sequence_parallel)
+    if layout.cp > 1:
+        kv_width = kv_heads_per_rank(shape, layout.tp) * shape.head_dim
+        out["cp"] = layers * m * cp_bytes_per_layer(tokens, kv_width, layout.cp, act_bytes, full)
+    return out
 
 
 # ---- overlap of communication with compute ----

@@ -17,7 +17,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zb-h1", "interleaved-zb", "zbv",
+             "dualpipev")
+"""gridtrain's schedules (gridtrain.parallel.dims.PP_SCHEDULES) plus ZB-H1."""
 
 
 def bubble_ratio(pp: int, num_microbatches: int, virtual: int = 1) -> float:
@@ -28,8 +30,8 @@ def bubble_ratio(pp: int, num_microbatches: int, virtual: int = 1) -> float:
 def bubble_fraction(pp: int, num_microbatches: int, virtual: int = 1, schedule: str = "1f1b") -> float:
     """Bubble time / total step time.
 
-    gpipe, 1f1b: (p-1) / (m + p-1). interleaved-1f1b: the bubble shrinks by v,
-    (p-1)/v / (m + (p-1)/v) = (p-1) / (v m + p-1). Zero-bubble schedules (Qi et al. 2023) split
+    gpipe, 1f1b: (p-1) / (m + p-1). interleaved-1f1b and looped-bfs (breadth-first, Lamy-Poirier
+    2023): the bubble shrinks by v, (p-1)/v / (m + (p-1)/v) = (p-1) / (v m + p-1). Zero-bubble schedules (Qi et al. 2023) split
     backward into input-gradient B and weight-gradient W and fill the bubble with W: with
     F = B = W, ZB-H1's bubble is (p-1)(F + B - W) = 1/3 of 1F1B's (p-1)(F + B + W), at 1F1B's
     memory; ZB-V (two chunks per rank in a V) brings it to about 0.

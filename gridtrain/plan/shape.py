@@ -134,3 +134,33 @@ def matmul_params(shape: ModelShape) -> int:
     head, whose matmul is done (gridtrain's stats, PaLM's convention); norms count (they are small)."""
     head = shape.vocab * shape.hidden if shape.tie_embeddings else 0
     return param_counts(shape).non_embedding + head
+
+
+def tp_weight_shard(rows: int, cols: int, tp: int, split: str) -> tuple[int, int]:
+    """Shape of one rank's slice of a [rows x cols] weight (Y = X W): 'column' parallel splits the
+    output columns, [rows, cols/t]; 'row' parallel the input rows, [rows/t, cols].
+    Seed 003: [8192 x 8192] column-parallel over 8 -> [8192 x 1024]."""
+    if split == "column":
+        if cols % tp:
+            raise ValueError(f"tp ({tp}) must divide the {cols} output columns")
+        return rows, cols // tp
+    if split == "row":
+        if rows % tp:
+            raise ValueError(f"tp ({tp}) must divide the {rows} input rows")
+        return rows // tp, cols
+    raise ValueError(f"split must be 'column' or 'row', not {split!r}")
+
+
+def tp_heads(num_heads: int, num_kv_heads: int, tp: int) -> tuple[int, int, int]:
+    """(query heads per rank, KV heads per rank, copies of each KV head) under TP.
+
+    Query heads must divide evenly; when tp exceeds the KV heads, each rank holds one KV head
+    and each is replicated tp / num_kv_heads times (seed 003: 64 Q, 8 KV, tp 8 -> 8, 1, 1;
+    tp 16 -> 4, 1, 2)."""
+    if num_heads % tp:
+        raise ValueError(f"tp ({tp}) must divide the {num_heads} query heads")
+    if num_kv_heads % tp == 0:
+        return num_heads // tp, num_kv_heads // tp, 1
+    if tp % num_kv_heads:
+        raise ValueError(f"tp ({tp}) and the {num_kv_heads} KV heads must divide one another")
+    return num_heads // tp, 1, tp // num_kv_heads

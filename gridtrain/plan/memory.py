@@ -1,0 +1,312 @@
+"""Memory per rank by bucket: weights, gradients, optimizer state, activations, buffers.
+
+Model state, bytes per parameter (ZeRO paper, Rajbhandari et al. 2020, sec. 3.1): mixed-precision
+Adam keeps 16-bit weights (2) and gradients (2), and K = 12 bytes of optimizer state: fp32 master
+weights (4) and the two fp32 moments m, v (8), 2 + 2 + 12 = 16 (seeds 003, 004). Seed 002 counts
+2 + 2 + 4 + 4 = 12 (no master copy) and so prints 4.86 TB for 405B where the ZeRO convention gives
+6.48 TB; gridtrain follows the paper (`StateBytes.seed002()` reproduces the seed).
+
+ZeRO stages shard over N data-parallel ranks: stage 1 the optimizer state, 2 also gradients,
+3 also weights: 16 -> 4 + 12/N -> 2 + 14/N -> 16/N bytes/param. HSDP shards over dp_shard only.
+
+Activations per layer follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in
+Large Transformer Models"), GPT block, 16-bit, with dropout: s b h (34 + 5 a s / h); with TP t:
+s b h (10 + 24/t + 5 a s/(h t)); with SP: s b h/t (34 + 5 a s/h); selective recomputation drops the
+5as/h term; full recomputation keeps the block input, 2 s b h.
+
+The same census for gridtrain's Llama block (RMSNorm, GQA with k KV heads, SwiGLU of width F, no
+dropout, e bytes per activation), tensor by tensor:
+- replicated under TP without SP: the two norm inputs (2e sbh), the QKV input (e sbh) and the MLP
+  input (e sbh): 4e sbh (8 at e = 2; GPT's 10 adds two 1-byte dropout masks);
+- split by TP: Q (e sbh), K and V (2e sb kv_width, kv_width = k h / a), the output-projection input
+  (e sbh), SwiGLU's w1 and w3 outputs, silu output and product (4e sbF): e(2h + 2 kv_width + 4F) sb;
+- attention scores: the softmax output, e a s^2 b (GPT: 2e + 1 with the dropout mask and output);
+  with flash attention none, but the kernel keeps its output (e sbh) and log-sum-exp (4 a s b).
+At e = 2 without TP: s b h (12 + 4k/a + 8F/h) + 2 a s^2 b; Llama 3 70B (k/a = 1/8, F/h = 3.5) is
+40.5 s b h against GPT's 34.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gridtrain.parallel.dims import stage_layer_counts, stage_ranks
+from gridtrain.plan.layout import RECOMPUTE, Layout
+from gridtrain.plan.shape import ModelShape, norm_params
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes per parameter of each model-state bucket."""
+
+    weights: float = 2
+    """The compute copy (bf16/fp16)."""
+    gradients: float = 2
+    """Gradients (4 with fp32 gradient accumulation)."""
+    master: float = 4
+    """fp32 master weights, counted in the optimizer bucket (ZeRO's K)."""
+    moments: float = 8
+    """Adam's m and v in fp32."""
+
+    @property
+    def optimizer(self) -> float:
+        return self.master + self.moments
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer
+
+    @classmethod
+    def mixed(cls, fp32_master: bool = True, fp32_grads: bool = False) -> StateBytes:
+        """Mixed-precision Adam: 2 + 2 + 12 = 16 (ZeRO paper); fp32 gradient accumulation adds 2."""
+        return cls(2, 4 if fp32_grads else 2, 4 if fp32_master else 0, 8)
+
+    @classmethod
+    def fp32(cls) -> StateBytes:
+        """Pure fp32 Adam: 4 + 4 + 8 = 16. The master copy is the weights themselves."""
+        return cls(4, 4, 0, 8)
+
+    @classmethod
+    def seed002(cls) -> StateBytes:
+        """Seed 002's 2 + 2 + 4 + 4 = 12: no fp32 master copy (not the ZeRO convention)."""
+        return cls(2, 2, 0, 8)
+
+
+@dataclass(frozen=True)
+class ModelState:
+    weights: float
+    gradients: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer
+
+
+def model_state_bytes(num_params: float, zero_stage: int, shard: int,
+                      state: StateBytes = StateBytes()) -> ModelState:
+    """Bytes per rank for `num_params` parameters under a ZeRO stage over `shard` ranks.
+
+    Seed 003, 7B over 64 GPUs: stage 0 112 GB, 1 29.3 GB, 2 15.5 GB, 3 1.75 GB."""
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage must be 0, 1, 2 or 3, not {zero_stage}")
+    n = shard if zero_stage else 1
+    return ModelState(
+        weights=num_params * state.weights / (n if zero_stage >= 3 else 1),
+        gradients=num_params * state.gradients / (n if zero_stage >= 2 else 1),
+        optimizer=num_params * state.optimizer / (n if zero_stage >= 1 else 1),
+    )
+
+
+def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, tp: int = 1,
+                            sequence_parallel: bool = False, recompute: str = "none") -> float:
+    """Korthikanti et al. 2022, Table 2, per GPT layer, 16-bit activations with dropout.
+
+    none: sbh (10 + 24/t + 5as/(ht)) (= sbh (34 + 5as/h) at t = 1); SP: sbh/t (34 + 5as/h);
+    selective: the 5as/h term dropped; full: 2 sbh (the table's value, whatever t)."""
+    sbh = s * b * h
+    if recompute == "full":
+        return 2 * sbh
+    score = 0 if recompute == "selective" else 5 * a * s / h
+    if sequence_parallel:
+        return sbh / tp * (34 + score)
+    return sbh * (10 + 24 / tp + score / tp)
+
+
+def kv_heads_per_rank(shape: ModelShape, tp: int) -> int:
+    """KV heads on one TP rank; tp above the KV heads replicates them (seed 003: 8 KV heads at
+    tp 16 -> one per rank, 2 copies each)."""
+    return max(shape.num_kv_heads // tp, 1)
+
+
+def layer_activation_bytes(shape: ModelShape, seq_len: int, micro_batch: int, tp: int = 1,
+                           sequence_parallel: bool = False, cp: int = 1, recompute: str = "none",
+                           flash: bool = True, act_bytes: int = 2) -> float:
+    """Bytes one rank saves for backward in one layer for one micro-batch (module docstring).
+
+    Context parallelism divides the sequence and implies flash-style attention (ring attention
+    merges blocks by log-sum-exp). Full recomputation keeps only the block input, divided by t
+    under SP (Korthikanti's table prints 2sbh regardless)."""
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute must be one of {RECOMPUTE}, not {recompute!r}")
+    e, h, a = act_bytes, shape.hidden, shape.num_heads
+    s, b = seq_len / cp, micro_batch
+    flash = flash or cp > 1
+    replicated_div = tp if sequence_parallel else 1
+    if recompute == "full":
+        return e * s * b * h / replicated_div
+    gpt = shape.block == "gpt"
+    kv_width = kv_heads_per_rank(shape, tp) * shape.head_dim
+    replicated = (4 * e + (2 if gpt else 0)) * s * b * h
+    if gpt:  # GELU input and output (2e sbF); Llama's SwiGLU keeps four F-wide tensors (4e sbF)
+        mlp = 2 * e * shape.ffn / tp
+    else:
+        mlp = 4 * e * shape.ffn / tp
+    sharded = (2 * e * h / tp + 2 * e * kv_width + mlp) * s * b
+    heads = a / tp
+    if recompute == "selective":
+        core = 0.0
+    elif flash:
+        core = e * s * b * h / tp + 4 * heads * s * b
+    else:
+        core = (2 * e + 1 if gpt else e) * heads * s * s * b
+    return replicated / replicated_div + sharded + core
+
+
+def head_activation_bytes(shape: ModelShape, seq_len: int, micro_batch: int, tp: int = 1,
+                          sequence_parallel: bool = False, cp: int = 1, act_bytes: int = 2) -> float:
+    """The last stage's extra per micro-batch: final-norm and head inputs (2e sbh) and the fp32
+    log-probabilities the loss keeps, 4 s b V / t (vocab-parallel head; Korthikanti et al. 2022)."""
+    s, b = seq_len / cp, micro_batch
+    inputs = 2 * act_bytes * s * b * shape.hidden / (tp if sequence_parallel else 1)
+    return inputs + 4 * s * b * shape.vocab / tp
+
+
+def in_flight(schedule: str, pp: int, rank: int, num_microbatches: int, virtual: int = 1) -> float:
+    """Micro-batches whose activations pipeline rank `rank` (0-based) holds at its peak, in units
+    of the rank's whole layer set (a chunk of an interleaved rank counts 1/v).
+
+    gpipe and looped-bfs (all forwards first): all m. 1f1b and zb-h1: p - rank (Narayanan et al.
+    2021: "at most p"; seed 003's p-1 counts the warm-up forwards, one short). interleaved-1f1b:
+    ((v+1)p - 2 rank - 1)/v, which on the first rank is p (1 + (p-1)/(p v)) (Korthikanti et al.
+    2022), and interleaved-zb alike.
+    zbv, dualpipev: p on every rank (ZB-V keeps 1F1B's peak, balanced). All capped at m."""
+    m, p, v = num_microbatches, pp, virtual
+    if pp == 1:
+        return 1.0
+    if schedule in ("gpipe", "looped-bfs"):
+        held = float(m)
+    elif schedule in ("1f1b", "zb-h1"):
+        held = float(p - rank)
+    elif schedule in ("interleaved-1f1b", "interleaved-zb"):
+        held = ((v + 1) * p - 2 * rank - 1) / v
+    elif schedule in ("zbv", "dualpipev"):
+        held = float(p)
+    else:
+        raise ValueError(f"unknown pipeline schedule {schedule!r}")
+    return min(held, float(m))
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Bytes one rank of a pipeline stage holds at its peak, by bucket."""
+
+    rank: int
+    """Pipeline rank (all ranks of one pipeline rank are alike across tp, cp and dp)."""
+    layers: int
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    buffers: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer + self.activations + self.buffers
+
+
+def rank_layers(shape: ModelShape, layout: Layout) -> list[int]:
+    """Transformer blocks on each pipeline rank (a rank sums its virtual stages)."""
+    v = layout.virtual_stages
+    counts = stage_layer_counts(shape.num_layers, layout.pp * v, layout.fewer_edge_layers)
+    owner = stage_ranks(layout.pp, v, layout.schedule)
+    layers = [0] * layout.pp
+    for stage, n in enumerate(counts):
+        layers[owner[stage]] += n
+    return layers
+
+
+def edge_ranks(layout: Layout) -> tuple[int, int]:
+    """(rank holding the embedding, rank holding the head): 0 and pp-1, or 0 and 0 for V schedules."""
+    owner = stage_ranks(layout.pp, layout.virtual_stages, layout.schedule)
+    return owner[0], owner[-1]
+
+
+def rank_params(shape: ModelShape, layout: Layout, rank: int, layers: int) -> float:
+    """Parameters on one rank of a TP group: attention and MLP matrices split t ways (K and V
+    replicated when t exceeds the KV heads), norms replicated, embedding and head split by
+    vocabulary; the embedding on the first stage, head and final norm on the last (a tied
+    matrix is held on both ends when pp > 1, as Megatron does)."""
+    t, h = layout.tp, shape.hidden
+    kv_width = kv_heads_per_rank(shape, t) * shape.head_dim
+    attention = 2 * h * h / t + 2 * h * kv_width
+    mlp = (3 if shape.block == "llama" else 2) * h * shape.ffn / t
+    block = attention + mlp + norm_params(shape)
+    first, last = edge_ranks(layout)
+    table = shape.vocab * h / t
+    params = layers * block
+    if rank == first:
+        params += table + shape.max_positions * h
+    if rank == last:
+        params += norm_params(shape) // 2 + (table if not shape.tie_embeddings or layout.pp > 1 else 0)
+    return params
+
+
+def buffer_bytes(shape: ModelShape, layout: Layout, state: StateBytes, act_bytes: int = 2,
+                 ddp_bucket_bytes: float = 25 * 2**20) -> float:
+    """Communication buffers, a convention rather than a measurement:
+    - ZeRO-3/FSDP: one block's weights all-gathered unsharded plus the next one prefetched, and
+      one block's unsharded gradients before their reduce-scatter; ZeRO-2: the gradients only;
+    - DDP and ZeRO-1: two gradient buckets (one reducing while the next fills; torch's 25 MiB);
+    - pipeline: a send and a receive buffer of one activation."""
+    t, h = layout.tp, shape.hidden
+    kv_width = kv_heads_per_rank(shape, t) * shape.head_dim
+    block = 2 * h * h / t + 2 * h * kv_width + (3 if shape.block == "llama" else 2) * h * shape.ffn / t
+    out = 0.0
+    if layout.zero_stage == 3 and layout.dp_shard > 1:
+        out += 2 * block * state.weights + block * state.gradients
+    elif layout.zero_stage == 2 and layout.dp_shard > 1:
+        out += block * state.gradients
+    elif layout.dp > 1:
+        out += 2 * ddp_bucket_bytes
+    if layout.pp > 1:
+        tokens = layout.tokens_per_microbatch / layout.cp
+        out += 2 * tokens * h * act_bytes / (t if layout.sequence_parallel else 1)
+    return out
+
+
+def rank_memory(shape: ModelShape, layout: Layout, state: StateBytes = StateBytes(),
+                act_bytes: int = 2) -> list[RankMemory]:
+    """Peak bytes per bucket on each pipeline rank."""
+    layers_per_rank = rank_layers(shape, layout)
+    per_layer = layer_activation_bytes(
+        shape, layout.seq_len, layout.micro_batch, layout.tp, layout.sequence_parallel,
+        layout.cp, layout.recompute, layout.flash_attention, act_bytes)
+    working = 0.0
+    if layout.recompute == "full":  # one block rematerialized during its backward
+        working = layer_activation_bytes(
+            shape, layout.seq_len, layout.micro_batch, layout.tp, layout.sequence_parallel,
+            layout.cp, "none", layout.flash_attention, act_bytes)
+    head = head_activation_bytes(shape, layout.seq_len, layout.micro_batch, layout.tp,
+                                 layout.sequence_parallel, layout.cp, act_bytes)
+    _, last = edge_ranks(layout)
+    buffers = buffer_bytes(shape, layout, state, act_bytes)
+    out = []
+    for rank, layers in enumerate(layers_per_rank):
+        held = in_flight(layout.schedule, layout.pp, rank, layout.num_microbatches,
+                         layout.virtual_stages)
+        acts = layers * per_layer * held + working
+        if rank == last:
+            all_forwards_first = layout.schedule in ("gpipe", "looped-bfs")
+            acts += head * (layout.num_microbatches if all_forwards_first else 1)
+        ms = model_state_bytes(rank_params(shape, layout, rank, layers), layout.zero_stage,
+                               layout.zero_shard_degree, state)
+        out.append(RankMemory(rank, layers, ms.weights, ms.gradients, ms.optimizer, acts, buffers))
+    return out
+
+
+def peak_rank(ranks: list[RankMemory]) -> RankMemory:
+    """The pipeline rank that needs the most memory (the first such one on ties)."""
+    return max(ranks, key=lambda r: r.total)
+
+
+def describe_peak(ranks: list[RankMemory], hbm_bytes: float) -> str:
+    """One line naming the rank that peaks, its buckets in GiB, and whether it fits."""
+    r = peak_rank(ranks)
+    parts = ", ".join(f"{name} {getattr(r, name) / GiB:.2f}" for name in
+                      ("weights", "gradients", "optimizer", "activations", "buffers"))
+    verdict = "fits" if r.total <= hbm_bytes else "does not fit"
+    return (f"pipeline rank {r.rank} ({r.layers} layers) peaks at {r.total / GiB:.2f} GiB "
+            f"({parts} GiB): {verdict} in {hbm_bytes / GiB:.1f} GiB")
