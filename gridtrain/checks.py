@@ -189,10 +189,11 @@ def _check_pp(cfg: Config, dims: ParallelDims) -> list[str]:
     if dims.dp >= 1 and cfg.global_batch_seqs % (cfg.train.micro_batch * dims.dp) == 0:
         micro = cfg.global_batch_seqs // (cfg.train.micro_batch * dims.dp)
         need = stages if p.pp_schedule in ("1f1b", "dualpipev") else 1
-        if p.pp_schedule in ("interleaved-1f1b", "interleaved-zb") and micro > dims.pp and micro % dims.pp:
-            problems.append(f"parallel.pp_schedule '{p.pp_schedule}' needs the micro-batches per step "
-                            f"({micro}) to be a multiple of parallel.pp ({dims.pp}): set "
-                            f"train.global_batch to {math.ceil(micro / dims.pp) * dims.pp * cfg.train.micro_batch * dims.dp}")
+        rounds = max(1, micro // dims.pp)  # torch's interleaved schedules run in rounds of pp
+        if p.pp_schedule in ("interleaved-1f1b", "interleaved-zb") and micro % rounds:
+            problems.append(f"parallel.pp_schedule '{p.pp_schedule}' runs micro-batches in {rounds} "
+                            f"rounds, which must divide the micro-batches per step ({micro}): set "
+                            f"train.global_batch to {rounds * dims.pp * cfg.train.micro_batch * dims.dp}")
         elif micro < need:
             problems.append(
                 f"too few micro-batches for parallel.pp_schedule '{p.pp_schedule}': train.global_batch "
