@@ -243,3 +243,19 @@ def test_pipeline_sends_activations_between_stages(runs):
     2*32*64*4 = 16,384 bytes; stage 0 sends 4 activations, stage 1 sends 4 gradients back."""
     for rec in accounting(runs[2], "pp2_1f1b-fp32"):
         assert rec["comm/pp/send_bytes"] == 4 * 2 * 32 * 64 * 4
+
+
+CHECKED = [(2, "ddp2"), (2, "zero2"), (2, "tp2"), (2, "tp2_sp"), (2, "pp2_1f1b"), (2, "pp2_zbv"),
+           (4, "fsdp4"), (4, "hsdp2x2"), (4, "tp4_gqa"), (4, "pp2_tp2"), (4, "pp2_fsdp2"), (8, "pp2_tp2_fsdp2")]
+
+
+@pytest.mark.parametrize("world,name", CHECKED, ids=[n for _, n in CHECKED])
+def test_plan_check_predicts_model_state_bytes(runs, world, name):
+    """`gridtrain plan --check`: predicted parameter, gradient and optimizer bytes per rank equal
+    the bytes each rank measured."""
+    from gridtrain.plan.check import check_run
+
+    rows = [r for r in check_run(runs[world] / f"{name}-fp32") if r.bucket != "activations"]
+    assert len(rows) == 3 * world
+    for row in rows:
+        assert row.predicted == row.measured, (row.rank, row.bucket, row.predicted, row.measured)

@@ -7,6 +7,7 @@ by `accum`, so the accumulated gradient is the gradient of the mean loss over th
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -324,6 +325,15 @@ class Trainer:
                 f"precision {c.train.precision}, peak {self.peak / 1e12:.2f} TFLOP/s per process for MFU\n"
                 + units_table(c, self.dims, self.world.num_nodes))
 
+    def write_config(self) -> None:
+        """<run_dir>/config.json: the resolved configuration and layout, for `gridtrain plan --check`."""
+        record = {"config": dataclasses.asdict(self.cfg), "world_size": self.world.world_size,
+                  "dims": dataclasses.asdict(self.dims), "device": device_name(self.device),
+                  "threads": torch.get_num_threads(), "peak_flops": self.peak}
+        path = Path(self.cfg.run_dir) / "config.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(record, indent=2))
+
     def should(self, interval: int) -> bool:
         return interval > 0 and (self.step % interval == 0 or self.step == self.cfg.train.steps)
 
@@ -332,6 +342,7 @@ class Trainer:
         cfg = self.cfg
         if self.world.rank == 0:
             log.info("%s", self.describe())
+            self.write_config()
         writer = MetricsWriter(Path(cfg.run_dir), cfg.train.steps, self.step, cfg.metrics.tensorboard,
                                cfg.metrics.progress) if self.is_writer else None
         metrics: dict[str, float] = {}

@@ -1,0 +1,140 @@
+"""`gridtrain plan --check RUN_DIR`: the planner's prediction for a finished gridtrain run beside
+what each of its ranks measured (<run_dir>/accounting/rank<r>.jsonl).
+
+The prediction follows gridtrain's runtime conventions exactly: parameters, gradients and AdamW's
+two moments in fp32 (4 bytes each), plus AdamW's step count, one fp32 scalar per parameter tensor;
+tensor parallelism splits column-parallel weights (wq, wk, wv, w1, w3, output) on their rows,
+row-parallel ones (wo, w2) on their columns and the embedding on its vocabulary rows; FSDP (ZeRO 2
+and 3) splits each local tensor's first dimension into dp_shard chunks of ceil(d / N) rows (the
+last chunks may be shorter or empty). One quirk of DTensor is modelled, not assumed away: the
+embedding's gradient under tensor parallelism alone comes back replicated (full size).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from gridtrain.model.args import ModelArgs, model_args
+from gridtrain.parallel.dims import ParallelDims, stage_layer_counts, stage_ranks
+
+COLWISE = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3", "output")
+ROWWISE = ("attention.wo", "feed_forward.w2")
+BUCKETS = ("params", "grads", "optimizer")
+
+
+def parameter_shapes(args: ModelArgs, layers: range, first: bool, last: bool) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of the parameters of a stage holding `layers` (global names)."""
+    h, hd, f = args.dim, args.head_dim, args.hidden_dim
+    shapes: dict[str, tuple[int, ...]] = {}
+    if first:
+        shapes["tok_embeddings.weight"] = (args.vocab_size, h)
+    for i in layers:
+        p = f"layers.{i}."
+        shapes.update({
+            p + "attention_norm.weight": (h,), p + "ffn_norm.weight": (h,),
+            p + "attention.wq.weight": (args.n_heads * hd, h), p + "attention.wk.weight": (args.n_kv_heads * hd, h),
+            p + "attention.wv.weight": (args.n_kv_heads * hd, h), p + "attention.wo.weight": (h, args.n_heads * hd),
+            p + "feed_forward.w1.weight": (f, h), p + "feed_forward.w2.weight": (h, f),
+            p + "feed_forward.w3.weight": (f, h)})
+    if last:
+        shapes["norm.weight"] = (h,)
+        if not (args.tie_embeddings and first):
+            shapes["output.weight"] = (args.vocab_size, h)
+    return shapes
+
+
+def tp_local(name: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
+    if tp == 1 or len(shape) == 1:
+        return shape
+    if name.startswith("tok_embeddings") or any(f"{m}.weight" in name for m in COLWISE):
+        return (shape[0] // tp, *shape[1:])
+    if any(f"{m}.weight" in name for m in ROWWISE):
+        return (shape[0], shape[1] // tp)
+    return shape
+
+
+def fsdp_local(shape: tuple[int, ...], shards: int, index: int) -> tuple[int, ...]:
+    chunk = math.ceil(shape[0] / shards)
+    rows = max(0, min(chunk, shape[0] - index * chunk))
+    return (rows, *shape[1:])
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    return math.prod(shape)
+
+
+def rank_stage_shapes(args: ModelArgs, dims: ParallelDims, parallel: dict, pp_rank: int) -> dict[str, tuple[int, ...]]:
+    virtual, schedule = parallel["pp_virtual_stages"], parallel["pp_schedule"]
+    num_stages = dims.pp * virtual if dims.pp > 1 else 1
+    counts = stage_layer_counts(args.n_layers, num_stages, parallel["pp_fewer_edge_layers"])
+    owners = stage_ranks(dims.pp, virtual, schedule) if dims.pp > 1 else [0]
+    shapes: dict[str, tuple[int, ...]] = {}
+    for stage, owner in enumerate(owners):
+        if owner == pp_rank:
+            start = sum(counts[:stage])
+            shapes.update(parameter_shapes(args, range(start, start + counts[stage]), stage == 0,
+                                           stage == num_stages - 1))
+    return shapes
+
+
+def predict_rank(args: ModelArgs, dims: ParallelDims, parallel: dict, rank: int) -> dict[str, float]:
+    """Predicted bytes per bucket for one rank of the run."""
+    coords = dims.coordinates(rank)
+    zero = parallel["zero_stage"] if dims.world_size > 1 else 0
+    fsdp = zero in (2, 3) and dims.dp > 1
+    params = grads = optimizer = 0
+    for name, shape in rank_stage_shapes(args, dims, parallel, coords["pp"]).items():
+        local = tp_local(name, shape, dims.tp)
+        if fsdp:
+            local = fsdp_local(local, dims.dp_shard, coords["dp_shard"])
+        p = 4 * _numel(local)
+        params += p
+        replicated_grad = dims.tp > 1 and not fsdp and name.startswith("tok_embeddings")
+        grads += 4 * _numel(shape) if replicated_grad else p
+        optimizer += 2 * p + 4
+    if zero == 1 and dims.dp > 1:
+        optimizer = float("nan")  # ZeroRedundancyOptimizer's greedy partition: not modelled
+    return {"params": params, "grads": grads, "optimizer": optimizer}
+
+
+@dataclass
+class CheckRow:
+    rank: int
+    bucket: str
+    predicted: float
+    measured: float
+
+    @property
+    def ratio(self) -> float:
+        return self.measured / self.predicted if self.predicted else float("nan")
+
+
+def check_run(run_dir: Path) -> list[CheckRow]:
+    """Predicted against measured bytes per bucket for every rank that wrote accounting."""
+    record = json.loads((run_dir / "config.json").read_text())
+    cfg, d = record["config"], record["dims"]
+    dims = ParallelDims(**d)
+    model = {k: v for k, v in cfg["model"].items() if k != "preset"}
+    args = model_args(cfg["model"]["preset"], **model)
+    rows = []
+    for path in sorted((run_dir / "accounting").glob("rank*.jsonl")):
+        measured = json.loads(path.read_text().splitlines()[-1])
+        predicted = predict_rank(args, dims, cfg["parallel"], measured["rank"])
+        for bucket in BUCKETS:
+            rows.append(CheckRow(measured["rank"], bucket, predicted[bucket], measured[f"memory/{bucket}_bytes"]))
+        rows.append(CheckRow(measured["rank"], "activations", float("nan"), measured["memory/activations_bytes"]))
+    if not rows:
+        raise FileNotFoundError(f"{run_dir}/accounting has no rank records: was metrics.account_every 0?")
+    return rows
+
+
+def format_check(rows: list[CheckRow]) -> str:
+    lines = [f"{'rank':>4}  {'bucket':<12} {'predicted':>14} {'measured':>14} {'ratio':>7}"]
+    for r in rows:
+        pred = "-" if math.isnan(r.predicted) else f"{r.predicted:,.0f}"
+        ratio = "-" if math.isnan(r.predicted) else f"{r.ratio:.4f}"
+        lines.append(f"{r.rank:>4}  {r.bucket:<12} {pred:>14} {r.measured:>14,.0f} {ratio:>7}")
+    return "\n".join(lines)
