@@ -245,7 +245,7 @@ def test_pipeline_sends_activations_between_stages(runs):
         assert rec["comm/pp/send_bytes"] == 4 * 2 * 32 * 64 * 4
 
 
-CHECKED = [(2, "ddp2"), (2, "zero2"), (2, "tp2"), (2, "tp2_sp"), (2, "pp2_1f1b"), (2, "pp2_zbv"),
+CHECKED = [(2, "ddp2"), (2, "zero2"), (2, "tp2"), (2, "tp2_sp"), (2, "pp2_1f1b"), (2, "pp2_gpipe"), (2, "pp2_zbv"),
            (4, "fsdp4"), (4, "hsdp2x2"), (4, "tp4_gqa"), (4, "pp2_tp2"), (4, "pp2_fsdp2"), (8, "pp2_tp2_fsdp2")]
 
 
@@ -255,7 +255,19 @@ def test_plan_check_predicts_model_state_bytes(runs, world, name):
     the bytes each rank measured."""
     from gridtrain.plan.check import check_run
 
-    rows = [r for r in check_run(runs[world] / f"{name}-fp32") if r.bucket != "activations"]
-    assert len(rows) == 3 * world
-    for row in rows:
+    rows = check_run(runs[world] / f"{name}-fp32")
+    state = [r for r in rows if r.bucket != "activations"]
+    assert len(state) == 3 * world
+    for row in state:
         assert row.predicted == row.measured, (row.rank, row.bucket, row.predicted, row.measured)
+    # Activations: within 3% (the issue's bar) without a pipeline, and on the last stage of a
+    # pipeline that FSDP does not shard. Left open (see the issue note): earlier 1F1B stages hold
+    # one micro-batch more at the forward-to-backward turn than the p - i the census assumes, and
+    # under PP x FSDP the storage FSDP frees after a block can be reused by an activation.
+    layout = LAYOUTS[world][name]
+    pp = layout.get("parallel.pp", 1)
+    for row in rows:
+        if row.bucket != "activations" or row.predicted != row.predicted:
+            continue
+        if pp == 1 or (row.rank // (world // pp) == pp - 1 and "parallel.dp_shard" not in layout):
+            assert row.measured == pytest.approx(row.predicted, rel=0.03), (row.rank, row.predicted, row.measured)

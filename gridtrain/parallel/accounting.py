@@ -3,9 +3,9 @@
 Memory buckets, per rank, at rest after an optimizer step:
 - parameters, gradients, optimizer state: the local storage of each tensor (a DTensor counts its
   local shard only, so ZeRO-3 over N ranks holds 1/N of the parameter bytes);
-- activations: bytes saved for backward during one micro-batch's forward, measured with
-  saved-tensor hooks, each storage counted once and parameters (saved by matmuls for their input
-  gradient) excluded.
+- activations: bytes saved for backward up to the first backward, measured with saved-tensor
+  hooks, each storage counted once; parameters (saved by matmuls for their input gradient, also
+  FSDP's gathered copies) and buffers are excluded.
 
 Collectives come from the flight recorder every rank keeps (TORCH_FR_BUFFER_SIZE, gloo and NCCL
 alike), which sees what DDP, FSDP, DTensor and pipelining issue from C++ as well as Python.
@@ -61,8 +61,11 @@ class SavedActivations:
     (1F1B), or all of them (GPipe). Nothing saved is freed before that turn, so a storage address
     seen twice is the same storage."""
 
-    def __init__(self, params: Iterable[torch.Tensor]) -> None:
-        self._param_ptrs = {_storage_ptr(p) for p in params}
+    def __init__(self, params: Iterable[torch.Tensor], buffers: Iterable[torch.Tensor] = ()) -> None:
+        # Parameters and buffers (RoPE tables) are saved by reference, not held for backward.
+        # (Collecting FSDP's gathered storages by address instead is unsound: FSDP frees them
+        # after each block and the allocator hands the addresses to later activations.)
+        self._param_ptrs = {_storage_ptr(p) for p in (*params, *buffers)}
         self._seen: set[tuple[int, int]] = set()
         self._in_backward = False
         self.bytes = 0
@@ -76,6 +79,9 @@ class SavedActivations:
         local = t.to_local() if isinstance(t, DTensor) else t
         if self._in_backward or local.device.type == "meta":
             return t
+        base = local._base if local._base is not None else local
+        if isinstance(base, torch.nn.Parameter):  # a parameter or a view of one, such as FSDP's
+            return t                              # gathered copy, transposed
         try:
             ptr = _storage_ptr(local)
             key = (ptr, local.untyped_storage().nbytes())

@@ -217,7 +217,8 @@ class Trainer:
             set_lr(opt, lr)
         account = self.accounting_due()
         if account:
-            meter = SavedActivations(self.pmodel.parameters())
+            meter = SavedActivations(self.pmodel.parameters(),
+                                     [b for part in self.pmodel.parts for b in part.buffers()])
             if self.comm_log:
                 self.comm_log.start()
             sent_before = self.pmodel.traffic.send_bytes if self.pmodel.traffic else 0
