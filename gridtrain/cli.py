@@ -1,4 +1,4 @@
-"""The `gridtrain` command: train, model, data prepare, calibrate, plot."""
+"""The `gridtrain` command: train, model, data prepare, calibrate, plan, plot."""
 
 from __future__ import annotations
 
@@ -118,12 +118,61 @@ def cmd_calibrate(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace, extra: list[str]) -> int:
+    if args.check:
+        from gridtrain.plan.check import check_run, format_check
+
+        run_dir = Path(args.check)
+        if not (run_dir / "config.json").is_file():
+            print(f"gridtrain: {run_dir} is not a gridtrain run directory (no config.json): "
+                  "give the run_dir of a finished `gridtrain train`", file=sys.stderr)
+            return 2
+        print(format_check(check_run(run_dir)))
+        return 0
+    from gridtrain.plan.app import run_plan
+
+    return run_plan(args, extra)
+
+
 def cmd_plot(args: argparse.Namespace, extra: list[str]) -> int:
     from gridtrain.train.plot import plot_run
 
     out = plot_run(Path(args.run_dir), Path(args.out) if args.out else None)
     print(f"wrote {out}")
     return 0
+
+
+def add_plan_parser(sub: argparse._SubParsersAction) -> None:
+    """`gridtrain plan`'s options (model.* keys come as extra arguments, as for train)."""
+    p = sub.add_parser("plan", help="memory, step time, cost and the best layouts for a model on a cluster; "
+                       "--model.KEY VALUE overrides the model's shape")
+    p.add_argument("--model", default="llama3-8b", help="a model preset (see `gridtrain model --list`)")
+    p.add_argument("--arch", default="llama", choices=["llama", "gpt"],
+                   help="block family: llama (RMSNorm, GQA, SwiGLU) or gpt (LayerNorm, GELU ffn = 4h, learned positions)")
+    p.add_argument("--gpu", default="h100", help="accelerator: h100, h200, a100, a100-40gb, b200, v100, tpu-v5p, ...")
+    p.add_argument("--cluster", help="a cluster shape (dgx-h100, selene-a100, or one from --hardware)")
+    p.add_argument("--hardware", help="TOML file of [accelerator.NAME] and [cluster.NAME] tables")
+    p.add_argument("--num-gpus", default="8", help="GPUs (K/M suffixes allowed)")
+    p.add_argument("--seq-len", help="tokens per sequence (default: the model's context)")
+    p.add_argument("--global-batch-tokens", help="tokens per optimizer step, e.g. 16M")
+    p.add_argument("--global-batch", help="sequences per optimizer step (instead of --global-batch-tokens)")
+    p.add_argument("--tokens", help="training tokens, e.g. 15.6T (default: Chinchilla, 20 per parameter)")
+    p.add_argument("--layout", help="fix some choices: tp=8,pp=16,cp=1,dp=128,zero=1,mb=1,recompute=full,"
+                   "schedule=interleaved-1f1b,v=2 (the search fills in the rest)")
+    p.add_argument("--top", type=int, default=10, help="layouts to rank")
+    p.add_argument("--hbm-usable", type=float, default=0.9, help="share of HBM a layout may plan for")
+    p.add_argument("--no-flash", action="store_true", help="attention keeps its s x s scores")
+    p.add_argument("--price", type=float, help="$ per GPU-hour (default: the cluster's, $2)")
+    p.add_argument("--pue", type=float, default=1.4, help="facility power usage effectiveness")
+    p.add_argument("--electricity-price", type=float, default=0.05, help="$ per kWh")
+    p.add_argument("--mtbf-hours", type=float, default=50_000, help="mean time between failures of one GPU, hours")
+    p.add_argument("--check", metavar="RUN_DIR", help="the prediction for a finished gridtrain run beside "
+                   "what its ranks measured (memory per bucket)")
+    p.add_argument("--json", action="store_true", help="emit the whole plan as JSON")
+    p.add_argument("--explain", action="store_true", help="show each formula with its numbers")
+    p.add_argument("--reference", action="store_true",
+                   help="predicted vs measured TFLOP/s for Megatron-LM's SC21 Table 1")
+    p.set_defaults(func=cmd_plan)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -154,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int)
     p.add_argument("--seconds", type=float, default=2.0, help="time per precision")
     p.set_defaults(func=cmd_calibrate)
+    add_plan_parser(sub)
     p = sub.add_parser("plot", help="PNG of a run's loss and throughput curves")
     p.add_argument("run_dir")
     p.add_argument("--out", help="default: RUN_DIR/curves.png")
@@ -167,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if argv is not None:
         args.argv = argv
-    if extra and args.command not in ("train", "model"):
+    if extra and args.command not in ("train", "model", "plan"):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.func(args, extra)

@@ -20,7 +20,7 @@ class StepUnits:
     tp_groups: int
     """Tensor-parallel groups (each tp GPUs): one per (pipeline stage, replica, cp rank)."""
     pipeline_stages: int
-    """Pipeline-stage groups across the cluster (each one TP group)."""
+    """Pipeline-stage groups across the cluster (each one TP group, or tp x cp GPUs with CP)."""
     model_parallel_gpus: int
     """GPUs per model copy: tp x pp x cp."""
     replicas: int
@@ -46,7 +46,7 @@ def step_units(num_gpus: int, gpus_per_node: int, tp: int, pp: int, num_layers: 
     tokens = micro_batch * seq_len
     global_tokens = tokens * accumulation * replicas
     return StepUnits(num_gpus, math.ceil(num_gpus / gpus_per_node), num_gpus // tp,
-                     num_gpus // tp, mp, replicas, num_layers / pp, tokens, accumulation,
+                     num_gpus // (tp * cp), mp, replicas, num_layers / pp, tokens, accumulation,
                      global_tokens, total_tokens / global_tokens)
 
 

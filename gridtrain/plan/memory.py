@@ -28,9 +28,10 @@ At e = 2 without TP: s b h (12 + 4k/a + 8F/h) + 2 a s^2 b; Llama 3 70B (k/a = 1/
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
-from gridtrain.parallel.dims import stage_layer_counts, stage_ranks
+from gridtrain.parallel.dims import V_SCHEDULES, stage_layer_counts, stage_ranks
 from gridtrain.plan.layout import RECOMPUTE, Layout
 from gridtrain.plan.shape import ModelShape, norm_params
 
@@ -100,6 +101,13 @@ def model_state_bytes(num_params: float, zero_stage: int, shard: int,
     )
 
 
+@functools.lru_cache(maxsize=1024)
+def state_bytes_per_param(zero_stage: int, shard: int, state: StateBytes = StateBytes()) -> float:
+    """Model-state bytes per parameter on one rank: model_state_bytes(1, ...).total (16 at stage 0
+    with mixed-precision Adam, 4 + 12/N at stage 1, 2 + 14/N at 2, 16/N at 3)."""
+    return model_state_bytes(1, zero_stage, shard, state).total
+
+
 def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, tp: int = 1,
                             sequence_parallel: bool = False, recompute: str = "none") -> float:
     """Korthikanti et al. 2022, Table 2, per GPT layer, 16-bit activations with dropout.
@@ -121,6 +129,7 @@ def kv_heads_per_rank(shape: ModelShape, tp: int) -> int:
     return max(shape.num_kv_heads // tp, 1)
 
 
+@functools.lru_cache(maxsize=8192)
 def layer_activation_bytes(shape: ModelShape, seq_len: int, micro_batch: int, tp: int = 1,
                            sequence_parallel: bool = False, cp: int = 1, recompute: str = "none",
                            flash: bool = True, act_bytes: int = 2) -> float:
@@ -155,6 +164,7 @@ def layer_activation_bytes(shape: ModelShape, seq_len: int, micro_batch: int, tp
     return replicated / replicated_div + sharded + core
 
 
+@functools.lru_cache(maxsize=4096)
 def head_activation_bytes(shape: ModelShape, seq_len: int, micro_batch: int, tp: int = 1,
                           sequence_parallel: bool = False, cp: int = 1, act_bytes: int = 2) -> float:
     """The last stage's extra per micro-batch: final-norm and head inputs (2e sbh) and the fp32
@@ -209,19 +219,26 @@ class RankMemory:
 
 def rank_layers(shape: ModelShape, layout: Layout) -> list[int]:
     """Transformer blocks on each pipeline rank (a rank sums its virtual stages)."""
-    v = layout.virtual_stages
-    counts = stage_layer_counts(shape.num_layers, layout.pp * v, layout.fewer_edge_layers)
-    owner = stage_ranks(layout.pp, v, layout.schedule)
-    layers = [0] * layout.pp
+    return list(layers_per_rank(shape.num_layers, layout.pp, layout.virtual_stages, layout.schedule,
+                                layout.fewer_edge_layers))
+
+
+@functools.lru_cache(maxsize=4096)
+def layers_per_rank(num_layers: int, pp: int, virtual: int, schedule: str,
+                    fewer_edge_layers: int = 0) -> tuple[int, ...]:
+    """rank_layers by its arguments (cached: the layout search asks for the same few splits often)."""
+    counts = stage_layer_counts(num_layers, pp * virtual, fewer_edge_layers)
+    owner = stage_ranks(pp, virtual, schedule)
+    layers = [0] * pp
     for stage, n in enumerate(counts):
         layers[owner[stage]] += n
-    return layers
+    return tuple(layers)
 
 
 def edge_ranks(layout: Layout) -> tuple[int, int]:
-    """(rank holding the embedding, rank holding the head): 0 and pp-1, or 0 and 0 for V schedules."""
-    owner = stage_ranks(layout.pp, layout.virtual_stages, layout.schedule)
-    return owner[0], owner[-1]
+    """(rank holding the embedding, rank holding the head): 0 and pp-1, or 0 and 0 for V schedules
+    (the owners of the first and last stage in stage_ranks, without building the whole list)."""
+    return 0, (0 if layout.schedule in V_SCHEDULES else layout.pp - 1)
 
 
 def rank_params(shape: ModelShape, layout: Layout, rank: int, layers: int) -> float:
@@ -268,9 +285,9 @@ def buffer_bytes(shape: ModelShape, layout: Layout, state: StateBytes, act_bytes
 
 
 def rank_memory(shape: ModelShape, layout: Layout, state: StateBytes = StateBytes(),
-                act_bytes: int = 2) -> list[RankMemory]:
-    """Peak bytes per bucket on each pipeline rank."""
-    layers_per_rank = rank_layers(shape, layout)
+                act_bytes: int = 2, ranks: tuple[int, ...] | None = None) -> list[RankMemory]:
+    """Peak bytes per bucket on each pipeline rank (only on `ranks` when given)."""
+    counts = rank_layers(shape, layout)
     per_layer = layer_activation_bytes(
         shape, layout.seq_len, layout.micro_batch, layout.tp, layout.sequence_parallel,
         layout.cp, layout.recompute, layout.flash_attention, act_bytes)
@@ -284,7 +301,9 @@ def rank_memory(shape: ModelShape, layout: Layout, state: StateBytes = StateByte
     _, last = edge_ranks(layout)
     buffers = buffer_bytes(shape, layout, state, act_bytes)
     out = []
-    for rank, layers in enumerate(layers_per_rank):
+    for rank, layers in enumerate(counts):
+        if ranks is not None and rank not in ranks:
+            continue
         held = in_flight(layout.schedule, layout.pp, rank, layout.num_microbatches,
                          layout.virtual_stages)
         acts = layers * per_layer * held + working

@@ -1,0 +1,162 @@
+"""`gridtrain plan`: parse the question, search the layouts, print (or emit as JSON) the plan.
+
+Inputs that cannot be planned end here as PlanError: the message goes to stderr with the fix,
+and the command returns 2 (never a traceback)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import replace
+from typing import TextIO
+
+from gridtrain.config import ConfigError, parse_overrides
+from gridtrain.plan import budget, explain, render
+from gridtrain.plan.inputs import (batch_sequences, check_constraints, constraints_label, parse_count,
+                                   parse_layout, resolve_cluster, resolve_model)
+from gridtrain.plan.memory import GiB
+from gridtrain.plan.report import Assumptions, build_report, layout_dict
+from gridtrain.plan.search import Candidate, Constraints, PlanError, Problem, SearchResult, degree_options, search
+from gridtrain.plan.shape import param_counts
+
+DEFAULT_BATCH_TOKENS = 2**22
+"""~4M tokens per step when no batch is given (seed 000: 512 x 8,192 = 4,194,304)."""
+
+
+def build_problem(args: argparse.Namespace, extra: list[str]) -> tuple[Problem, str, float, list[str]]:
+    """(problem, model name, training tokens, notes) from the command line."""
+    try:
+        overrides = parse_overrides(extra)
+    except ConfigError as e:
+        raise PlanError("; ".join(e.problems)) from None
+    model = resolve_model(args.model, overrides, args.arch)
+    cluster = resolve_cluster(args.gpu, args.cluster, args.hardware)
+    if args.price is not None:
+        cluster = replace(cluster, price_per_gpu_hour=args.price)
+    notes: list[str] = []
+    seq_len = int(parse_count(args.seq_len, "--seq-len")) if args.seq_len else model.max_seq_len
+    if args.global_batch:
+        seqs = int(parse_count(args.global_batch, "--global-batch"))
+    elif args.global_batch_tokens:
+        seqs, note = batch_sequences(args.global_batch_tokens, seq_len)
+        notes += [note] if note else []
+    else:
+        seqs = max(1, DEFAULT_BATCH_TOKENS // seq_len)
+        notes.append(f"no batch given: {seqs:,} sequences x {seq_len:,} = {seqs * seq_len:,} tokens per step")
+    num_gpus = int(parse_count(args.num_gpus, "--num-gpus"))
+    if args.tokens:
+        tokens = parse_count(args.tokens, "--tokens")
+    else:
+        tokens = budget.chinchilla_tokens(param_counts(model.shape).total)
+        notes.append(f"no --tokens: the Chinchilla-optimal {tokens:.3g} (20 per parameter)")
+    if not 0 < args.hbm_usable <= 1:
+        raise PlanError(f"--hbm-usable {args.hbm_usable} must be in (0, 1]")
+    problem = Problem(model.shape, cluster, num_gpus, seq_len, seqs, flash_attention=not args.no_flash,
+                      hbm_usable=args.hbm_usable)
+    return problem, model.name, tokens, notes
+
+
+def _leanest_text(problem: Problem, cand: Candidate) -> str:
+    m = cand.memory
+    buckets = ", ".join(f"{b} {getattr(m, b) / GiB:.1f}" for b in
+                        ("weights", "gradients", "optimizer", "activations", "buffers"))
+    return (f"the leanest, {render.layout_label(layout_dict(cand.layout))}, needs {m.total / GiB:.1f} GiB on "
+            f"pipeline rank {m.rank} ({buckets} GiB) against {problem.memory_limit / GiB:.1f} GiB usable "
+            f"({problem.hbm_usable:.0%} of {problem.cluster.accelerator.hbm_gb:g} GB)")
+
+
+def _relaxations(problem: Problem, c: Constraints) -> list[str]:
+    """Each fixed choice dropped in turn: which leave a layout that fits."""
+    out = []
+    for key in c.given():
+        found = search(problem, replace(c, **{key: None}), top=1)
+        if found.ranked:
+            best = found.ranked[0]
+            out.append(f"without {key}: {render.layout_label(layout_dict(best.layout))} fits "
+                       f"({best.memory.total / GiB:.1f} GiB, MFU {best.time.mfu:.1%})")
+    return out
+
+
+def _more_gpus(problem: Problem) -> str:
+    """The smallest multiple (x2 ... x64) of the GPU count at which some layout fits."""
+    for factor in (2, 4, 8, 16, 32, 64):
+        bigger = replace(problem, num_gpus=problem.num_gpus * factor)
+        found = search(bigger, top=1)
+        if found.ranked:
+            return (f"plan for {bigger.num_gpus:,} GPUs (--num-gpus {bigger.num_gpus}): "
+                    f"{render.layout_label(layout_dict(found.ranked[0].layout))} fits")
+    state = param_counts(problem.shape).total * problem.state.total
+    return f"the model state alone is {state / 1e12:.1f} TB: use GPUs with more memory"
+
+
+def no_fit_message(problem: Problem, c: Constraints, result: SearchResult) -> str:
+    """Why nothing fits, and what would."""
+    what = f"with {constraints_label(c)} " if c.given() else ""
+    head = f"no layout {what}of this model fits on {problem.num_gpus:,} x {problem.cluster.accelerator.name}"
+    if result.leanest is None and not degree_options(problem, c):
+        return (f"{head}: no tp x cp x pp x dp = {problem.num_gpus:,} leaves a dp that divides the global "
+                f"batch of {problem.global_batch_seqs:,} sequences: make the batch a multiple of a power of "
+                "two" + (", or loosen --layout" if c.given() else ""))
+    if result.leanest is None:
+        return (f"{head}: the micro-batch, schedule and virtual stages leave no valid combination (1F1B "
+                "needs m >= pp micro-batches, ZB-V m >= 2 pp, interleaved schedules v >= 2 and micro-batches "
+                "in rounds of pp): loosen --layout")
+    fixes = _relaxations(problem, c) if c.given() else [_more_gpus(problem)]
+    return f"{head}: {_leanest_text(problem, result.leanest)}.\n  try: " + "\n  try: ".join(
+        fixes or ["more GPUs, or --hbm-usable closer to 1"])
+
+
+def fit_line(problem: Problem, c: Constraints, chosen: Candidate) -> str:
+    """Why the chosen layout fits: its peak against the limit, and the largest bucket."""
+    m = chosen.memory
+    biggest = max(("weights", "gradients", "optimizer", "activations", "buffers"), key=lambda b: getattr(m, b))
+    fixed = f"--layout {constraints_label(c)}: " if c.given() else ""
+    return (f"{fixed}fits: pipeline rank {m.rank} peaks at {m.total / GiB:.1f} GiB of {problem.memory_limit / GiB:.1f} "
+            f"GiB usable ({(problem.memory_limit - m.total) / GiB:.1f} GiB spare; largest bucket {biggest} "
+            f"{getattr(m, biggest) / GiB:.1f} GiB)")
+
+
+def plan(args: argparse.Namespace, extra: list[str], out: TextIO) -> int:
+    problem, name, tokens, notes = build_problem(args, extra)
+    constraints = parse_layout(args.layout) if args.layout else Constraints()
+    problems = check_constraints(problem, constraints)
+    if problems:
+        raise PlanError("--layout is inconsistent:\n  " + "\n  ".join(problems))
+    start = time.perf_counter()
+    result = search(problem, constraints, top=args.top)
+    seconds = time.perf_counter() - start
+    if not result.ranked:
+        raise PlanError(no_fit_message(problem, constraints, result))
+    chosen = result.ranked[0]
+    assumptions = Assumptions(price_per_gpu_hour=problem.cluster.price_per_gpu_hour, pue=args.pue,
+                              electricity_per_kwh=args.electricity_price, mtbf_gpu_hours=args.mtbf_hours)
+    report = build_report(problem, result, chosen, name, tokens, assumptions, seconds)
+    report["notes"] = notes + [fit_line(problem, constraints, chosen)]
+    lines = explain.explain(problem, chosen, report) if args.explain or args.json else None
+    if args.json:
+        report["explain"] = lines
+        json.dump(report, out, indent=2)
+        out.write("\n")
+    else:
+        out.write(render.render_report(report, lines if args.explain else None) + "\n\n")
+        out.write(f"chosen layout: --layout {render.layout_label(report['chosen']['layout'])}\n")
+        out.write("".join(f"note: {n}\n" for n in report["notes"]))
+    return 0
+
+
+def run_plan(args: argparse.Namespace, extra: list[str], out: TextIO | None = None,
+             err: TextIO | None = None) -> int:
+    """The command: 0 with a plan on `out`, 2 with the reason and a fix on `err`."""
+    out, err = out or sys.stdout, err or sys.stderr
+    try:
+        if args.reference:
+            from gridtrain.plan.reference import reference_rows, render_reference
+
+            out.write(render_reference(reference_rows()) + "\n")
+            return 0
+        return plan(args, extra, out)
+    except PlanError as e:
+        err.write(f"gridtrain plan: {e}\n")
+        return 2

@@ -1,0 +1,130 @@
+"""Where each mesh axis lands on a cluster, and what a collective over it costs there.
+
+The planner places the axes innermost (fastest links) to outermost as comm.AXIS_ORDER_INNER_TO_OUTER
+says, tp, cp, pp, dp (Llama 3 paper, sec. 3.3.2), so the ranks of one group are `stride` GPUs apart,
+stride being the product of the degrees inside it (tp: 1, cp: tp, pp: tp x cp, dp: tp x cp x pp;
+HSDP's dp_shard sits inside dp_replicate). For 16 GPUs, 8 per node, tp 2, pp 2, dp 4:
+
+    GPU:   0 1 2 3 4 5 6 7 | 8 9 ...
+    tp:    0 1 0 1 0 1 0 1 | 0 1
+    pp:    0 0 1 1 0 0 1 1 | 0 0
+    dp:    0 0 0 0 1 1 1 1 | 2 2
+
+A group of `degree` ranks splits into levels: the ranks that share a node (NVLink), then the nodes
+that share a pod (full-bisection fabric, one NIC per GPU), then the pods (the fabric above them
+oversubscribed, so each GPU gets inter-node bandwidth / oversubscription). A collective runs level
+by level (two-level NCCL/Horovod style, generalized): reduce-scatter inside the innermost level,
+the next level on 1/k of the payload, all-gather back. Each level costs the ring's bytes over its
+link's achieved bandwidth plus the link's measured small-message latency once (the specs' 13 us and
+55 us are whole small collectives, seed 004, not per ring step).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+from gridtrain.plan import comm
+from gridtrain.plan.specs import ClusterSpec
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Level:
+    ranks: int
+    """Ranks of the group that meet at this level (k)."""
+    link: comm.Link
+    """Bandwidth per GPU one way, achieved efficiency, latency of one small collective."""
+    name: str
+    """'node', 'pod' or 'cluster'."""
+
+
+def _largest_divisor_at_most(n: int, bound: int) -> int:
+    bound = max(1, min(n, bound))
+    return max(d for d in range(1, bound + 1) if n % d == 0)
+
+
+@functools.lru_cache(maxsize=4096)
+def axis_levels(cluster: ClusterSpec, degree: int, stride: int, intra_efficiency: float,
+                inter_efficiency: float) -> tuple[Level, ...]:
+    """The levels a group of `degree` ranks, `stride` GPUs apart, spans on `cluster` (innermost
+    first; levels of one rank are left out, so a group of one has none)."""
+    g = cluster.gpus_per_node
+    pod_gpus = g * cluster.nodes_per_pod if cluster.nodes_per_pod else math.inf
+    intra = comm.Link(cluster.intra_node_gb_per_s * GB, cluster.intra_node_latency_s, intra_efficiency)
+    inter = comm.Link(cluster.inter_node_gb_per_s * GB, cluster.inter_node_latency_s, inter_efficiency)
+    cross = comm.Link(cluster.cross_pod_gb_per_s * GB, cluster.inter_node_latency_s, inter_efficiency)
+    levels: list[Level] = []
+    left, span = degree, stride
+    in_node = _largest_divisor_at_most(left, g // span) if span < g else 1
+    if in_node > 1:
+        levels.append(Level(in_node, intra, "node"))
+    left, span = left // in_node, span * in_node
+    if left > 1 and pod_gpus != math.inf:
+        in_pod = _largest_divisor_at_most(left, int(pod_gpus // max(span, g)))
+        if in_pod > 1:
+            levels.append(Level(in_pod, inter, "pod"))
+        left //= in_pod
+        if left > 1:
+            levels.append(Level(left, cross, "cluster"))
+    elif left > 1:
+        levels.append(Level(left, inter, "pod"))
+    return tuple(levels)
+
+
+def _level_time(kind: str, payload: float, level: Level) -> float:
+    link = comm.Link(level.link.bytes_per_s, 0.0, level.link.efficiency)
+    if kind == "all_reduce":
+        return comm.ring_all_reduce_time(payload, level.ranks, link) + level.link.latency_s
+    return comm.reduce_scatter_time(payload, level.ranks, link) + level.link.latency_s
+
+
+def all_reduce_time(payload: float, levels: tuple[Level, ...]) -> float:
+    """All-reduce of a `payload`-byte tensor over the levels: reduce-scatter inside the innermost,
+    all-reduce of payload/k over the rest, all-gather back (inter-level bytes per GPU shrink by k)."""
+    if not levels:
+        return 0.0
+    if len(levels) == 1:
+        return _level_time("all_reduce", payload, levels[0])
+    inner = levels[0]
+    edge = 2 * _level_time("reduce_scatter", payload, inner)
+    return edge + all_reduce_time(payload / inner.ranks, levels[1:])
+
+
+def reduce_scatter_time(payload: float, levels: tuple[Level, ...]) -> float:
+    """Reduce-scatter of a `payload`-byte tensor, level by level (all-gather costs the same)."""
+    total = 0.0
+    for level in levels:
+        total += _level_time("reduce_scatter", payload, level)
+        payload /= level.ranks
+    return total
+
+
+all_gather_time = reduce_scatter_time
+
+
+def p2p_time(payload: float, cluster: ClusterSpec, degree: int, stride: int, intra_efficiency: float,
+             inter_efficiency: float) -> float:
+    """One send between neighbours of a group of `degree` ranks `stride` GPUs apart (a pipeline,
+    a ring-attention ring), at the pace of its slowest hop: NVLink when the whole group is inside
+    a node, the NIC when it stays inside a pod, the oversubscribed fabric otherwise."""
+    g = cluster.gpus_per_node
+    pod_gpus = g * cluster.nodes_per_pod if cluster.nodes_per_pod else math.inf
+    span = degree * stride
+    if span <= g:
+        link = comm.Link(cluster.intra_node_gb_per_s * GB, cluster.intra_node_latency_s, intra_efficiency)
+    elif span <= pod_gpus:
+        link = comm.Link(cluster.inter_node_gb_per_s * GB, cluster.inter_node_latency_s, inter_efficiency)
+    else:
+        link = comm.Link(cluster.cross_pod_gb_per_s * GB, cluster.inter_node_latency_s, inter_efficiency)
+    return comm.p2p_time(payload, link)
+
+
+def describe_levels(levels: tuple[Level, ...]) -> str:
+    """'8 in a node (NVLink 300 GB/s) x 16 across nodes (50 GB/s)'; 'one rank' when empty."""
+    if not levels:
+        return "one rank"
+    where = {"node": "in a node", "pod": "across nodes", "cluster": "across pods"}
+    return " x ".join(f"{lv.ranks} {where[lv.name]} ({lv.link.bytes_per_s / GB:g} GB/s)" for lv in levels)

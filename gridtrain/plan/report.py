@@ -1,0 +1,133 @@
+"""Everything `gridtrain plan` reports, as plain data (the JSON of `--json`; render.py prints it):
+the units of one step, the ranked layouts, memory by bucket, the step-time breakdown, throughput,
+the run's budget and its checkpoint cadence. Every assumption that is not an input is stated in
+`Assumptions` and copied into the report.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from gridtrain.plan import budget, reliability
+from gridtrain.plan.layout import Layout
+from gridtrain.plan.memory import GiB
+from gridtrain.plan.search import Candidate, Problem, SearchResult
+from gridtrain.plan.shape import param_counts
+
+BUCKETS = ("weights", "gradients", "optimizer", "activations", "buffers")
+
+
+@dataclass(frozen=True)
+class Assumptions:
+    """What the plan assumes beyond its inputs (each printed with the plan)."""
+
+    price_per_gpu_hour: float = 2.0
+    """Rental price, $ per GPU-hour (seed 003)."""
+    pue: float = 1.4
+    """Facility power usage effectiveness: cooling, network, storage on top of the GPUs (seed 003)."""
+    electricity_per_kwh: float = 0.05
+    """$ per kWh (seed 003's hyperscaler rate)."""
+    mtbf_gpu_hours: float = 50_000.0
+    """Mean time between failures of one GPU (with its share of host, network and software).
+    Llama 3 405B: 419 unexpected interruptions in 54 days on 16,384 GPUs (Llama 3 paper, sec.
+    3.3.4) is 54 x 24 x 16,384 / 419 = 50,700 GPU-hours per failure."""
+    writer_gb_per_s: float = 2.0
+    """Checkpoint write bandwidth of one writing rank, GB/s."""
+    storage_gb_per_s: float = 2000.0
+    """Aggregate bandwidth of the checkpoint storage, GB/s (Llama 3's Tectonic: 2 TB/s sustained)."""
+
+
+def layout_dict(layout: Layout) -> dict[str, object]:
+    out = asdict(layout)
+    out["dp"] = layout.dp
+    return out
+
+
+def candidate_dict(cand: Candidate) -> dict[str, object]:
+    """One ranked layout: its degrees, step time by part, throughput and peak memory."""
+    st = cand.time
+    return {"layout": layout_dict(cand.layout), "step_s": st.total_s, "parts_s": st.parts(),
+            "tokens_per_s": st.tokens_per_s, "mfu": st.mfu, "hfu": st.hfu,
+            "model_tflops_per_gpu": st.model_tflops_per_gpu,
+            "hardware_tflops_per_gpu": st.hardware_tflops_per_gpu,
+            "peak_rank": cand.memory.rank, "peak_GiB": cand.memory.total / GiB}
+
+
+def units_dict(problem: Problem, layout: Layout, total_tokens: float) -> dict[str, object]:
+    """Seed 000's units of one step for the layout (budget.step_units)."""
+    u = budget.step_units(problem.num_gpus, problem.cluster.gpus_per_node, layout.tp, layout.pp,
+                          problem.shape.num_layers, layout.micro_batch, layout.seq_len,
+                          layout.num_microbatches, total_tokens, layout.cp)
+    return asdict(u) | {"gpus_per_node": problem.cluster.gpus_per_node, "tp": layout.tp,
+                        "cp": layout.cp, "pp": layout.pp, "micro_batch": layout.micro_batch,
+                        "seq_len": layout.seq_len, "virtual_stages": layout.virtual_stages}
+
+
+def memory_dict(problem: Problem, cand: Candidate) -> dict[str, object]:
+    """The peak rank's buckets against HBM."""
+    m = cand.memory
+    acc = problem.cluster.accelerator
+    return {"rank": m.rank, "layers": m.layers, "buckets_GiB": {b: getattr(m, b) / GiB for b in BUCKETS},
+            "total_GiB": m.total / GiB, "hbm_GiB": acc.hbm_bytes / GiB,
+            "limit_GiB": problem.memory_limit / GiB, "hbm_usable": problem.hbm_usable,
+            "fits": m.total <= problem.memory_limit}
+
+
+def budget_dict(problem: Problem, cand: Candidate, total_tokens: float, a: Assumptions) -> dict[str, float]:
+    """Total compute, days at the predicted throughput, GPU-hours, cost, energy."""
+    n, acc = problem.num_gpus, problem.cluster.accelerator
+    params = param_counts(problem.shape).total
+    days = total_tokens / cand.time.tokens_per_s / 86_400
+    hours = budget.gpu_hours(n, days)
+    kwh = budget.energy_kwh(n, acc.power_w, days, a.pue)
+    six_nd = budget.training_flops(params, total_tokens)
+    return {"tokens": total_tokens, "params": params,
+            "model_flops": cand.time.model_flops_per_token * total_tokens,
+            "six_nd_flops": six_nd, "pf_days_6nd": budget.pf_days(six_nd), "days": days,
+            "optimizer_steps": total_tokens / cand.layout.global_batch_tokens,
+            "gpu_hours": hours, "cost_usd": hours * a.price_per_gpu_hour, "energy_kwh": kwh,
+            "electricity_usd": kwh * a.electricity_per_kwh,
+            "chinchilla_tokens": budget.chinchilla_tokens(params)}
+
+
+def checkpoint_dict(problem: Problem, cand: Candidate, days: float, a: Assumptions) -> dict[str, float]:
+    """Checkpoint size and write time; Young's and Daly's intervals at the cluster's MTBF; the work
+    and money a failure costs (restart = reloading the checkpoint)."""
+    layout = cand.layout
+    size = reliability.checkpoint_bytes(param_counts(problem.shape).total)
+    writers = min(problem.num_gpus, layout.model_parallel * layout.zero_shard_degree)
+    write_s = reliability.checkpoint_write_seconds(size, a.writer_gb_per_s * 1e9, writers,
+                                                   a.storage_gb_per_s * 1e9)
+    mtbf_s = reliability.cluster_mtbf(a.mtbf_gpu_hours * 3600, problem.num_gpus)
+    daly = reliability.daly_interval(write_s, mtbf_s)
+    return {"size_bytes": size, "writers": writers, "write_s": write_s, "cluster_mtbf_s": mtbf_s,
+            "young_s": reliability.young_interval(write_s, mtbf_s), "daly_s": daly,
+            "steps_between": max(1.0, daly // cand.time.total_s),
+            "waste_fraction": reliability.waste_fraction(daly, write_s, mtbf_s),
+            "expected_failures": reliability.expected_failures(days * 86_400, mtbf_s),
+            "cost_per_failure_usd": reliability.cost_per_failure(
+                problem.num_gpus, a.price_per_gpu_hour, daly, restart_s=write_s)}
+
+
+def problem_dict(problem: Problem, model_name: str) -> dict[str, object]:
+    s, cl = problem.shape, problem.cluster
+    return {"model": model_name, "shape": asdict(s), "params": param_counts(s).total,
+            "cluster": cl.name, "accelerator": cl.accelerator.name, "num_gpus": problem.num_gpus,
+            "gpus_per_node": cl.gpus_per_node, "seq_len": problem.seq_len,
+            "global_batch_seqs": problem.global_batch_seqs,
+            "global_batch_tokens": problem.global_batch_seqs * problem.seq_len,
+            "efficiency": asdict(problem.eff), "flash_attention": problem.flash_attention}
+
+
+def build_report(problem: Problem, result: SearchResult, chosen: Candidate, model_name: str,
+                 total_tokens: float, a: Assumptions, search_s: float) -> dict[str, object]:
+    """The whole plan for `chosen` (normally result.ranked[0])."""
+    bud = budget_dict(problem, chosen, total_tokens, a)
+    return {"problem": problem_dict(problem, model_name), "assumptions": asdict(a),
+            "search": {"enumerated": result.enumerated, "evaluated": result.evaluated,
+                       "seconds": search_s},
+            "chosen": candidate_dict(chosen),
+            "units": units_dict(problem, chosen.layout, total_tokens),
+            "ranked": [candidate_dict(c) for c in result.ranked],
+            "memory": memory_dict(problem, chosen), "budget": bud,
+            "checkpoint": checkpoint_dict(problem, chosen, bud["days"], a)}

@@ -1,0 +1,336 @@
+"""Predicted step time: compute + exposed communication + pipeline bubble, with one set of
+physical constants (`Efficiency`), and the throughput it implies (tokens/s, TFLOP/s, MFU, HFU).
+
+One step on the slowest pipeline rank:
+
+    step = m x t_mb + bubble + pipeline sends + exposed DP/FSDP + optimizer
+    t_mb = layers x (matmul + memory-bound + overhead + TP + exposed CP) [+ embedding/head]
+
+- matmul: the layer's hardware FLOPs (model FLOPs plus recomputation, flops.py's convention;
+  attention counted in full, as Megatron's Eq. 3 counts it: a causal flash kernel skips half the
+  work but runs it at a lower fraction of peak) over peak x `matmul`;
+- memory-bound: norms, activation functions, softmax, dropout, residual adds stream activations
+  through HBM. Their bytes are the layer's saved activations (memory.layer_activation_bytes
+  without recomputation), each written in forward, read back in backward, and its gradient
+  written and read: 4 passes, and 2 more for what recomputation rebuilds; over HBM x `hbm`;
+- TP: 4 all-reduces of the (tokens, h) activation per layer, 6 with full recomputation (SP's
+  all-gather + reduce-scatter cost the same), on the critical path, no overlap;
+- CP: ring attention's KV passes, hidden behind the attention core's matmuls where they can be;
+- bubble: the schedule's idle share (pipeline.bubble_fraction) of the rank's busy time;
+- pipeline sends: forward activation and backward gradient of every micro-batch on every chunk,
+  1/tp of the activation per GPU (Megatron's scatter/gather, Narayanan et al. 2021 sec. 4.1);
+- DP: ZeRO 0/1 all-reduce gradients once, in buckets overlapped with the last micro-batch's
+  backward; ZeRO 2 reduce-scatters every micro-batch (overlapped with its backward) and all-gathers
+  the parameters once (prefetched behind the first forward); ZeRO 3 all-gathers every block in
+  forward (prefetched) and backward and reduce-scatters its gradients (overlapped); HSDP adds the
+  replicate axis's all-reduce of the 1/shard slice;
+- optimizer: AdamW is memory-bound: it reads the gradient, reads and writes master weights and
+  both moments, writes the 16-bit weights, for the parameters this rank updates.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from gridtrain.plan import placement
+from gridtrain.plan.flops import flops_per_token, hardware_flops_per_token
+from gridtrain.plan.layout import Layout
+from gridtrain.plan.memory import (StateBytes, edge_ranks, kv_heads_per_rank, layer_activation_bytes, layers_per_rank,
+                                   rank_params)
+from gridtrain.plan.pipeline import bubble_fraction
+from gridtrain.plan.shape import ModelShape, block_params, matmul_params, norm_params
+from gridtrain.plan.specs import ClusterSpec
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """The planner's physical constants, calibrated once (tests/test_plan_reference_throughput.py)."""
+
+    matmul: float
+    """Fraction of the dense 16-bit peak that a transformer's large matmuls achieve."""
+    hbm: float
+    """Fraction of HBM bandwidth that memory-bound kernels (norms, softmax, AdamW) achieve."""
+    intra_node: float
+    """Achieved bus bandwidth / one-way link bandwidth of collectives inside a node (NVLink)."""
+    inter_node: float
+    """The same between nodes (one NIC per GPU)."""
+    layer_overhead_s: float
+    """Fixed time per layer per micro-batch (forward + backward): kernel launches, syncs."""
+
+
+CALIBRATED = Efficiency(matmul=0.66, hbm=0.70, intra_node=0.60, inter_node=0.80, layer_overhead_s=50e-6)
+"""Calibrated against Megatron-LM's SC21 Table 1 (A100-80GB, Selene); see README "Planning"."""
+
+HBM_PASSES = 4
+"""Memory-bound passes over each saved activation byte: forward write, backward read, gradient
+write and read."""
+RECOMPUTE_PASSES = 2
+"""Extra passes over what recomputation rebuilds: written and read once more."""
+ADAMW_BYTES_EXTRA = 2 * 4 + 2 * 8
+"""AdamW traffic per parameter beyond reading the gradient and writing the 16-bit weight: fp32
+master read and written, both fp32 moments read and written."""
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One transformer layer, one micro-batch, one GPU: forward, backward and recomputation."""
+
+    matmul_s: float
+    memory_bound_s: float
+    overhead_s: float
+    tp_s: float
+    """All-reduces (or all-gather + reduce-scatter) of the activation, on the critical path."""
+    cp_s: float
+    """Ring-attention sends left after overlap with the attention core."""
+    backward_share: float
+    """Share of the layer's compute that runs in its backward pass (recomputation included)."""
+
+    @property
+    def total_s(self) -> float:
+        return self.matmul_s + self.memory_bound_s + self.overhead_s + self.tp_s + self.cp_s
+
+
+def layer_hardware_flops_per_token(shape: ModelShape, seq_len: int, recompute: str) -> float:
+    """One layer's share of flops.hardware_flops_per_token (blocks only; L x this + the edge =
+    that): 6 x block parameters + 12 h s, plus what recomputation repeats."""
+    attn_fwd = 4 * shape.num_heads * shape.head_dim * seq_len
+    model = 6 * block_params(shape) + 3 * attn_fwd
+    if recompute == "full":
+        return model + 2 * (block_params(shape) - norm_params(shape)) + attn_fwd
+    return model + (attn_fwd if recompute == "selective" else 0)
+
+
+@functools.lru_cache(maxsize=64)
+def edge_flops_per_token(shape: ModelShape) -> float:
+    """Output head (and final norm) FLOPs per token, forward + backward (not recomputed)."""
+    return 6 * (matmul_params(shape) - shape.num_layers * block_params(shape))
+
+
+@functools.lru_cache(maxsize=4096)
+def layer_cost(shape: ModelShape, cluster: ClusterSpec, eff: Efficiency, seq_len: int, micro_batch: int,
+               tp: int, cp: int, sequence_parallel: bool, recompute: str, flash: bool,
+               act_bytes: int = 2) -> LayerCost:
+    """The cost of one layer for one micro-batch on one GPU (module docstring). Collectives: over
+    the tp axis, 4 all-reduces (6 with full recomputation) of tokens x h x act_bytes, tokens =
+    micro_batch x seq_len / cp; over the cp axis, 3 (4) x (cp - 1) sends of a K and V block,
+    2 x tokens x kv_width x act_bytes."""
+    acc = cluster.accelerator
+    tokens = micro_batch * seq_len / cp
+    hw = layer_hardware_flops_per_token(shape, seq_len, recompute) * tokens / tp
+    matmul_s = hw / (acc.peak_flops * eff.matmul)
+    saved = layer_activation_bytes(shape, seq_len, micro_batch, tp, sequence_parallel, cp, "none",
+                                   flash, act_bytes)
+    kept = layer_activation_bytes(shape, seq_len, micro_batch, tp, sequence_parallel, cp, recompute,
+                                  flash, act_bytes)
+    traffic = HBM_PASSES * saved + RECOMPUTE_PASSES * (saved - kept if recompute != "none" else 0)
+    memory_bound_s = traffic / (acc.hbm_gb_per_s * GB * eff.hbm)
+    tp_s = 0.0
+    if tp > 1:
+        levels = placement.axis_levels(cluster, tp, 1, eff.intra_node, eff.inter_node)
+        count = 6 if recompute == "full" else 4
+        tp_s = count * placement.all_reduce_time(tokens * shape.hidden * act_bytes, levels)
+    cp_s = 0.0
+    if cp > 1:
+        kv_width = kv_heads_per_rank(shape, tp) * shape.head_dim
+        block = 2 * tokens * kv_width * act_bytes
+        send = placement.p2p_time(block, cluster, cp, tp, eff.intra_node, eff.inter_node)
+        passes = 4 if recompute == "full" else 3
+        attn_core = 12 * shape.hidden * seq_len * tokens / tp / (acc.peak_flops * eff.matmul)
+        cp_s = max(0.0, passes * (cp - 1) * send - attn_core)
+    fwd = 1 + (1 if recompute == "full" else 0)
+    return LayerCost(matmul_s, memory_bound_s, eff.layer_overhead_s, tp_s, cp_s, 1 - 1 / (fwd + 2))
+
+
+def head_seconds(shape: ModelShape, cluster: ClusterSpec, eff: Efficiency, layout: Layout) -> float:
+    """The last stage's output head for one micro-batch: its matmuls and the fp32 logits the
+    softmax cross-entropy streams (written, read, gradient written and read: 4 x 4 bytes x V/t)."""
+    acc = cluster.accelerator
+    tokens = layout.tokens_per_microbatch / layout.cp
+    flops = edge_flops_per_token(shape) * tokens / layout.tp
+    logits = HBM_PASSES * 4 * tokens * shape.vocab / layout.tp
+    return flops / (acc.peak_flops * eff.matmul) + logits / (acc.hbm_gb_per_s * GB * eff.hbm)
+
+
+def overlapped(comm_s: float, compute_s: float, chunks: int) -> float:
+    """Communication left exposed when it is issued in `chunks` equal buckets, each after (or,
+    prefetched, before) an equal slice of `compute_s`: the closed form of
+    comm.exposed_after_compute for uniform lists, max(one bucket, comm - compute + one slice)."""
+    if comm_s <= 0:
+        return 0.0
+    return max(comm_s / chunks, comm_s - compute_s + compute_s / chunks)
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """One optimizer step on the slowest pipeline rank, by part (seconds)."""
+
+    layout: Layout
+    compute_s: float
+    """m micro-batches of matmuls, memory-bound kernels, overheads (and the head, if last)."""
+    tp_s: float
+    cp_s: float
+    pp_s: float
+    """Pipeline sends on the critical path."""
+    bubble_s: float
+    dp_s: float
+    """DP/FSDP communication left after overlap."""
+    dp_total_s: float
+    """DP/FSDP communication before overlap."""
+    optimizer_s: float
+    critical_rank: int
+    """The pipeline rank that sets the pace."""
+    model_flops_per_token: float
+    hardware_flops_per_token: float
+    peak_flops: float
+    """Dense peak of one GPU, FLOP/s."""
+
+    @property
+    def total_s(self) -> float:
+        return (self.compute_s + self.tp_s + self.cp_s + self.pp_s + self.bubble_s + self.dp_s
+                + self.optimizer_s)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.layout.global_batch_tokens / self.total_s
+
+    @property
+    def model_tflops_per_gpu(self) -> float:
+        return self.tokens_per_s * self.model_flops_per_token / self.layout.num_gpus / 1e12
+
+    @property
+    def hardware_tflops_per_gpu(self) -> float:
+        """Hardware FLOPs (recomputation included) per GPU: Megatron's Eq. 3 convention."""
+        return self.tokens_per_s * self.hardware_flops_per_token / self.layout.num_gpus / 1e12
+
+    @property
+    def mfu(self) -> float:
+        return self.model_tflops_per_gpu * 1e12 / self.peak_flops
+
+    @property
+    def hfu(self) -> float:
+        return self.hardware_tflops_per_gpu * 1e12 / self.peak_flops
+
+    def parts(self) -> dict[str, float]:
+        """Seconds by part, in the order of the step."""
+        return {"compute": self.compute_s, "tp": self.tp_s, "cp": self.cp_s, "pp": self.pp_s,
+                "bubble": self.bubble_s, "dp": self.dp_s, "optimizer": self.optimizer_s}
+
+
+@dataclass(frozen=True)
+class PipelineTime:
+    """The part of the step that does not depend on the ZeRO stage."""
+
+    micro_s: float
+    """One micro-batch on the critical rank (all its chunks, forward and backward)."""
+    layer: LayerCost
+    critical_rank: int
+    layers: int
+    head_s: float
+    pp_s: float
+    bubble_s: float
+
+
+@functools.lru_cache(maxsize=4096)
+def _busiest(counts: tuple[int, ...]) -> int:
+    """The first rank with the most layers."""
+    return counts.index(max(counts))
+
+
+def pipeline_time(shape: ModelShape, layout: Layout, cluster: ClusterSpec, eff: Efficiency,
+                  act_bytes: int = 2) -> PipelineTime:
+    """m micro-batches through the pipeline on its slowest rank, with sends and the bubble."""
+    lc = layer_cost(shape, cluster, eff, layout.seq_len, layout.micro_batch, layout.tp, layout.cp,
+                    layout.sequence_parallel, layout.recompute, layout.flash_attention, act_bytes)
+    counts = layers_per_rank(shape.num_layers, layout.pp, layout.virtual_stages, layout.schedule,
+                             layout.fewer_edge_layers)
+    _, last = edge_ranks(layout)
+    head = head_seconds(shape, cluster, eff, layout)
+    busiest = _busiest(counts)
+    critical = last if counts[last] * lc.total_s + head >= counts[busiest] * lc.total_s else busiest
+    micro = counts[critical] * lc.total_s + (head if critical == last else 0.0)
+    m, pp, v = layout.num_microbatches, layout.pp, layout.virtual_stages
+    pp_s = bubble_s = 0.0
+    if pp > 1:
+        act = layout.tokens_per_microbatch / layout.cp * shape.hidden * act_bytes / layout.tp
+        send = placement.p2p_time(act, cluster, pp, layout.tp * layout.cp, eff.intra_node, eff.inter_node)
+        pp_s = 2 * m * v * send
+        frac = bubble_fraction(pp, m, v, layout.schedule)
+        bubble_s = frac / (1 - frac) * m * micro
+    return PipelineTime(micro, lc, critical, counts[critical], head if critical == last else 0.0,
+                        pp_s, bubble_s)
+
+
+def grad_levels(layout: Layout, cluster: ClusterSpec, eff: Efficiency) -> tuple[
+        tuple[placement.Level, ...], tuple[placement.Level, ...]]:
+    """(shard levels, replicate levels) of the gradient reduction. Context-parallel ranks hold the
+    same weights, so their gradients are summed too: the cp axis joins the replicate side (all of
+    DP under ZeRO 0/1, dp_replicate under HSDP), innermost."""
+    cp = placement.axis_levels(cluster, layout.cp, layout.tp, eff.intra_node, eff.inter_node)
+    inner = layout.tp * layout.cp * layout.pp
+    if layout.zero_stage in (0, 1):
+        return (), cp + placement.axis_levels(cluster, layout.dp, inner, eff.intra_node, eff.inter_node)
+    shard = placement.axis_levels(cluster, layout.dp_shard, inner, eff.intra_node, eff.inter_node)
+    rep = placement.axis_levels(cluster, layout.dp_replicate, inner * layout.dp_shard,
+                                eff.intra_node, eff.inter_node)
+    return shard, cp + rep
+
+
+def dp_time(shape: ModelShape, layout: Layout, cluster: ClusterSpec, eff: Efficiency, pt: PipelineTime,
+            state: StateBytes = StateBytes()) -> tuple[float, float]:
+    """(exposed, total) seconds of data-parallel communication per step on the critical rank,
+    whose P parameters (this pipeline rank's, 1/tp of each matrix) weigh G = P x gradient bytes
+    and W = P x weight bytes. ZeRO 0/1: one all-reduce of G over cp x dp. ZeRO 2: a
+    reduce-scatter of G over dp_shard per micro-batch, an all-gather of W once. ZeRO 3: per
+    micro-batch two all-gathers of W and a reduce-scatter of G over dp_shard. ZeRO 2/3 add an
+    all-reduce of G / dp_shard over cp x dp_replicate (HSDP)."""
+    if layout.dp * layout.cp == 1:
+        return 0.0, 0.0
+    params = rank_params(shape, layout, pt.critical_rank, pt.layers)
+    weights, grads = params * state.weights, params * state.gradients
+    m, chunks = layout.num_microbatches, max(pt.layers, 1)
+    backward = pt.micro_s * pt.layer.backward_share
+    forward = pt.micro_s - backward
+    shard, rep = grad_levels(layout, cluster, eff)
+    if layout.zero_stage in (0, 1):
+        total = placement.all_reduce_time(grads, rep)
+        return overlapped(total, backward, chunks), total
+    rs = placement.reduce_scatter_time(grads, shard)
+    ag = placement.all_gather_time(weights, shard)
+    ar = placement.all_reduce_time(grads / layout.dp_shard, rep)
+    if layout.zero_stage == 2:
+        exposed = (m - 1) * overlapped(rs, backward, chunks) + overlapped(rs + ar, backward, chunks)
+        return exposed + overlapped(ag, forward, chunks), m * rs + ag + ar
+    fwd = overlapped(ag, forward, chunks)
+    bwd = overlapped(ag + rs, backward, chunks)
+    last = overlapped(ag + rs + ar, backward, chunks)
+    return m * fwd + (m - 1) * bwd + last, m * (2 * ag + rs) + ar
+
+
+def optimizer_seconds(shape: ModelShape, layout: Layout, cluster: ClusterSpec, eff: Efficiency,
+                      rank: int, layers: int, state: StateBytes = StateBytes()) -> float:
+    """AdamW over the parameters this rank updates (1/shard of its stage's under ZeRO >= 1)."""
+    params = rank_params(shape, layout, rank, layers) / layout.zero_shard_degree
+    traffic = params * (state.gradients + state.weights + ADAMW_BYTES_EXTRA)
+    return traffic / (cluster.accelerator.hbm_gb_per_s * GB * eff.hbm)
+
+
+def step_time(shape: ModelShape, layout: Layout, cluster: ClusterSpec, eff: Efficiency = CALIBRATED,
+              state: StateBytes = StateBytes(), act_bytes: int = 2,
+              pt: PipelineTime | None = None) -> StepTime:
+    """The predicted time of one optimizer step of `layout` on `cluster` (module docstring).
+    `pt` reuses a pipeline_time already computed for this layout's non-ZeRO degrees."""
+    pt = pt or pipeline_time(shape, layout, cluster, eff, act_bytes)
+    m, lc = layout.num_microbatches, pt.layer
+    dp_exposed, dp_total = dp_time(shape, layout, cluster, eff, pt, state)
+    tp_s, cp_s = m * pt.layers * lc.tp_s, m * pt.layers * lc.cp_s
+    return StepTime(
+        layout=layout, compute_s=m * pt.micro_s - tp_s - cp_s, tp_s=tp_s, cp_s=cp_s, pp_s=pt.pp_s,
+        bubble_s=pt.bubble_s, dp_s=dp_exposed, dp_total_s=dp_total,
+        optimizer_s=optimizer_seconds(shape, layout, cluster, eff, pt.critical_rank, pt.layers, state),
+        critical_rank=pt.critical_rank,
+        model_flops_per_token=flops_per_token(shape, layout.seq_len),
+        hardware_flops_per_token=hardware_flops_per_token(shape, layout.seq_len, layout.recompute),
+        peak_flops=cluster.accelerator.peak_flops)

@@ -1,0 +1,64 @@
+"""The planner's predicted TFLOP/s per GPU against Megatron-LM's SC21 Table 1, with one set of
+constants (steptime.CALIBRATED) for all ten rows; the micro-batch and interleaving factor, which
+the paper does not print, are the planner's own choice."""
+
+from __future__ import annotations
+
+import csv
+from dataclasses import astuple
+from pathlib import Path
+
+import pytest
+
+from gridtrain.cli import main
+from gridtrain.plan import reference
+from gridtrain.plan.steptime import CALIBRATED
+
+TABLE = Path(__file__).resolve().parents[1].parent / "shared" / "reference" / "megatron-sc21-table1.csv"
+
+
+@pytest.fixture(scope="module")
+def rows() -> list[dict[str, float]]:
+    return reference.reference_rows()
+
+
+def test_embedded_table_is_the_csv():
+    # reference.SC21_TABLE1 is the shared CSV, so `gridtrain plan --reference` runs anywhere.
+    if not TABLE.exists():
+        pytest.skip(f"{TABLE} is not on this machine")
+    with open(TABLE) as f:
+        csv_rows = list(csv.DictReader(f))
+    assert len(csv_rows) == len(reference.SC21_TABLE1) == 10
+    for row, ours in zip(csv_rows, reference.SC21_TABLE1, strict=True):
+        want = (float(row["params_billion"]), int(row["num_heads"]), int(row["hidden"]), int(row["num_layers"]),
+                int(row["tp"]), int(row["pp"]), int(row["num_gpus"]), int(row["global_batch_seqs"]),
+                float(row["measured_tflops_per_gpu"]), int(row["seq_len"]), int(row["vocab"]))
+        assert astuple(ours) == want
+
+
+def test_all_ten_rows_within_ten_percent(rows):
+    assert len(rows) == 10
+    for r in rows:
+        assert abs(r["error_pct"]) <= 10, r
+    # The constants are physical fractions, not fitted per row.
+    assert 0 < CALIBRATED.matmul < 1 and 0 < CALIBRATED.hbm < 1
+    assert 0 < CALIBRATED.intra_node < 1 and 0 < CALIBRATED.inter_node < 1
+
+
+def test_chosen_layouts_are_legal(rows):
+    # The search's micro-batch and interleaving factor: micro-batches fill each replica's share of
+    # the batch, interleaved rows run micro-batches in rounds of pp, and everything fits in 80 GB.
+    for row, r in zip(reference.SC21_TABLE1, rows, strict=True):
+        dp = row.num_gpus // (row.tp * row.pp)
+        assert r["micro_batch"] * r["num_microbatches"] * dp == row.global_batch_seqs
+        if row.pp > 1:
+            assert r["virtual_stages"] >= 2 and r["num_microbatches"] % max(1, r["num_microbatches"] // row.pp) == 0
+        assert r["peak_memory_GiB"] * 2**30 <= 0.9 * 80e9
+
+
+def test_plan_reference_prints_the_table(capsys):
+    assert main(["plan", "--reference"]) == 0
+    out = capsys.readouterr().out
+    assert "Megatron-LM SC21 Table 1" in out and "worst error" in out
+    assert sum(1 for line in out.splitlines() if line.strip().endswith("GiB")) == 10
+    assert "1008.0B" in out and "163" in out
