@@ -169,7 +169,7 @@ class ParallelConfig:
 @dataclass
 class MetricsConfig:
     log_every: int = 10
-    """Log a line (and write metrics) every N steps."""
+    """Log a line every N steps (metrics.jsonl and TensorBoard get every step)."""
     tensorboard: bool = True
     """Also write TensorBoard event files into the run directory."""
     progress: bool = True
