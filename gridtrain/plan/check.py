@@ -149,6 +149,43 @@ def predict_activations(args: ModelArgs, dims: ParallelDims, cfg: dict, pp_rank:
     return in_flight * per_micro + ids * (first + last)
 
 
+def predict_collectives(args: ModelArgs, dims: ParallelDims, cfg: dict, pp_rank: int) -> dict[str, float]:
+    """Payload bytes per collective and mesh axis in one accounted step, for the layouts whose
+    traffic is modelled exactly on CPU (gloo): DDP, FSDP (ZeRO 2 and 3), TP without SP, and
+    single-stage pipelines. Keys as in the accounting ('dp_shard/all_gather_bytes'); empty when
+    the layout is not modelled. gloo specifics: FSDP2 reduces gradients with an all-reduce (gloo
+    has no reduce-scatter); the gradient norm all-reduces one fp32 scalar per sharded parameter
+    tensor (DTensor's per-tensor norms) or one per pipeline (the squared total over 'pp')."""
+    t, p = cfg["train"], cfg["parallel"]
+    seq, mb = cfg["data"]["seq_len"], t["micro_batch"]
+    local = (t["global_batch_tokens"] // seq if t["global_batch_tokens"] else t["global_batch"]) // dims.dp
+    m = local // mb
+    shapes = rank_stage_shapes(args, dims, p, pp_rank)
+    total = 4 * sum(_numel(s) for s in shapes.values())
+    layer = 4 * sum(_numel(s) for n, s in shapes.items() if n.startswith(f"layers.{args.n_layers - 1}."))
+    only = lambda *axes: all(getattr(dims, a) == 1 for a in ("tp", "pp", "dp_replicate", "dp_shard", "cp")
+                             if a not in axes)
+    activation = 4 * mb * seq * args.dim
+    if p["zero_stage"] == 0 and only("dp_replicate"):
+        return {"dp_replicate/all_reduce_bytes": total}
+    if p["zero_stage"] in (2, 3) and only("dp_shard") and dims.dp_shard > 1:
+        # ZeRO-2 gathers every unit once per micro-batch; ZeRO-3 again in backward, except the
+        # last block, which stays gathered from its forward to its backward.
+        gathered = total if p["zero_stage"] == 2 else 2 * total - layer
+        return {"dp_shard/all_gather_bytes": m * gathered,
+                "dp_shard/all_reduce_bytes": m * total + 4 * len(shapes)}
+    if only("tp") and dims.tp > 1 and not p["sequence_parallel"]:
+        # Per micro-batch: two all-reduces per block forward and two backward, the embedding's
+        # forward and the head input's backward (Megatron), plus loss_parallel's three of one
+        # value per token; then one norm scalar per sharded tensor (7 per block and the head).
+        per_micro = (4 * args.n_layers + 2) * activation + 3 * 4 * mb * seq
+        return {"tp/all_reduce_bytes": m * per_micro + 4 * (7 * args.n_layers + 1)}
+    if only("pp") and dims.pp > 1 and p["pp_schedule"] in ("gpipe", "1f1b"):
+        first, last = pp_rank == 0, pp_rank == dims.pp - 1
+        return {"pp/all_reduce_bytes": 4.0, "pp/send_bytes": m * activation * ((not last) + (not first))}
+    return {}
+
+
 @dataclass
 class CheckRow:
     rank: int
@@ -174,17 +211,20 @@ def check_run(run_dir: Path) -> list[CheckRow]:
         predicted = predict_rank(args, dims, cfg["parallel"], measured["rank"])
         for bucket in BUCKETS:
             rows.append(CheckRow(measured["rank"], bucket, predicted[bucket], measured[f"memory/{bucket}_bytes"]))
-        acts = predict_activations(args, dims, cfg, dims.coordinates(measured["rank"])["pp"])
+        pp_rank = dims.coordinates(measured["rank"])["pp"]
+        acts = predict_activations(args, dims, cfg, pp_rank)
         rows.append(CheckRow(measured["rank"], "activations", acts, measured["memory/activations_bytes"]))
+        for key, value in predict_collectives(args, dims, cfg, pp_rank).items():
+            rows.append(CheckRow(measured["rank"], key, value, measured.get(f"comm/{key}", 0.0)))
     if not rows:
         raise FileNotFoundError(f"{run_dir}/accounting has no rank records: was metrics.account_every 0?")
     return rows
 
 
 def format_check(rows: list[CheckRow]) -> str:
-    lines = [f"{'rank':>4}  {'bucket':<12} {'predicted':>14} {'measured':>14} {'ratio':>7}"]
+    lines = [f"{'rank':>4}  {'bucket':<30} {'predicted':>14} {'measured':>14} {'ratio':>7}"]
     for r in rows:
         pred = "-" if math.isnan(r.predicted) else f"{r.predicted:,.0f}"
         ratio = "-" if math.isnan(r.predicted) else f"{r.ratio:.4f}"
-        lines.append(f"{r.rank:>4}  {r.bucket:<12} {pred:>14} {r.measured:>14,.0f} {ratio:>7}")
+        lines.append(f"{r.rank:>4}  {r.bucket:<30} {pred:>14} {r.measured:>14,.0f} {ratio:>7}")
     return "\n".join(lines)
