@@ -292,3 +292,26 @@ def test_plan_check_predicts_bytes_per_collective(runs, world, name):
         rec = json.loads(path.read_text().splitlines()[-1])
         tracked = {k[5:] for k in rec if k.startswith("comm/") and k.endswith("_bytes") and "wire" not in k}
         assert tracked == {r.bucket for r in rows if r.rank == rec["rank"]}
+
+
+def test_plan_check_small_model_fsdp_tp_pp(tmp_path_factory, corpus_dir):
+    """The issue's bar, literally: FSDP 2, TP 2 and PP 2 runs of the small model (the default
+    preset, at a short sequence): `gridtrain plan --check` predicts parameter, gradient and
+    optimizer bytes and every collective's bytes exactly, and activations within 3%."""
+    from gridtrain.plan.check import check_run
+
+    out = tmp_path_factory.mktemp("small")
+    base = {"model.preset": "small", "data.corpus": str(corpus_dir), "data.cache_dir": str(out / "cache"),
+            "data.seq_len": 64, "train.micro_batch": 2, "train.global_batch": 8, "train.steps": 2,
+            "train.warmup_steps": 1, "train.val_every": 0, "metrics.tensorboard": False,
+            "metrics.progress": False, "metrics.account_every": 1}
+    spec = {"fsdp2": {**base}, "tp2": {**base, "parallel.tp": 2}, "pp2": {**base, "parallel.pp": 2}}
+    launch(2, spec, out)
+    for name in spec:
+        rows = check_run(out / name)
+        assert {r.bucket for r in rows} >= {"params", "grads", "optimizer", "activations"}
+        for row in rows:
+            if row.bucket == "activations":
+                assert row.measured == pytest.approx(row.predicted, rel=0.03), (name, row)
+            else:
+                assert row.predicted == row.measured, (name, row)
