@@ -86,6 +86,26 @@ class ModelArgs:
         return errors
 
 
+@dataclass(frozen=True)
+class ParamCounts:
+    """Parameters by part (`gridtrain model` and the planner count the same way)."""
+
+    embedding: int
+    attention: int
+    mlp: int
+    norms: int
+    output: int
+
+    @property
+    def total(self) -> int:
+        return self.embedding + self.attention + self.mlp + self.norms + self.output
+
+    @property
+    def non_embedding(self) -> int:
+        """Parameters that take part in matmuls: everything but the input embedding lookup."""
+        return self.total - self.embedding
+
+
 def ffn_hidden_dim(dim: int, multiple_of: int, multiplier: float | None) -> int:
     """Llama's SwiGLU width: 2/3 of 4*dim, times an optional multiplier, rounded up.
 

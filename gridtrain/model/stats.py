@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from gridtrain.model.args import ModelArgs
+from gridtrain.model.args import ModelArgs, ParamCounts
 from gridtrain.model.llama import Transformer
 
 
@@ -14,24 +12,6 @@ def build_meta(args: ModelArgs) -> Transformer:
     """The model with every tensor on the meta device: shapes only, no memory."""
     with torch.device("meta"):
         return Transformer(args)
-
-
-@dataclass(frozen=True)
-class ParamCounts:
-    embedding: int
-    attention: int
-    mlp: int
-    norms: int
-    output: int
-
-    @property
-    def total(self) -> int:
-        return self.embedding + self.attention + self.mlp + self.norms + self.output
-
-    @property
-    def non_embedding(self) -> int:
-        """Parameters that take part in matmuls: everything but the input embedding lookup."""
-        return self.total - self.embedding
 
 
 def count_parameters(model: torch.nn.Module) -> ParamCounts:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from gridtrain.model.args import ModelArgs
+from gridtrain.model.args import ModelArgs, ParamCounts
 
 
 @dataclass(frozen=True)
@@ -64,25 +64,6 @@ def gpt(hidden: int, num_layers: int, num_heads: int, vocab: int = 51_200, seq_l
 
 def with_layers(shape: ModelShape, num_layers: int) -> ModelShape:
     return replace(shape, num_layers=num_layers)
-
-
-@dataclass(frozen=True)
-class ParamCounts:
-    """Parameters by part, named as gridtrain.model.stats.ParamCounts."""
-
-    embedding: int
-    attention: int
-    mlp: int
-    norms: int
-    output: int
-
-    @property
-    def total(self) -> int:
-        return self.embedding + self.attention + self.mlp + self.norms + self.output
-
-    @property
-    def non_embedding(self) -> int:
-        return self.total - self.embedding
 
 
 def attention_params(shape: ModelShape) -> int:
