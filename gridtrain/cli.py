@@ -109,25 +109,39 @@ def cmd_data(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace, extra: list[str]) -> int:
-    from gridtrain.plan.hardware import calibrate, calibration_path
+    import torch
+
+    from gridtrain.plan.hardware import calibrate, calibration_path, local_machine
 
     peaks = calibrate(args.threads, args.seconds)
+    entry = local_machine(torch.get_num_threads())
     for mode, flops in peaks.items():
-        print(f"{mode:<5} peak matmul {flops / 1e9:10.1f} GFLOP/s")
+        attention = entry["attention_flops"].get(mode)
+        extra_text = f", attention fwd+bwd {attention / 1e9:8.1f} GFLOP/s" if attention else ""
+        print(f"{mode:<5} peak matmul {flops / 1e9:10.1f} GFLOP/s{extra_text}")
+    print(f"memory bandwidth {entry['memory_bytes_per_s'] / 1e9:.1f} GB/s; gloo all-reduce between two ranks "
+          f"{entry['gloo_bytes_per_s'] / 1e9:.2f} GB/s, latency {entry['gloo_latency_s'] * 1e6:.0f} us")
     print(f"cached in {calibration_path()}")
     return 0
 
 
 def cmd_plan(args: argparse.Namespace, extra: list[str]) -> int:
     if args.check:
-        from gridtrain.plan.check import check_run, format_check
+        from gridtrain.plan.check import check_run, check_step_time, format_check, format_step_time
 
         run_dir = Path(args.check)
         if not (run_dir / "config.json").is_file():
             print(f"gridtrain: {run_dir} is not a gridtrain run directory (no config.json): "
                   "give the run_dir of a finished `gridtrain train`", file=sys.stderr)
             return 2
-        print(format_check(check_run(run_dir)))
+        try:
+            print(format_check(check_run(run_dir)))
+        except FileNotFoundError as err:
+            print(f"memory and collectives: {err}")
+        try:
+            print(format_step_time(*check_step_time(run_dir)))
+        except ValueError as err:
+            print(f"step time: {err}")
         return 0
     from gridtrain.plan.app import run_plan
 

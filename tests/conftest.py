@@ -25,7 +25,9 @@ def fake_calibration(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tests may run with (the trainer sets torch's thread count from train.threads)."""
     cache = tmp_path_factory.mktemp("gridtrain-cache")
     max_threads = max(os.cpu_count() or 1, torch.get_num_threads())
-    entries = {machine_key(n): {"peak_flops": {mode: FAKE_PEAK_FLOPS for mode in CALIBRATION_DTYPES}}
+    entries = {machine_key(n): {"peak_flops": {mode: FAKE_PEAK_FLOPS for mode in CALIBRATION_DTYPES},
+                                "attention_flops": {mode: FAKE_PEAK_FLOPS / 2 for mode in CALIBRATION_DTYPES},
+                                "memory_bytes_per_s": 1e10, "gloo_bytes_per_s": 1e9, "gloo_latency_s": 1e-4}
                for n in range(1, max_threads + 1)}
     (cache / "calibration.json").write_text(json.dumps(entries))
     old = os.environ.get("GRIDTRAIN_CACHE")

@@ -298,13 +298,13 @@ def test_plan_check_small_model_fsdp_tp_pp(tmp_path_factory, corpus_dir):
     """The issue's bar, literally: FSDP 2, TP 2 and PP 2 runs of the small model (the default
     preset, at a short sequence): `gridtrain plan --check` predicts parameter, gradient and
     optimizer bytes and every collective's bytes exactly, and activations within 3%."""
-    from gridtrain.plan.check import check_run
+    from gridtrain.plan.check import check_run, check_step_time
 
     out = tmp_path_factory.mktemp("small")
     base = {"model.preset": "small", "data.corpus": str(corpus_dir), "data.cache_dir": str(out / "cache"),
-            "data.seq_len": 64, "train.micro_batch": 2, "train.global_batch": 8, "train.steps": 2,
+            "data.seq_len": 64, "train.micro_batch": 2, "train.global_batch": 8, "train.steps": 4,
             "train.warmup_steps": 1, "train.val_every": 0, "metrics.tensorboard": False,
-            "metrics.progress": False, "metrics.account_every": 1}
+            "metrics.progress": False, "metrics.account_every": 4, "metrics.log_every": 1}
     spec = {"fsdp2": {**base}, "tp2": {**base, "parallel.tp": 2}, "pp2": {**base, "parallel.pp": 2}}
     launch(2, spec, out)
     for name in spec:
@@ -315,3 +315,10 @@ def test_plan_check_small_model_fsdp_tp_pp(tmp_path_factory, corpus_dir):
                 assert row.measured == pytest.approx(row.predicted, rel=0.03), (name, row)
             else:
                 assert row.predicted == row.measured, (name, row)
+        # Step time on this machine: predicted from the (fake) calibration, measured as the median
+        # of the steps that neither warmed up nor ran the accounting (steps 2 and 3).
+        step, parts = check_step_time(out / name)
+        plain = [json.loads(line)["time/step_s"] for line in (out / name / "metrics.jsonl").read_text().splitlines()][1:3]
+        assert step.measured == pytest.approx(sum(plain) / 2)
+        assert 0 < parts["compute_s"] and 0 < parts["comm_s"] < step.predicted
+        assert step.predicted == pytest.approx(sum(parts.values()))

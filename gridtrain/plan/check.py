@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -219,6 +221,58 @@ def check_run(run_dir: Path) -> list[CheckRow]:
     if not rows:
         raise FileNotFoundError(f"{run_dir}/accounting has no rank records: was metrics.account_every 0?")
     return rows
+
+
+def measured_step_seconds(run_dir: Path) -> float:
+    """Median `time/step_s` of the run's logged steps, leaving out the first (warm-up) and those
+    that validated or ran the accounting (saved-tensor hooks and the flight recorder)."""
+    times = []
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if rec["step"] > 1 and "time/step_s" in rec and "loss/val" not in rec and "memory/params_bytes" not in rec:
+            times.append(rec["time/step_s"])
+    if not times:
+        raise ValueError(f"{run_dir}/metrics.jsonl has no plain steps to time: run more steps or "
+                         "raise metrics.account_every")
+    return statistics.median(times)
+
+
+def check_step_time(run_dir: Path, calibration: dict | None = None) -> tuple[CheckRow, dict[str, float]]:
+    """Predicted (slowest rank, localtime.py) against measured (median) seconds per step, and the
+    prediction's parts. `calibration`: this machine's entry at the run's threads per rank
+    (hardware.local_machine, which measures it when missing)."""
+    from gridtrain.plan.localtime import LocalMachine, local_step
+
+    record = json.loads((run_dir / "config.json").read_text())
+    cfg, dims = record["config"], ParallelDims(**record["dims"])
+    args = model_args(cfg["model"]["preset"], **{k: v for k, v in cfg["model"].items() if k != "preset"})
+    threads = record.get("threads", 1)
+    if calibration is None:
+        from gridtrain.plan.hardware import local_machine  # noqa: PLC0415 - torch only for --check
+
+        calibration = local_machine(threads)
+    machine = LocalMachine.from_calibration(calibration, cfg["train"]["precision"],
+                                            record.get("cpu_count") or os.cpu_count() or 1)
+    steps = []
+    for rank in range(dims.world_size):
+        coords = dims.coordinates(rank)
+        params = predict_rank(args, dims, cfg["parallel"], rank)["params"] / 4
+        counts = stage_layer_counts(args.n_layers, dims.pp, cfg["parallel"]["pp_fewer_edge_layers"])
+        acts = activation_bytes_per_microbatch(args, dims, cfg["data"]["seq_len"], cfg["train"]["micro_batch"],
+                                               cfg["parallel"]["sequence_parallel"], counts[coords["pp"]],
+                                               coords["pp"] == dims.pp - 1)
+        collectives = predict_collectives(args, dims, cfg, coords["pp"])
+        steps.append(local_step(args, dims, cfg, machine, coords["pp"], acts, collectives, params, threads))
+    slowest = max(steps, key=lambda s: s.total_s if s.total_s == s.total_s else s.compute_s)
+    parts = {"compute_s": slowest.compute_s, "bubble_s": slowest.bubble_s, "comm_s": slowest.comm_s,
+             "optimizer_s": slowest.optimizer_s}
+    return CheckRow(0, "step_time_s", slowest.total_s, measured_step_seconds(run_dir)), parts
+
+
+def format_step_time(row: CheckRow, parts: dict[str, float]) -> str:
+    detail = ", ".join(f"{k[:-2]} {v:.4f}" if v == v else f"{k[:-2]} not modelled" for k, v in parts.items())
+    return (f"step time on this machine: predicted {row.predicted:.4f} s ({detail}), measured "
+            f"{row.measured:.4f} s (median of plain steps), measured/predicted {row.ratio:.3f}")
 
 
 def format_check(rows: list[CheckRow]) -> str:

@@ -1,10 +1,16 @@
 """Peak FLOP/s of the device a run uses: published dense peaks for accelerators, a measured one
 for CPUs (`gridtrain calibrate`: large matmuls, the result cached per machine and thread count).
+
+Beside the matmul peak, `calibrate` measures what `gridtrain plan --check` needs to predict a
+local run's step time: the attention kernel's rate, the memory bandwidth of elementwise work, and
+gloo's all-reduce bandwidth and latency between two ranks on this machine.
 """
 
 from __future__ import annotations
 
 import json
+import threading
+from datetime import timedelta
 import logging
 import os
 import platform
@@ -69,10 +75,76 @@ def measure_peak(dtype: torch.dtype, seconds: float, sizes: tuple[int, ...] = (5
     return best
 
 
+ATTENTION_SHAPE = (4, 8, 512, 64)
+"""(batch, heads, sequence, head_dim) at which `measure_attention_flops` times the kernel."""
+
+
+def attention_flops(batch: int, heads: int, seq: int, head_dim: int) -> float:
+    """Forward + backward FLOPs of attention counted in full (no causal halving), as the
+    planner counts them: 2 matmuls of 2 s^2 d per head forward, twice that backward."""
+    return 3 * 4 * batch * heads * seq * seq * head_dim
+
+
+def measure_attention_flops(dtype: torch.dtype, seconds: float) -> float:
+    """Best achieved rate of causal SDPA forward + backward at ATTENTION_SHAPE, in the FLOPs of
+    `attention_flops`: on CPUs the attention kernel runs far below the matmul peak."""
+    q, k, v = (torch.randn(*ATTENTION_SHAPE).to(dtype).requires_grad_() for _ in range(3))
+
+    def once() -> None:
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+
+    once()
+    best, deadline = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        start = time.perf_counter()
+        once()
+        best = max(best, attention_flops(*ATTENTION_SHAPE) / (time.perf_counter() - start))
+    return best
+
+
+def measure_memory_bandwidth(seconds: float, numel: int = 1 << 25) -> float:
+    """Bytes/s of an elementwise add over fp32 tensors far larger than the caches (two reads and
+    one write per element)."""
+    a, b, out = torch.ones(numel), torch.ones(numel), torch.empty(numel)
+    torch.add(a, b, out=out)
+    best, deadline = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        start = time.perf_counter()
+        torch.add(a, b, out=out)
+        best = max(best, 3 * 4 * numel / (time.perf_counter() - start))
+    return best
+
+
+def measure_gloo(numel: int = 1 << 20, repeats: int = 8) -> dict[str, float]:
+    """All-reduce between two gloo ranks of this process (threads over loopback, as two local
+    processes talk): bandwidth = payload bytes / time of a 4 MiB all-reduce, latency = time of a
+    one-element all-reduce."""
+    store, times = torch.distributed.HashStore(), {}
+
+    def rank(r: int) -> None:
+        group = torch.distributed.ProcessGroupGloo(store, r, 2, timedelta(seconds=60))
+        for n in (1, numel):
+            t = torch.ones(n)
+            group.allreduce([t]).wait()
+            start = time.perf_counter()
+            for _ in range(repeats):
+                group.allreduce([t]).wait()
+            times[r, n] = (time.perf_counter() - start) / repeats
+
+    workers = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    return {"gloo_bytes_per_s": 4 * numel / max(times[r, numel] for r in range(2)),
+            "gloo_latency_s": max(times[r, 1] for r in range(2))}
+
+
 def calibrate(threads: int | None = None, seconds: float = 2.0,
-              modes: tuple[str, ...] = tuple(CALIBRATION_DTYPES)) -> dict[str, float]:
+              modes: tuple[str, ...] = tuple(CALIBRATION_DTYPES), local: bool = True) -> dict[str, float]:
     """Measure this CPU's peak matmul FLOP/s for each precision mode and cache it (merged with
-    what the cache already holds for this machine); returns {mode: FLOP/s} for `modes`."""
+    what the cache already holds for this machine); returns {mode: FLOP/s} for `modes`. With
+    `local`, also the attention rate per mode, memory bandwidth and gloo's (local_machine())."""
     if threads is not None:
         torch.set_num_threads(threads)
     key = machine_key(torch.get_num_threads())
@@ -81,6 +153,11 @@ def calibrate(threads: int | None = None, seconds: float = 2.0,
     cache = json.loads(path.read_text()) if path.exists() else {}
     entry = cache.setdefault(key, {"peak_flops": {}})
     entry["peak_flops"].update(peaks)
+    if local:
+        entry.setdefault("attention_flops", {}).update(
+            {mode: measure_attention_flops(CALIBRATION_DTYPES[mode], seconds / 4) for mode in modes if mode != "fp16"})
+        entry["memory_bytes_per_s"] = measure_memory_bandwidth(seconds / 4)
+        entry.update(measure_gloo())
     entry.update(measured_at=time.time(), machine=platform.node())
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
@@ -98,8 +175,22 @@ def cpu_peak_flops(precision: str, threads: int | None = None) -> float:
     if precision not in peaks:
         log.info("no %s calibration for this CPU with %d threads: measuring the matmul peak now "
                  "(`gridtrain calibrate` does it ahead)", precision, threads)
-        peaks = calibrate(threads, seconds=1.5, modes=(precision,))
+        peaks = calibrate(threads, seconds=1.5, modes=(precision,), local=False)
     return peaks[precision]
+
+
+def local_machine(threads: int) -> dict:
+    """The cached calibration of this CPU at `threads` per rank (calibrate() fills it)."""
+    path = calibration_path()
+    cache = json.loads(path.read_text()) if path.exists() else {}
+    entry = cache.get(machine_key(threads), {})
+    if "gloo_bytes_per_s" not in entry:
+        log.info("no full calibration for this CPU with %d threads: measuring it now "
+                 "(`gridtrain calibrate --threads %d` does it ahead)", threads, threads)
+        torch.set_num_threads(threads)
+        calibrate(threads, seconds=2.0)
+        entry = json.loads(calibration_path().read_text())[machine_key(threads)]
+    return entry
 
 
 def peak_flops(device: torch.device, device_name: str, precision: str) -> float:

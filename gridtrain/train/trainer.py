@@ -11,6 +11,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -330,7 +331,7 @@ class Trainer:
         """<run_dir>/config.json: the resolved configuration and layout, for `gridtrain plan --check`."""
         record = {"config": dataclasses.asdict(self.cfg), "world_size": self.world.world_size,
                   "dims": dataclasses.asdict(self.dims), "device": device_name(self.device),
-                  "threads": torch.get_num_threads(), "peak_flops": self.peak}
+                  "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "peak_flops": self.peak}
         path = Path(self.cfg.run_dir) / "config.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(record, indent=2))

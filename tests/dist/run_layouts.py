@@ -25,11 +25,14 @@ def run_case(name: str, overrides: dict[str, object], out: Path) -> None:
     trainer = Trainer(cfg)
     if trainer.world.rank == 0:
         trainer.write_config()
-    losses, norms = [], []
+    losses, norms, records = [], [], []
     for _ in range(cfg.train.steps):
         metrics = trainer.train_step()
         losses.append(metrics["loss/train"])
         norms.append(metrics["grad/norm"])
+        records.append(json.dumps({"step": trainer.step, **metrics}))
+    if trainer.world.rank == 0:  # what Trainer.run logs, for `gridtrain plan --check`'s step time
+        (out / name / "metrics.jsonl").write_text("\n".join(records) + "\n")
     weights: dict[str, torch.Tensor] = {}
     for part in trainer.pmodel.parts:
         full = get_model_state_dict(part, options=StateDictOptions(full_state_dict=True))

@@ -1,0 +1,68 @@
+"""The step-time prediction of `gridtrain plan --check` on the calibrated local machine
+(gridtrain/plan/localtime.py), against values derived by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from gridtrain.model.args import model_args
+from gridtrain.parallel.dims import ParallelDims
+from gridtrain.plan.localtime import CPU_MATMUL, LocalMachine, collective_seconds, local_step, microbatch_seconds
+
+MACHINE = LocalMachine(matmul_flops=1e11, attention_flops=5e10, memory_bytes_per_s=1e10, gloo_bytes_per_s=1e9,
+                       gloo_latency_s=1e-4, cores=2)
+
+
+def config(**train):
+    return {"data": {"seq_len": 64},
+            "train": {"micro_batch": 2, "global_batch": 8, "global_batch_tokens": 0,
+                      "activation_checkpointing": "off", **train},
+            "parallel": {"pp_fewer_edge_layers": False}}
+
+
+def dims(**degrees):
+    base = {"dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1, "pp": 1, "ep": 1}
+    base.update(degrees)
+    return ParallelDims(**base, world_size=math.prod(base.values()))
+
+
+def test_microbatch_seconds_small_model_by_hand():
+    """small: dim 256, 4 layers, 8 heads (head_dim 32), 4 KV heads (width 128), FFN 768, vocab
+    320; 2 x 64 = 128 tokens. Matmul parameters per block 256 (512 + 256) + 3 x 256 x 768 =
+    786,432; 4 blocks and the head's 320 x 256: 3,227,648; x 6 x 128 = 2,478,833,664 FLOPs at
+    0.85 x 1e11. Attention 3 x 4 x 128 x 64 x 256 x 4 = 100,663,296 FLOPs at 5e10. 1 MB of saved
+    activations passed 4 times at 1e10 B/s."""
+    args = model_args("small")
+    expected = 2_478_833_664 / (1e11 * CPU_MATMUL) + 100_663_296 / 5e10 + 4e6 / 1e10
+    got = microbatch_seconds(args, dims(), config(), MACHINE, layers=4, last=True, activation_bytes=1e6)
+    assert got == pytest.approx(expected, rel=1e-12)
+    # Full recomputation: matmuls 8/6, attention 4/3; TP 2 halves both.
+    full = microbatch_seconds(args, dims(tp=2), config(activation_checkpointing="full"), MACHINE, 4, True, 1e6)
+    assert full == pytest.approx(2_478_833_664 * 8 / 6 / 2 / (1e11 * CPU_MATMUL) + 100_663_296 * 4 / 3 / 2 / 5e10
+                                 + 4e6 / 1e10, rel=1e-12)
+
+
+def test_collective_seconds_ring_shares():
+    """A ring all-reduce over N moves 2(N-1)/N of its payload, an all-gather (N-1)/N, a send all."""
+    d = dims(dp_shard=4)
+    got = collective_seconds({"dp_shard/all_reduce_bytes": 1e9, "dp_shard/all_gather_bytes": 2e9}, d, MACHINE)
+    assert got == pytest.approx(1.5 + 1.5)
+    assert collective_seconds({"pp/send_bytes": 5e8}, dims(pp=2), MACHINE) == pytest.approx(0.5)
+    assert collective_seconds({}, dims(), MACHINE) == 0.0  # one process: nothing to send
+    assert collective_seconds({}, d, MACHINE) != collective_seconds({}, d, MACHINE)  # not modelled: NaN
+
+
+def test_local_step_adds_bubble_contention_and_optimizer():
+    """PP 2 with 4 micro-batches: 4 + 1 micro-batch slots; 2 ranks x 2 threads on 2 cores run
+    compute at half speed; AdamW streams 28 bytes per local parameter."""
+    args, d, cfg = model_args("small"), dims(pp=2), config()
+    t_mb = microbatch_seconds(args, d, cfg, MACHINE, layers=2, last=False, activation_bytes=1e6)
+    step = local_step(args, d, cfg, MACHINE, pp_rank=0, activation_bytes=1e6, collectives={"pp/send_bytes": 1e6},
+                      local_params=1e6, threads=2)
+    assert step.compute_s == pytest.approx(4 * 2 * t_mb)
+    assert step.bubble_s == pytest.approx(2 * t_mb)
+    assert step.comm_s == pytest.approx(1e-3)
+    assert step.optimizer_s == pytest.approx(2 * 28e6 / 1e10)
+    assert step.total_s == pytest.approx(step.compute_s + step.bubble_s + step.comm_s + step.optimizer_s)
