@@ -221,13 +221,37 @@ def _check_parallel(cfg: Config, dims: ParallelDims) -> list[str]:
     return problems + _check_tp(cfg, dims.tp) + _check_pp(cfg, dims)
 
 
+def _check_resilience(cfg: Config, dims: ParallelDims) -> list[str]:
+    """Checkpoint cadence and policy, guards, timeouts and fault injection."""
+    c, t, f = cfg.checkpoint, cfg.train, cfg.fault
+    if isinstance(c.interval, str):
+        problems = [] if c.interval == "auto" else [
+            f"checkpoint.interval = '{c.interval}' is neither a number of steps nor 'auto'"]
+    else:
+        problems = _at_least("checkpoint.interval", c.interval, 0)
+    problems += _at_least("checkpoint.keep", c.keep, 1) + _choice("checkpoint.on_save_error", c.on_save_error,
+                                                                  ("stop", "continue"))
+    if c.mtbf_hours <= 0:
+        problems.append(f"checkpoint.mtbf_hours = {c.mtbf_hours} must be > 0")
+    if t.collective_timeout_s <= 0:
+        problems.append(f"train.collective_timeout_s = {t.collective_timeout_s} must be > 0")
+    problems += _at_least("train.max_bad_steps", t.max_bad_steps, 1) + _at_least("train.spike_zscore", t.spike_zscore, 0)
+    for key, rank in (("fault.kill_rank", f.kill_rank), ("fault.hang_rank", f.hang_rank)):
+        if rank != -1 and not 0 <= rank < dims.world_size:
+            problems.append(f"{key} = {rank} is not a rank of this world (0..{dims.world_size - 1}): "
+                            f"pick one of them, or -1 for none")
+        elif rank != -1 and not 0 < f.at_step <= t.steps:
+            problems.append(f"{key} = {rank} needs fault.at_step in [1, train.steps ({t.steps})], "
+                            f"not {f.at_step}")
+    return problems
+
+
 def validate(cfg: Config, world: int | None = None) -> ParallelDims:
     """Raise ConfigError listing every broken relation; return the resolved layout."""
     dims = parallel_dims(cfg, world)
     problems = _check_model(cfg) + _check_parallel(cfg, dims)
     problems += _check_batch(cfg, max(dims.dp, 1)) + _check_train(cfg) + _check_data(cfg)
-    problems += _at_least("checkpoint.interval", cfg.checkpoint.interval, 0)
-    problems += _at_least("checkpoint.keep", cfg.checkpoint.keep, 1)
+    problems += _check_resilience(cfg, dims)
     problems += _at_least("metrics.log_every", cfg.metrics.log_every, 1)
     if problems:
         raise ConfigError(problems)

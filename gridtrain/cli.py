@@ -1,4 +1,4 @@
-"""The `gridtrain` command: train, model, data prepare, calibrate, plan, plot."""
+"""The `gridtrain` command: train, model, data prepare, calibrate, plan, plot, export, import."""
 
 from __future__ import annotations
 
@@ -33,15 +33,24 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     cfg = load_config(args.config, overrides)
     dims = validate(cfg)  # every rank checks again, but nothing starts if this fails
     if cfg.parallel.nproc > 1 and "LOCAL_RANK" not in os.environ:
-        return launch(cfg.parallel.nproc, sys.argv[1:] if args.argv is None else args.argv)
-    from gridtrain.train.trainer import Trainer  # torch and the data stack load only when needed
+        return launch(cfg.parallel.nproc, sys.argv[1:] if args.argv is None else args.argv, args.max_restarts)
+    if args.max_restarts:
+        print("gridtrain: --max-restarts needs --nproc (or torchrun's own --max-restarts)", file=sys.stderr)
+        return 2
+    # torch and the data stack load only when needed
+    from gridtrain.train.checkpoint import CheckpointSaveError
+    from gridtrain.train.distributed import shutdown
+    from gridtrain.train.resilience import CollectiveTimeout, TrainingDiverged
+    from gridtrain.train.trainer import Trainer
 
-    trainer = Trainer(cfg)
     try:
+        trainer = Trainer(cfg)
         final = trainer.run()
+    except (CollectiveTimeout, TrainingDiverged, CheckpointSaveError) as err:
+        rank = os.environ.get("RANK")
+        print(f"gridtrain: {'' if rank is None else f'rank {rank}: '}{err}", file=sys.stderr, flush=True)
+        return 1
     finally:
-        from gridtrain.train.distributed import shutdown
-
         shutdown()
     if "loss/val" in final and trainer.is_writer:
         print(f"final validation loss {final['loss/val']:.4f} (perplexity {final['loss/val_ppl']:.2f})")
@@ -49,20 +58,25 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
-def launch(nproc: int, argv: list[str]) -> int:
-    """Start `nproc` local processes through torchrun, each running this same command."""
-    forwarded = [a for a in argv if not a.startswith("--nproc")]
-    if "--nproc" in argv:  # drop the value that followed the flag
-        i = argv.index("--nproc")
-        forwarded = [a for j, a in enumerate(argv) if j not in (i, i + 1)]
+def launch(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
+    """Start `nproc` local processes through torchrun, each running this same command; torchrun
+    restarts them all up to `max_restarts` times when one fails (each restart resumes)."""
+    forwarded, skip = [], False
+    for arg in argv:  # the launcher's own flags (and the values after them) stay here
+        if skip:
+            skip = False
+        elif arg in ("--nproc", "--max-restarts"):
+            skip = True
+        elif not arg.startswith(("--nproc=", "--max-restarts=")):
+            forwarded.append(arg)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "gridtrain", *forwarded]
+           f"--max-restarts={max_restarts}", "-m", "gridtrain", *forwarded]
     log.info("launching %d processes: %s", nproc, " ".join(cmd[2:]))
     return subprocess.call(cmd)
 
 
 def cmd_model(args: argparse.Namespace, extra: list[str]) -> int:
-    from gridtrain.model.args import PRESETS, model_args
+    from gridtrain.model.args import PRESETS
     from gridtrain.model.stats import build_meta, count_parameters, flops_per_token
 
     if args.list or not args.preset:
@@ -156,6 +170,46 @@ def cmd_plot(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace, extra: list[str]) -> int:
+    from gridtrain.train.hf import InterchangeError, export_run
+
+    try:
+        out = export_run(Path(args.run_dir), Path(args.out), args.step)
+    except InterchangeError as err:
+        print(f"gridtrain: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {out} (transformers: LlamaForCausalLM.from_pretrained('{out}'))")
+    return 0
+
+
+def cmd_import(args: argparse.Namespace, extra: list[str]) -> int:
+    from gridtrain.train.hf import InterchangeError, import_hf
+
+    try:
+        run_dir = import_hf(Path(args.hf_dir), Path(args.run_dir))
+    except InterchangeError as err:
+        print(f"gridtrain: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote a step-0 checkpoint in {run_dir}; continue training with\n"
+          f"  gridtrain train --config {run_dir / 'imported.toml'} --data.corpus ...")
+    return 0
+
+
+def add_interchange_parsers(sub: argparse._SubParsersAction) -> None:
+    """`gridtrain export` and `gridtrain import`: Hugging Face Llama directories."""
+    p = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face Llama directory "
+                       "(model.safetensors, config.json)")
+    p.add_argument("run_dir")
+    p.add_argument("out", help="output directory (must not exist, or be empty)")
+    p.add_argument("--step", type=int, help="the checkpoint of this step (default: the newest)")
+    p.set_defaults(func=cmd_export)
+    p = sub.add_parser("import", help="turn a Hugging Face Llama directory (safetensors) into a run "
+                       "with a step-0 checkpoint and imported.toml")
+    p.add_argument("hf_dir")
+    p.add_argument("run_dir", help="the new run directory (must not exist, or be empty)")
+    p.set_defaults(func=cmd_import)
+
+
 def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     """`gridtrain plan`'s options (model.* keys come as extra arguments, as for train)."""
     p = sub.add_parser("plan", help="memory, step time, cost and the best layouts for a model on a cluster; "
@@ -197,6 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
     p.add_argument("--help-config", action="store_true", help="list every config key with its meaning")
     p.add_argument("--nproc", type=int, help="start this many local processes through torchrun")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="with --nproc: torchrun restarts the run up to this many times after a failure, "
+                        "each time resuming from the newest intact checkpoint")
     p.set_defaults(func=cmd_train, argv=None)
     p = sub.add_parser("model", help="parameter count and FLOPs per token of a model preset")
     p.add_argument("preset", nargs="?")
@@ -222,6 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir")
     p.add_argument("--out", help="default: RUN_DIR/curves.png")
     p.set_defaults(func=cmd_plot)
+    add_interchange_parsers(sub)
     return parser
 
 

@@ -11,14 +11,13 @@ from __future__ import annotations
 import ast
 import difflib
 import inspect
-import math
 import tomllib
 import typing
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
-from gridtrain.model.args import PRESETS, ModelArgs, model_args
+from gridtrain.model.args import ModelArgs, model_args
 
 
 class ConfigError(ValueError):
@@ -121,18 +120,52 @@ class TrainConfig:
     """Micro-batches of held-out data per validation."""
     threads: int | None = None
     """CPU threads for torch (None: torch's default)."""
+    collective_timeout_s: float = 600.0
+    """A collective that waits longer than this fails the run with an error naming the stalled
+    rank, the collective and the step (and each rank writes its last collectives to
+    <run_dir>/failures/)."""
+    max_bad_steps: int = 5
+    """Steps with a non-finite loss or gradient norm are skipped (no update) and counted; this
+    many in a row stop the run."""
+    spike_zscore: float = 6.0
+    """Log a loss spike when a step's loss lies this many standard deviations above the mean of
+    the last 100 steps (after 20); 0 turns it off."""
 
 
 @dataclass
 class CheckpointConfig:
     dir: str | None = None
     """Checkpoint directory; None means <run_dir>/checkpoints."""
-    interval: int = 0
-    """Save every N steps (and at the end); 0 turns saving off."""
+    interval: int | str = 0
+    """Save every N steps (and at the end); 0 turns saving off; "auto" times a save after the
+    first step and saves every Daly-optimal interval for checkpoint.mtbf_hours."""
+    mtbf_hours: float = 24.0
+    """Mean time between failures of the whole job, for interval = "auto" (a cluster's per-GPU
+    MTBF divided by the GPU count; Llama 3 saw one interruption every ~2.8 h on 16,384 GPUs)."""
     keep: int = 3
     """Number of most recent checkpoints kept."""
     resume: bool = False
-    """Continue from the newest checkpoint in the checkpoint directory."""
+    """Continue from the newest complete, intact checkpoint in the checkpoint directory
+    (always on when torchrun restarts the run)."""
+    on_save_error: str = "stop"
+    """A save that fails (disk full, permission denied): 'stop' the run with the error, or
+    'continue' training and try again at the next interval. Earlier checkpoints stay intact."""
+    async_save: bool = False
+    """Write checkpoints in the background while training goes on (committed at the next save
+    or the end of the run)."""
+
+
+@dataclass
+class FaultConfig:
+    """Fault injection, for testing recovery: it fires on the first attempt only, never after
+    torchrun restarts the run."""
+
+    at_step: int = 0
+    """The step at whose start the fault fires (0: never)."""
+    kill_rank: int = -1
+    """This rank kills itself with SIGKILL at fault.at_step (-1: none)."""
+    hang_rank: int = -1
+    """This rank stops responding (sleeps) at fault.at_step (-1: none)."""
 
 
 @dataclass
@@ -188,6 +221,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -243,7 +277,16 @@ def _convert(key: str, raw: Any, hint: Any) -> Any:
         if type(None) in typing.get_args(hint):
             return None
         raise ConfigError([f"{key} cannot be none"])
-    target = options[0]
+    for target in options:
+        try:
+            return _convert_to(key, raw, target)
+        except ConfigError:
+            if target is options[-1]:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _convert_to(key: str, raw: Any, target: type) -> Any:
     if isinstance(raw, target) and not (target is int and isinstance(raw, bool)):
         return raw
     if target is bool and isinstance(raw, str):

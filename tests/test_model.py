@@ -5,7 +5,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import gridtrain.model
 from gridtrain.model.args import ModelArgs, ffn_hidden_dim, model_args

@@ -18,6 +18,7 @@ send and broadcast the payload.
 from __future__ import annotations
 
 import json
+import time
 from collections import defaultdict
 from typing import Iterable
 
@@ -176,6 +177,24 @@ class CollectiveLog:
             out[axis][f"{kind}_wire_bytes"] += payload * WIRE_FACTOR.get(kind, lambda n: 1.0)(n)
             out[axis][f"{kind}_calls"] += 1
         return {axis: dict(v) for axis, v in out.items()}
+
+
+    def last(self, count: int = 20) -> list[dict[str, object]]:
+        """This rank's last `count` collectives, oldest first, readable: sequence number per group,
+        kind, mesh axis, payload bytes, shapes, dtype, seconds since issued and the timeout."""
+        now, records = time.time_ns(), []
+        for e in self._entries()[-count:]:
+            kind = _kind(e["profiling_name"])
+            pg_name = e["process_group"][0]
+            sizes = e["output_sizes"] if kind == "all_gather" else e["input_sizes"]
+            dtypes = e["output_dtypes"] if kind == "all_gather" else e["input_dtypes"]
+            records.append({"seq": e.get("p2p_seq_id") if e.get("is_p2p") else e["collective_seq_id"],
+                            "kind": kind, "axis": self.axis_of.get(pg_name, f"group{pg_name}"),
+                            "bytes": _numel(sizes) * (DTYPE_BYTES.get(dtypes[0], 4) if dtypes else 4),
+                            "shapes": sizes, "dtype": dtypes[0] if dtypes else None,
+                            "age_s": round((now - e["time_created_ns"]) / 1e9, 3),
+                            "timeout_ms": e.get("timeout_ms")})
+        return records
 
 
 def flatten_comm(comm: dict[str, dict[str, float]]) -> dict[str, float]:

@@ -1,55 +1,248 @@
-"""Checkpoints through torch.distributed.checkpoint (DCP), from the first run on.
+"""Checkpoints through torch.distributed.checkpoint (DCP) that never lose work.
 
 A checkpoint is the directory `<checkpoint_dir>/step-NNNNNNN`: model and optimizer state keyed by
-parameter name (so it can be loaded into another layout), and the trainer's state as tensors
-(step, data position, loss scaler, RNG), so loading never unpickles Python objects. It is written
-into `step-NNNNNNN.tmp` and renamed when complete: a crash mid-save leaves no half checkpoint
-that a resume could pick.
+parameter name (so it can be loaded into another layout), the trainer's state as tensors (step,
+data position, loss scaler, RNG), and `manifest.json` (see `manifest.py`): the size and sha256 of
+every file. A save goes through three stages, each closed by an all-reduce of a status flag so that
+a failure on any rank fails the save on every rank instead of leaving one waiting in a barrier:
+
+1. prepare: rank 0 creates `step-NNNNNNN.tmp`;
+2. shards: every rank writes its DCP shards into it (DCP gathers write errors and raises on all);
+3. commit: rank 0 hashes and fsyncs every file, writes the manifest atomically, renames the
+   directory to `step-NNNNNNN`, fsyncs the parent, then prunes checkpoints older than this one.
+
+A failed stage removes the .tmp directory (best effort) and raises `CheckpointSaveError` on every
+rank; no earlier checkpoint is touched. Resume uses `latest_valid_checkpoint`, which skips (and logs)
+any checkpoint that does not verify, and `load` refuses one that does not.
+
+Collective contract: `save`, `load`, `latest_valid_checkpoint` (and `latest_checkpoint`) must be
+called by every rank when a process group exists. Verification runs on rank 0 only (it reads every
+byte); the verdict reaches the other ranks as an int64 tensor (a step number or a status flag),
+never a pickled object, through an all-reduce / broadcast of 8 bytes over the world.
+
+For tests only: `GRIDTRAIN_FAULT_SAVE_ERROR=ENOSPC` makes the save fail with that OSError while
+writing shards; `ENOSPC:prepare` or `EACCES:manifest` pick another stage, `ENOSPC@1` only rank 1.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
 import shutil
 import warnings
+from concurrent import futures
 from pathlib import Path
+from typing import Callable
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from gridtrain.train.manifest import fsync_dir, verify, write_manifest
 
 log = logging.getLogger(__name__)
 
+FAULT_ENV = "GRIDTRAIN_FAULT_SAVE_ERROR"
 _STEP_DIR = re.compile(r"^step-(\d{7})$")
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint could not be written; its .tmp directory is gone and older ones are intact."""
+
+
+class InvalidCheckpointError(RuntimeError):
+    """`load` was given a checkpoint that does not verify against its manifest."""
 
 
 def step_dir(root: Path, step: int) -> Path:
+    """Where the checkpoint of `step` lives: `root/step-NNNNNNN`."""
     return root / f"step-{step:07d}"
 
 
-def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints under `root`, oldest first."""
+def _tmp_dir(final: Path) -> Path:
+    return final.with_name(final.name + ".tmp")
+
+
+def _candidates(root: Path) -> list[tuple[int, Path]]:
+    """Every directory named step-NNNNNNN under `root`, oldest first, complete or not."""
     if not root.is_dir():
         return []
-    found = []
-    for path in root.iterdir():
-        match = _STEP_DIR.match(path.name)
-        if match and (path / ".metadata").is_file():
-            found.append((int(match.group(1)), path))
+    found = [(int(m.group(1)), p) for p in root.iterdir()
+             if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
     return sorted(found)
 
 
+def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """Checkpoints under `root` by name (step-NNNNNNN holding DCP's .metadata), oldest first.
+    Cheap and unverified: resume through `latest_valid_checkpoint`."""
+    return [(s, p) for s, p in _candidates(root) if (p / ".metadata").is_file()]
+
+
+# -- agreement between ranks ------------------------------------------------------------------
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _agree(ok: bool) -> bool:
+    """True when every rank says ok: an all-reduce (MAX) of one int64 over the world, on CPU
+    (gloo, or the cpu:gloo half of a cpu:gloo,cuda:nccl group)."""
+    if not dist.is_initialized():
+        return ok
+    failed = torch.tensor([0 if ok else 1], dtype=torch.int64)
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    return int(failed.item()) == 0
+
+
+def _broadcast_int(value: int) -> int:
+    """Rank 0's `value` on every rank: a broadcast of one int64 tensor (8 bytes) over the world."""
+    if not dist.is_initialized():
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.broadcast(t, src=0)
+    return int(t.item())
+
+
+# -- choosing a checkpoint ---------------------------------------------------------------------
+
+def latest_valid_checkpoint(root: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest checkpoint under `root` that verifies, and the newer ones skipped with why.
+
+    Collective: rank 0 verifies (newest first, stopping at the first intact one), logs a WARNING
+    per skipped checkpoint and broadcasts the chosen step, so every rank picks the same one. The
+    other ranks list the skipped ones with the reason "failed verification on rank 0"."""
+    candidates = _candidates(root)
+    skipped: list[tuple[Path, str]] = []
+    chosen = -1
+    if _rank() == 0:
+        for step, path in reversed(candidates):
+            reason = verify(path)
+            if reason is None:
+                chosen = step
+                break
+            log.warning("checkpoint %s skipped: %s", path.name, reason)
+            skipped.append((path, reason))
+    chosen = _broadcast_int(chosen)
+    if _rank() != 0:
+        skipped = [(p, "failed verification on rank 0 (its log names the problem)")
+                   for s, p in candidates if s > chosen]
+    return (step_dir(root, chosen) if chosen >= 0 else None), skipped
+
+
 def latest_checkpoint(root: Path) -> Path | None:
-    found = list_checkpoints(root)
-    return found[-1][1] if found else None
+    """`latest_valid_checkpoint(root)[0]`: the newest checkpoint that verifies (collective)."""
+    return latest_valid_checkpoint(root)[0]
 
 
-_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+# -- failures --------------------------------------------------------------------------------
 
+def _inject_fault(stage: str, where: Path) -> None:
+    """For tests only: raise the OSError that $GRIDTRAIN_FAULT_SAVE_ERROR names for this stage
+    ("ENOSPC" = while writing shards, "ENOSPC:prepare", "EACCES:manifest", "ENOSPC@1" = rank 1)."""
+    spec = os.environ.get(FAULT_ENV, "")
+    if not spec:
+        return
+    spec, _, rank = spec.partition("@")
+    name, _, at = spec.partition(":")
+    if (at or "shards") != stage or (rank and int(rank) != _rank()):
+        return
+    code = getattr(errno, name, None)
+    if not isinstance(code, int):
+        raise ValueError(f"{FAULT_ENV}={os.environ[FAULT_ENV]!r}: {name!r} is not an errno name "
+                         "such as ENOSPC or EACCES")
+    raise OSError(code, f"{os.strerror(code)} (injected by {FAULT_ENV})", str(where))
+
+
+class _Writer(dcp.FileSystemWriter):
+    """DCP's file writer, with the test fault hook after this rank's shards are written."""
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        written = super().write_data(plan, planner)
+        _inject_fault("shards", Path(self.path))
+        return written
+
+
+def _os_error(error: BaseException | None) -> tuple[OSError | None, int | None]:
+    """The first OSError inside `error` (DCP wraps each rank's in a CheckpointException), and
+    the rank it came from when known."""
+    pending: list[tuple[BaseException, int | None]] = [(error, None)] if error else []
+    while pending:
+        exc, rank = pending.pop(0)
+        if isinstance(exc, OSError):
+            return exc, rank
+        if isinstance(exc, CheckpointException):
+            pending += [(e, r) for r, (e, _) in sorted(exc.failures.items())]
+        for nested in (exc.__cause__, exc.__context__):
+            if nested is not None:
+                pending.append((nested, rank))
+    return None, None
+
+
+def _free_space(path: Path) -> str:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        return f"{shutil.disk_usage(path).free:,} bytes free now"
+    except OSError:
+        return "free space unknown"
+
+
+def _fix(code: int | None, where: Path) -> str:
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        return (f"free space on the filesystem of {where} ({_free_space(where)}) or set "
+                "checkpoint.dir to another filesystem")
+    if code in (errno.EACCES, errno.EPERM):
+        return (f"make {where} writable by this user (uid {os.geteuid()}) or set checkpoint.dir "
+                "to a directory it can write")
+    if code == errno.EROFS:
+        return f"remount {where} read-write or set checkpoint.dir to another filesystem"
+    return f"check the filesystem of {where} or set checkpoint.dir to another filesystem"
+
+
+def _save_error(final: Path, step: int, stage: str, error: BaseException | None) -> CheckpointSaveError:
+    os_error, rank = _os_error(error)
+    if os_error is not None:
+        on = f" on rank {rank}" if rank is not None else ""
+        cause = f"{os_error}{on}"
+    elif error is not None:
+        cause = f"{type(error).__name__}: {error}"
+    else:
+        cause = "a failure on another rank (rank 0's log names it)"
+    fix = (_fix(os_error.errno if os_error else None, final.parent) if os_error or error is None
+           else "see the chained exception (not a filesystem error)")
+    return CheckpointSaveError(
+        f"checkpoint of step {step} not saved to {_tmp_dir(final)} ({stage} failed: {cause}); the "
+        f".tmp directory was removed and earlier checkpoints in {final.parent} are untouched. "
+        f"Fix: {fix}")
+
+
+def _stage(final: Path, step: int, stage: str, work: Callable[[], object], all_ranks: bool) -> None:
+    """Run one save stage (on every rank, or rank 0 only), then agree on its outcome: on a failure
+    anywhere, rank 0 removes the .tmp directory and every rank raises CheckpointSaveError."""
+    error: BaseException | None = None
+    if all_ranks or _rank() == 0:
+        try:
+            work()
+        except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+            error = e
+    if _agree(error is None):
+        return
+    if _rank() == 0:
+        shutil.rmtree(_tmp_dir(final), ignore_errors=True)
+    _agree(True)  # a barrier: no rank returns while the .tmp directory still exists
+    raise _save_error(final, step, stage, error) from error
+
+
+# -- saving ------------------------------------------------------------------------------------
 
 def _state(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
            trainer_state: dict[str, torch.Tensor]) -> dict[str, object]:
@@ -64,42 +257,144 @@ def _state(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
     return {"model": model_sd, "optim": optim_sd, "trainer": trainer_state}
 
 
-def _sync() -> None:
-    if dist.is_initialized():
-        dist.barrier()
+def _prepare(final: Path) -> None:
+    tmp = _tmp_dir(final)
+    _inject_fault("prepare", tmp)
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+
+
+def _replace_dir(tmp: Path, final: Path) -> None:
+    """Rename `tmp` to `final`; an existing `final` (same step, an earlier run) is moved aside
+    first and deleted only once the new one is in place."""
+    aside = final.with_name(final.name + ".replaced")
+    if final.exists():
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(final, aside)
+    try:
+        os.replace(tmp, final)
+    except OSError:
+        if aside.exists():
+            os.replace(aside, final)
+        raise
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def prune(root: Path, committed_step: int, keep: int) -> list[Path]:
+    """Delete checkpoints older than `committed_step` beyond the newest `keep` intact ones (the
+    committed one counts; a checkpoint failing the cheap size check does not). Newer checkpoints
+    are never touched; `keep` < 1 keeps everything. Returns the deleted paths; never raises."""
+    if keep < 1:
+        return []
+    kept, deleted = 1, []
+    for step, path in reversed(_candidates(root)):
+        if step >= committed_step:
+            continue
+        if kept < keep:
+            kept += verify(path, deep=False) is None
+            continue
+        try:
+            shutil.rmtree(path)
+            deleted.append(path)
+        except OSError as e:
+            log.warning("could not delete old checkpoint %s: %s", path, e)
+    return deleted
+
+
+def _commit(root: Path, final: Path, step: int, keep: int) -> None:
+    """Stage 3 (rank 0): manifest, rename, prune; then every rank learns the outcome."""
+    def commit() -> None:
+        tmp = _tmp_dir(final)
+        _inject_fault("manifest", tmp)
+        write_manifest(tmp, step, dist.get_world_size() if dist.is_initialized() else 1)
+        _replace_dir(tmp, final)
+        fsync_dir(root)
+        prune(root, step, keep)
+
+    _stage(final, step, "commit (manifest and rename)", commit, all_ranks=False)
 
 
 def save(root: Path, step: int, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
          trainer_state: dict[str, torch.Tensor], keep: int) -> Path:
-    """Write the checkpoint of `step` atomically (rank 0 renames once every rank has written)
-    and keep only the newest `keep`."""
+    """Write the checkpoint of `step` (collective; see the module docstring for the stages) and
+    keep the newest `keep` intact ones. Returns `root/step-NNNNNNN`, committed with its manifest.
+    Raises CheckpointSaveError on every rank if any rank fails; older checkpoints stay intact."""
     final = step_dir(root, step)
-    tmp = final.with_name(final.name + ".tmp")
-    leader = not dist.is_initialized() or dist.get_rank() == 0
-    if leader:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
-    _sync()
+    _stage(final, step, "prepare", lambda: _prepare(final), all_ranks=False)
+    state = _state(parts, optimizers, trainer_state)
     with warnings.catch_warnings():
         # A world of one runs DCP without a process group, which it announces each time.
         warnings.filterwarnings("ignore", message=".*single process.*")
-        dcp.save(_state(parts, optimizers, trainer_state), checkpoint_id=tmp)
-    _sync()
-    if leader:
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        for _, old in list_checkpoints(root)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
-    _sync()
+        _stage(final, step, "writing shards",
+               lambda: dcp.save(state, storage_writer=_Writer(_tmp_dir(final))), all_ranks=True)
+    _commit(root, final, step, keep)
     return final
 
+
+class AsyncSaver:
+    """Checkpoints written by DCP in a background thread while training goes on.
+
+    `save` copies the state to CPU memory (DCP's staging), starts the write and returns; the commit
+    (manifest, rename, prune) of a pending save happens at the next `save` or at `wait()`, which
+    also raise its CheckpointSaveError if the write failed. Call `wait()` before the run ends.
+    Collective: every rank constructs it (it creates a gloo group for the background collectives,
+    so they never interleave with training's) and calls `save` and `wait` at the same steps."""
+
+    def __init__(self, root: Path, keep: int) -> None:
+        self.root, self.keep = root, keep
+        self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self.pending: tuple[int, futures.Future] | None = None
+
+    def save(self, step: int, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
+             trainer_state: dict[str, torch.Tensor]) -> None:
+        """Commit the pending save (blocking until it is written), then start this one. If the
+        pending save failed, its CheckpointSaveError is raised and this one is not started."""
+        self.wait()
+        final = step_dir(self.root, step)
+        _stage(final, step, "prepare", lambda: _prepare(final), all_ranks=False)
+        state = _state(parts, optimizers, trainer_state)
+        started: list[futures.Future] = []
+
+        def start() -> None:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*single process.*")
+                response = dcp.async_save(state, storage_writer=_Writer(_tmp_dir(final)),
+                                          process_group=self.group)
+            started.append(getattr(response, "upload_completion", response))
+
+        _stage(final, step, "staging", start, all_ranks=True)
+        self.pending = (step, started[0])
+
+    def wait(self) -> Path | None:
+        """Block until the pending save is written, commit it and return its path (None if none)."""
+        if self.pending is None:
+            return None
+        step, future = self.pending
+        self.pending = None
+        final = step_dir(self.root, step)
+        _stage(final, step, "writing shards", future.result, all_ranks=True)
+        _commit(self.root, final, step, self.keep)
+        return final
+
+
+# -- loading -----------------------------------------------------------------------------------
 
 def load(path: Path, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
          trainer_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Load a checkpoint into the model parts and optimizers in place; returns the trainer's
-    state. `trainer_state` gives the keys and shapes expected (its values are overwritten)."""
+    state. `trainer_state` gives the keys and shapes expected (its values are overwritten).
+
+    Collective: rank 0 verifies `path` against its manifest first and every rank raises
+    InvalidCheckpointError if it does not verify. Only DCP reads the files: tensors through
+    torch.load(weights_only=True), and its .metadata with pickle, after its sha256 matched."""
+    reason = verify(path) if _rank() == 0 else None
+    if not _agree(reason is None):
+        detail = reason or "it failed verification on rank 0 (its log names the problem)"
+        raise InvalidCheckpointError(
+            f"refusing to load checkpoint {path}: {detail}. Resume picks the newest intact "
+            "checkpoint by itself (checkpoint.latest_valid_checkpoint); move this one aside to "
+            "inspect it")
     state = _state(parts, optimizers, trainer_state)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*single process.*")

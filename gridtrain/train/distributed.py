@@ -44,8 +44,23 @@ def init_world(timeout_s: float = 600.0) -> World:
         backend = "gloo" if device.type == "cpu" else f"cpu:gloo,{device.type}:nccl"
         if device.type != "cpu":
             torch.accelerator.set_device_index(device.index)
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = attempt_store(world_size, timeout)
+        dist.init_process_group(backend, timeout=timeout, store=store,
+                                **({"rank": rank, "world_size": world_size} if store else {}))
     return World(rank, world_size, local_rank, local_world, device)
+
+
+def attempt_store(world_size: int, timeout: datetime.timedelta) -> dist.Store | None:
+    """Under torchrun the agent hosts the store and keeps it across restarts, while torch
+    prefixes nothing per attempt: a restarted rank could read a dead peer's address from the
+    previous attempt (gloo then fails with "Connection refused"). Each attempt gets its own
+    prefix. None outside torchrun's agent store (env:// then does the usual)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return None
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                           is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"gridtrain/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", client)
 
 
 def shutdown() -> None:

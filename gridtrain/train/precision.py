@@ -99,6 +99,12 @@ class Precision:
         # GradScaler skips the step exactly when it backs the scale off.
         return self.scaler.get_scale() >= before
 
+    def skip(self) -> None:
+        """The guard refused this step: no update; fp16's scaler still updates its scale (and
+        forgets this step's unscaled state)."""
+        if self.scaler.is_enabled():
+            self.scaler.update()
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Tensors only, so checkpoints never need to unpickle Python objects."""
         state = self.scaler.state_dict() if self.scaler.is_enabled() else {}

@@ -13,20 +13,13 @@ import logging
 import math
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 
 from gridtrain.checks import validate
 from gridtrain.config import Config
-from gridtrain.data.sampler import BatchReader, ValReader
-from gridtrain.data.shards import TokenStore, ensure_prepared
-from gridtrain.model.args import ModelArgs
-from gridtrain.model.llama import Transformer
 from gridtrain.model.stats import count_parameters, flops_per_token
 from gridtrain.parallel.accounting import (CollectiveLog, SavedActivations, flatten_comm, grad_bytes,
                                           optimizer_bytes, param_bytes)
@@ -36,56 +29,17 @@ from gridtrain.parallel.grads import clip_grad_norm
 from gridtrain.parallel.tensor import loss_context
 from gridtrain.plan.hardware import peak_flops
 from gridtrain.train import checkpoint
+from gridtrain.train.build import build_data, build_model, loss_fn, scalar
 from gridtrain.train.device import device_name, memory_gib
-from gridtrain.train.distributed import World, init_world
+from gridtrain.train.distributed import init_world
 from gridtrain.train.metrics import MetricsWriter
 from gridtrain.train.optim import build_optimizer, lr_at, set_lr
 from gridtrain.train.units import units_table
 from gridtrain.train.precision import Precision
+from gridtrain.train.resilience import (Guard, ProgressBoard, auto_interval, collective_failure, inject_fault,
+                                        is_comm_failure, restart_count, set_timeouts)
 
 log = logging.getLogger("gridtrain")
-
-
-def build_model(args: ModelArgs, seed: int, device: torch.device) -> Transformer:
-    """Build on the meta device, then materialise and initialise from the seed: the same weights
-    whatever the device, and no memory spent on a throw-away default initialisation."""
-    with torch.device("meta"):
-        model = Transformer(args)
-    model.to_empty(device=device)
-    model.init_weights(seed)
-    return model
-
-
-def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over all tokens, computed in fp32 whatever the autocast precision."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-
-
-@dataclass
-class Data:
-    train: BatchReader
-    val: ValReader | None
-    tokens: int
-
-
-def build_data(cfg: Config, world: World) -> Data:
-    """Token shards (prepared once, by rank 0, while the others wait) and the readers."""
-    cache = Path(cfg.data.cache_dir).expanduser()
-    args = (cfg.data.corpus, cfg.data.tokenizer, cache, cfg.data.val_fraction, cfg.train.seed)
-    if world.rank == 0:
-        prepared = ensure_prepared(*args)
-    if world.distributed:
-        dist.barrier()
-    if world.rank != 0:
-        prepared = ensure_prepared(*args)
-    store = TokenStore(prepared, "train")
-    val = ValReader(TokenStore(prepared, "val"), cfg.data.seq_len) if cfg.train.val_every else None
-    return Data(BatchReader(store, cfg.data.seq_len, cfg.train.seed), val, store.num_tokens)
-
-
-def scalar(t: torch.Tensor) -> torch.Tensor:
-    """A loss or norm as a plain tensor (loss parallel returns a replicated DTensor)."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 class Trainer:
@@ -93,7 +47,9 @@ class Trainer:
 
     def __init__(self, cfg: Config) -> None:
         self.dims = validate(cfg)  # before any process group exists
-        self.world = init_world()
+        # Start-up (data preparation on rank 0, the first checkpoint load) may take longer than
+        # a training collective should: the run's own timeout is set once it is built.
+        self.world = init_world(max(1800.0, cfg.train.collective_timeout_s))
         self.cfg, t = cfg, cfg.train
         if t.threads:
             torch.set_num_threads(t.threads)
@@ -122,8 +78,16 @@ class Trainer:
         self.ckpt_dir = cfg.checkpoint_dir
         self.is_writer = self.coords["dp"] == 0 and self.coords["tp"] == 0 and self.pmodel.has_last_stage
         self.comm_log = CollectiveLog(self.axis_groups()) if self.world.distributed else None
-        if cfg.checkpoint.resume:
+        self.guard = Guard(t.max_bad_steps, t.spike_zscore)
+        self.interval = None if cfg.checkpoint.interval == "auto" else cfg.checkpoint.interval
+        if cfg.checkpoint.resume or restart_count() > 0:
+            if restart_count() > 0 and self.world.rank == 0:
+                log.warning("torchrun restart %d: resuming from the newest intact checkpoint", restart_count())
             self.resume()
+        self.board = None
+        if self.world.distributed:
+            set_timeouts(list(self.axis_groups().values()), t.collective_timeout_s)
+            self.board = ProgressBoard(self.world.rank, self.world.world_size)
 
     def group(self, axis: str) -> dist.ProcessGroup | None:
         """The process group of a mesh axis ('world' for all ranks); None when it has one rank."""
@@ -152,16 +116,27 @@ class Trainer:
         return {"step": torch.tensor(self.step), "samples": torch.tensor(self.step * self.global_batch),
                 "rng": torch.get_rng_state(), **self.precision.state_dict()}
 
-    def save(self) -> Path:
-        path = checkpoint.save(self.ckpt_dir, self.step, self.pmodel.parts, self.optimizers,
-                               self.trainer_state(), self.cfg.checkpoint.keep)
-        log.info("saved checkpoint %s", path)
+    def save(self) -> Path | None:
+        """Save a checkpoint; a failed save leaves the earlier ones intact and, by
+        checkpoint.on_save_error, stops the run or is logged and retried at the next interval."""
+        try:
+            path = checkpoint.save(self.ckpt_dir, self.step, self.pmodel.parts, self.optimizers,
+                                   self.trainer_state(), self.cfg.checkpoint.keep)
+        except checkpoint.CheckpointSaveError as err:
+            if self.cfg.checkpoint.on_save_error == "stop":
+                raise
+            log.error("%s; training goes on (checkpoint.on_save_error = 'continue')", err)
+            return None
+        if self.world.rank == 0:
+            log.info("saved checkpoint %s", path)
         return path
 
     def resume(self) -> None:
-        path = checkpoint.latest_checkpoint(self.ckpt_dir)
+        path, skipped = checkpoint.latest_valid_checkpoint(self.ckpt_dir)
+        if path is None and self.world.rank == 0:
+            log.info("resume: no intact checkpoint in %s (%d skipped), starting from step 0",
+                     self.ckpt_dir, len(skipped))
         if path is None:
-            log.info("--resume: no checkpoint in %s, starting from step 0", self.ckpt_dir)
             return
         state = checkpoint.load(path, self.pmodel.parts, self.optimizers, self.trainer_state())
         self.step = int(state["step"])
@@ -172,7 +147,8 @@ class Trainer:
                              "resume with the global batch the run was saved with")
         torch.set_rng_state(state["rng"])
         self.precision.load_state_dict(state)
-        log.info("resumed from %s at step %d (sample offset %d)", path, self.step, samples)
+        if self.world.rank == 0:
+            log.info("resumed from %s at step %d (sample offset %d)", path, self.step, samples)
 
     # -- one step ----------------------------------------------------------------------------
 
@@ -212,6 +188,9 @@ class Trainer:
 
     def train_step(self) -> dict[str, float]:
         """One optimizer step over the global batch; returns its metrics."""
+        inject_fault(self.cfg.fault, self.world.rank, self.step + 1)
+        if self.board:
+            self.board.post(self.step + 1)
         t, start = self.cfg.train, time.perf_counter()
         lr = lr_at(self.step, t)
         for opt in self.optimizers:
@@ -231,8 +210,14 @@ class Trainer:
         for opt in self.optimizers:
             self.precision.unscale_(opt, self.group("world"))
         max_norm = t.grad_clip if t.grad_clip > 0 else math.inf
-        grad_norm = clip_grad_norm(self.pmodel.parameters(), max_norm, self.group("pp"))
-        stepped = all([self.precision.step(opt) for opt in self.optimizers])
+        grad_norm = clip_grad_norm(self.pmodel.parameters(), max_norm, self.group("pp")).item()
+        loss_value = self.reduce_loss(loss)  # synchronises, so the step time below is honest
+        # fp16's scaler skips overflowing steps itself (and lowers the scale): the guard sees the loss.
+        if self.guard.admit(self.step + 1, loss_value, 0.0 if t.precision == "fp16" else grad_norm):
+            stepped = all([self.precision.step(opt) for opt in self.optimizers])
+        else:
+            stepped = False
+            self.precision.skip()
         accounting = {}
         if account:
             sent = self.pmodel.traffic.send_bytes - sent_before if self.pmodel.traffic else None
@@ -240,14 +225,14 @@ class Trainer:
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         self.step += 1
-        loss_value = self.reduce_loss(loss)  # synchronises, so the step time below is honest
         seconds = time.perf_counter() - start
         tokens_per_s = self.tokens_per_step / seconds
-        metrics = {"loss/train": loss_value, "grad/norm": grad_norm.item(), "lr": lr,
+        metrics = {"loss/train": loss_value, "grad/norm": grad_norm, "lr": lr,
                    "throughput/tokens_per_s": tokens_per_s, "time/step_s": seconds,
                    "mfu_pct": 100 * self.flops_per_token * tokens_per_s / (self.peak * self.world.world_size),
                    "flops/achieved_TFLOPs": self.flops_per_token * tokens_per_s / 1e12,
-                   "optim/skipped_steps": float(not stepped), **memory_gib(self.device), **accounting}
+                   "optim/skipped_steps": float(not stepped), **self.guard.metrics(),
+                   **memory_gib(self.device), **accounting}
         if t.precision == "fp16":
             metrics["precision/loss_scale"] = self.precision.loss_scale
         return metrics
@@ -361,9 +346,28 @@ class Trainer:
                 if writer:
                     writer.write(self.step, metrics, echo=self.should(cfg.metrics.log_every) or "loss/val" in metrics)
                     writer.advance(metrics["loss/train"])
-                if self.should(cfg.checkpoint.interval):
+                if self.interval is None:
+                    self.choose_interval(metrics["time/step_s"])
+                elif self.should(self.interval):
                     self.save()
+        except Exception as err:
+            if self.world.distributed and is_comm_failure(err):
+                raise collective_failure(err, self.world.rank, self.step + 1, cfg.train.collective_timeout_s,
+                                         self.board, self.comm_log, Path(cfg.run_dir)) from err
+            raise
         finally:
             if writer:
                 writer.close()
         return metrics
+
+    def choose_interval(self, step_s: float) -> None:
+        """checkpoint.interval = "auto": time a real save now and space the next ones by Daly's
+        interval for checkpoint.mtbf_hours (the same on every rank: rank 0's times decide)."""
+        start = time.perf_counter()
+        self.save()
+        times = torch.tensor([time.perf_counter() - start, step_s], dtype=torch.float64)
+        if self.world.distributed:
+            dist.broadcast(times, src=0)
+        self.interval, reason = auto_interval(times[0].item(), times[1].item(), self.cfg.checkpoint.mtbf_hours)
+        if self.world.rank == 0:
+            log.info("%s", reason)

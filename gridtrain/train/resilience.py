@@ -1,0 +1,176 @@
+"""Keeping a run alive and honest at scale: fault injection (for the tests that prove recovery),
+the guards on non-finite and spiking losses, collective timeouts that name the stalled rank, and
+the checkpoint cadence chosen from the measured save time (Young/Daly).
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import json
+import logging
+import math
+import os
+import signal
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+from gridtrain.config import FaultConfig
+from gridtrain.parallel.accounting import CollectiveLog
+from gridtrain.plan.reliability import daly_interval, young_interval
+
+log = logging.getLogger("gridtrain")
+
+
+def restart_count() -> int:
+    """How many times torchrun has restarted this run (0 on the first attempt)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+
+
+def inject_fault(fault: FaultConfig, rank: int, step: int) -> None:
+    """Fire the configured fault if `step` (the one about to run, counted from 1) is
+    fault.at_step, on the first attempt only: SIGKILL (no cleanup, like a lost node) or an
+    endless sleep (a stalled rank that its peers must detect)."""
+    if restart_count() > 0 or fault.at_step == 0 or step != fault.at_step:
+        return
+    if rank == fault.kill_rank:
+        log.warning("fault injection: rank %d kills itself (SIGKILL) at the start of step %d", rank, step)
+        for handler in logging.getLogger().handlers + log.handlers:
+            handler.flush()
+        sys.stderr.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+    if rank == fault.hang_rank:
+        log.warning("fault injection: rank %d stops responding at the start of step %d", rank, step)
+        while True:
+            time.sleep(3600)
+
+
+class TrainingDiverged(RuntimeError):
+    """Too many steps in a row with a non-finite loss or gradient norm."""
+
+
+class Guard:
+    """Skips updates whose loss or gradient norm is not finite (every rank sees the same global
+    values, so all skip together), stops the run after `max_bad` such steps in a row, and logs a
+    loss more than `zscore` standard deviations above the mean of the last `window` steps."""
+
+    def __init__(self, max_bad: int, zscore: float, window: int = 100, warmup: int = 20) -> None:
+        self.max_bad, self.zscore, self.warmup = max_bad, zscore, warmup
+        self.losses: collections.deque[float] = collections.deque(maxlen=window)
+        self.in_a_row = 0
+        self.skipped = 0
+        self.spikes = 0
+
+    def admit(self, step: int, loss: float, grad_norm: float) -> bool:
+        """Whether step `step` may update the weights."""
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            self.in_a_row += 1
+            self.skipped += 1
+            log.warning("step %d: loss %s, gradient norm %s: update skipped (%d in a row, %d in all)",
+                        step, loss, grad_norm, self.in_a_row, self.skipped)
+            if self.in_a_row >= self.max_bad:
+                raise TrainingDiverged(
+                    f"{self.in_a_row} steps in a row (up to step {step}) had a non-finite loss or gradient "
+                    f"norm (train.max_bad_steps = {self.max_bad}): lower train.lr, raise train.warmup_steps, "
+                    "use bf16 instead of fp16, or resume from an earlier checkpoint")
+            return False
+        self.in_a_row = 0
+        if self.zscore > 0 and len(self.losses) >= self.warmup:
+            mean, std = statistics.fmean(self.losses), statistics.pstdev(self.losses)
+            if std > 0 and (loss - mean) / std > self.zscore:
+                self.spikes += 1
+                log.warning("step %d: loss spike: %.4f is %.1f standard deviations above the mean %.4f of "
+                            "the last %d steps (train.spike_zscore = %g)", step, loss, (loss - mean) / std,
+                            mean, len(self.losses), self.zscore)
+        self.losses.append(loss)
+        return True
+
+    def metrics(self) -> dict[str, float]:
+        return {"guard/skipped_total": float(self.skipped), "guard/spikes_total": float(self.spikes)}
+
+
+# -- collective timeouts ---------------------------------------------------------------------
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective failed or waited past train.collective_timeout_s; the message names the
+    stalled ranks, the collective and the step."""
+
+
+def set_timeouts(groups: list[dist.ProcessGroup], seconds: float) -> None:
+    """Every group of the run gives up after `seconds` (sub-groups otherwise keep torch's
+    30-minute default for gloo, whatever the world's timeout)."""
+    timeout = datetime.timedelta(seconds=seconds)
+    for group in {id(g): g for g in groups}.values():
+        dist.distributed_c10d._set_pg_timeout(timeout, group)
+
+
+def is_comm_failure(err: BaseException) -> bool:
+    text = str(err)
+    return isinstance(err, dist.DistError) or any(
+        s in text for s in ("Timed out", "timed out", "Connection closed by peer", "Connection reset"))
+
+
+class ProgressBoard:
+    """Each rank posts the step it starts to the rendezvous store (one small write per step), so
+    that a rank whose collective timed out can tell which peers never reached that step."""
+
+    PREFIX = "gridtrain/progress/"
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.store = dist.distributed_c10d._get_default_store()
+
+    def post(self, step: int) -> None:
+        self.store.set(f"{self.PREFIX}{self.rank}", str(step))
+
+    def last_steps(self) -> dict[int, int | None]:
+        steps: dict[int, int | None] = {}
+        for r in range(self.world_size):
+            key = f"{self.PREFIX}{r}"
+            try:
+                steps[r] = int(self.store.get(key)) if self.store.check([key]) else None
+            except Exception:  # the store went away with its host: report what we know
+                steps[r] = None
+        return steps
+
+
+def collective_failure(err: BaseException, rank: int, step: int, timeout_s: float, board: ProgressBoard | None,
+                       comm_log: CollectiveLog | None, run_dir: Path) -> CollectiveTimeout:
+    """Write this rank's last collectives to <run_dir>/failures/rank<r>.json and build the error."""
+    records = comm_log.last(20) if comm_log else []
+    steps = board.last_steps() if board else {}
+    stalled = {r: s for r, s in steps.items() if r != rank and (s is None or s < step)}
+    path = Path(run_dir) / "failures" / f"rank{rank}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"rank": rank, "step": step, "error": str(err)[:2000], "ranks_last_step": steps,
+                                "last_collectives": records}, indent=2))
+    last = records[-1] if records else None
+    what = (f"{last['kind']} over '{last['axis']}' (sequence {last['seq']}, {last['bytes']:,} bytes)"
+            if last else "a collective")
+    who = "; ".join(f"rank {r} never reached step {step} (last started: "
+                    f"{'none' if s is None else f'step {s}'})" for r, s in sorted(stalled.items()))
+    timed_out = "timed out" in str(err).lower()
+    how = (f"gave up on {what} at step {step} after {timeout_s:g} s (train.collective_timeout_s)" if timed_out
+           else f"lost a peer in {what} at step {step}")
+    return CollectiveTimeout(
+        f"rank {rank} {how}: {who or 'no peer is behind: a peer failed inside the step'}. "
+        f"This rank's last collectives: {path}. Cause: {str(err).splitlines()[0][:300]}")
+
+
+# -- checkpoint cadence -----------------------------------------------------------------------
+
+
+def auto_interval(save_s: float, step_s: float, mtbf_hours: float) -> tuple[int, str]:
+    """Steps between checkpoints from Daly's optimal interval for a save of `save_s` and a job
+    MTBF, and the reasoning as one line."""
+    mtbf_s = mtbf_hours * 3600
+    daly, young = daly_interval(save_s, mtbf_s), young_interval(save_s, mtbf_s)
+    steps = max(1, round(daly / step_s))
+    return steps, (f"checkpoint.interval auto: a save takes {save_s:.3f} s, a step {step_s:.3f} s, the job's "
+                   f"MTBF is {mtbf_hours:g} h (checkpoint.mtbf_hours): Daly's interval {daly:.1f} s "
+                   f"(Young's {young:.1f} s) = every {steps} steps")

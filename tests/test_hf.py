@@ -1,0 +1,352 @@
+"""Hugging Face interchange: `gridtrain export` against transformers' LlamaForCausalLM, the state-dict
+conversion, `gridtrain import` and resuming from it, and the CLI's errors."""
+
+import inspect
+import json
+import re
+import tomllib
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from gridtrain.cli import main
+from gridtrain.config import Config, load_config
+from gridtrain.model import llama
+from gridtrain.model.args import PRESETS, ModelArgs, model_args
+from gridtrain.model.llama import Transformer
+from gridtrain.train import hf
+from gridtrain.train.trainer import Trainer, build_model, loss_fn
+
+from conftest import tiny_overrides
+
+CPU = torch.device("cpu")
+SEQ = 256  # the tiny preset's whole context: long enough for Llama 3.1's scaled band to matter
+# A high learning rate for three steps moves the weights far from the (small) initialisation, so
+# attention, and with it RoPE, visibly shapes the logits.
+TRAIN = {"train.steps": 3, "train.lr": 0.03, "checkpoint.interval": 1}
+RUNS = {
+    "gqa": {},  # the tiny preset: 4 heads, 2 KV heads
+    "tied": {"model.tie_embeddings": True, "model.n_kv_heads": 4},
+    "rope_scaling": {"model.rope_scaling": True},
+}
+
+
+@dataclass
+class Run:
+    cfg: Config
+    weights: dict[str, torch.Tensor]
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.cfg.run_dir)
+
+    def model(self) -> Transformer:
+        model = build_model(self.cfg.model.args(), 0, CPU)
+        model.load_state_dict(self.weights)
+        return model.eval()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, corpus_dir) -> dict[str, Run]:
+    """Each model of RUNS trained three steps by the Trainer, checkpointed after each."""
+    root = tmp_path_factory.mktemp("hf-runs")
+    out = {}
+    for name, extra in RUNS.items():
+        items = tiny_overrides(root / name, corpus_dir) | TRAIN | extra
+        items["data.cache_dir"] = str(root / "cache")  # tokenised once for all three
+        trainer = Trainer(load_config(None, items))
+        trainer.run()
+        weights = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+        out[name] = Run(trainer.cfg, weights)
+    return out
+
+
+def token_ids(vocab: int = 320) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, SEQ), generator=torch.Generator().manual_seed(0))
+
+
+def load_hf(path: Path) -> LlamaForCausalLM:
+    model, info = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    return model.eval()
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()
+
+
+# ---------------------------------------------------------------------------------------------
+# (a) export -> transformers
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_export_gives_transformers_the_same_logits(runs, name, tmp_path):
+    run = runs[name]
+    out = hf.export_run(run.run_dir, tmp_path / "hf")
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    model = load_hf(out)
+    ids = token_ids()
+    with torch.no_grad():
+        got, want = model(ids).logits, run.model()(ids)
+    assert got.shape == want.shape == (2, SEQ, 320)
+    assert want.abs().max() > 1.0  # logits that carry signal, not an untrained near-zero head
+    diff = max_diff(got, want)
+    print(f"{name}: max |logit difference| {diff:.2e}")
+    assert diff < 1e-5
+    stored = load_file(out / "model.safetensors")
+    if name == "tied":
+        assert "lm_head.weight" not in stored
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    else:
+        assert "lm_head.weight" in stored
+
+
+def test_parity_fails_without_the_rope_permutation(runs, tmp_path):
+    """The parity check above can fail: q_proj/k_proj in gridtrain's row order are far off."""
+    run = runs["gqa"]
+    model = load_hf(hf.export_run(run.run_dir, tmp_path / "hf"))
+    with torch.no_grad():
+        for i in range(2):
+            attn = model.model.layers[i].self_attn
+            attn.q_proj.weight.copy_(run.weights[f"layers.{i}.attention.wq.weight"])
+            attn.k_proj.weight.copy_(run.weights[f"layers.{i}.attention.wk.weight"])
+        assert max_diff(model(token_ids()).logits, run.model()(token_ids())) > 1e-2
+
+
+def test_parity_sees_llama31_rope_scaling(runs, tmp_path):
+    """transformers applies the llama3 scaling, and leaving it out would fail the 1e-5 check."""
+    run = runs["rope_scaling"]
+    out = hf.export_run(run.run_dir, tmp_path / "hf")
+    config = LlamaConfig.from_pretrained(out)
+    assert config.rope_parameters == {"rope_type": "llama3", "rope_theta": 500_000.0, **hf.LLAMA31_ROPE}
+    unscaled = Transformer(replace(run.cfg.model.args(), rope_scaling=False)).eval()
+    unscaled.load_state_dict(run.weights)
+    with torch.no_grad():
+        assert max_diff(load_hf(out)(token_ids()).logits, unscaled(token_ids())) > 1e-3
+
+
+def test_llama31_constants_are_gridtrains():
+    defaults = {k: p.default for k, p in inspect.signature(llama._llama31_scale).parameters.items()}
+    assert hf.LLAMA31_ROPE == {"factor": defaults["factor"], "low_freq_factor": defaults["low"],
+                               "high_freq_factor": defaults["high"],
+                               "original_max_position_embeddings": defaults["original_context"]}
+
+
+def test_export_picks_the_step_asked_for(runs, tmp_path):
+    run = runs["gqa"]
+    first = load_file(hf.export_run(run.run_dir, tmp_path / "one", step=1) / "model.safetensors")
+    last = load_file(hf.export_run(run.run_dir, tmp_path / "last") / "model.safetensors")
+    assert torch.equal(last["model.embed_tokens.weight"], run.weights["tok_embeddings.weight"])
+    assert not torch.equal(first["model.embed_tokens.weight"], last["model.embed_tokens.weight"])
+
+
+def test_failed_export_leaves_nothing(runs, tmp_path, monkeypatch):
+    def broken(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(hf, "save_file", broken)
+    with pytest.raises(OSError, match="disk full"):
+        hf.export_run(runs["gqa"].run_dir, tmp_path / "hf")
+    assert list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Configs
+
+
+@pytest.mark.parametrize("args", [PRESETS["tiny"](), PRESETS["llama3-8b"](),
+                                  replace(PRESETS["llama3-8b"](), rope_scaling=True, max_seq_len=131_072),
+                                  model_args("small", tie_embeddings=True, n_kv_heads=8)])
+def test_hf_config_round_trips_through_transformers(args):
+    """LlamaConfig takes our config.json, and its own serialisation reads back as the same model."""
+    config = LlamaConfig(**hf.hf_config(args))
+    assert (config.hidden_size, config.intermediate_size, config.num_key_value_heads, config.head_dim) == \
+        (args.dim, args.hidden_dim, args.n_kv_heads, args.head_dim)
+    assert config.rope_parameters["rope_type"] == ("llama3" if args.rope_scaling else "default")
+    again = hf.args_from_hf_config(config.to_dict())
+    assert hf.hf_config(again) == hf.hf_config(args)
+    assert again.hidden_dim == args.hidden_dim and again.n_kv_heads == args.n_kv_heads
+
+
+def test_reads_the_transformers_4_spelling_of_rope():
+    cfg = hf.hf_config(PRESETS["tiny"]())
+    del cfg["rope_parameters"]
+    cfg["rope_theta"] = 10_000.0
+    cfg["rope_scaling"] = {"rope_type": "llama3", **hf.LLAMA31_ROPE}
+    args = hf.args_from_hf_config(cfg)
+    assert args.rope_theta == 10_000.0 and args.rope_scaling
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    ({"attention_bias": True}, "attention_bias = true"),
+    ({"mlp_bias": True}, "mlp_bias = true"),
+    ({"model_type": "mistral"}, "model_type 'mistral'"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "rope_type 'yarn'"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, **hf.LLAMA31_ROPE, "factor": 32.0}},
+     "Llama 3.1's"),
+    ({"head_dim": 32}, "head_dim 32"),
+    ({"num_key_value_heads": 3}, "n_kv_heads"),
+])
+def test_unsupported_hf_configs_are_refused(change, message):
+    cfg = hf.hf_config(PRESETS["tiny"]()) | change
+    with pytest.raises(hf.InterchangeError, match=re.escape(message)):
+        hf.args_from_hf_config(cfg)
+
+
+# ---------------------------------------------------------------------------------------------
+# (b) state dicts
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_state_dict_round_trip_is_exact(tied):
+    args = model_args("tiny", tie_embeddings=tied)
+    model = build_model(args, 1, CPU)
+    sd = model.state_dict()
+    hf_sd = hf.to_hf_state_dict(sd, args)
+    assert ("lm_head.weight" in hf_sd) is not tied
+    assert hf_sd["model.layers.0.post_attention_layernorm.weight"] is sd["layers.0.ffn_norm.weight"]
+    assert hf_sd["model.layers.0.input_layernorm.weight"] is sd["layers.0.attention_norm.weight"]
+    assert hf_sd["model.layers.1.mlp.gate_proj.weight"] is sd["layers.1.feed_forward.w1.weight"]
+    assert hf_sd["model.layers.1.mlp.up_proj.weight"] is sd["layers.1.feed_forward.w3.weight"]
+    back = hf.from_hf_state_dict(hf_sd, args)
+    assert back.keys() == sd.keys()
+    for key in sd:
+        assert torch.equal(back[key], sd[key]), key
+
+
+def test_rope_rows_go_from_interleaved_pairs_to_halves():
+    """Within each head, HF row i is gridtrain row 2i and HF row head_dim/2 + i is row 2i + 1."""
+    args = model_args("tiny")  # head_dim 16, 4 heads, 2 KV heads
+    sd = build_model(args, 0, CPU).state_dict()
+    sd["layers.0.attention.wq.weight"] = torch.arange(64.0)[:, None].expand(64, 64)
+    sd["layers.0.attention.wk.weight"] = torch.arange(32.0)[:, None].expand(32, 64)
+    hf_sd = hf.to_hf_state_dict(sd, args)
+    head = [0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15]
+    want_q = torch.tensor([16 * h + r for h in range(4) for r in head], dtype=torch.float32)
+    assert torch.equal(hf_sd["model.layers.0.self_attn.q_proj.weight"][:, 0], want_q)
+    assert torch.equal(hf_sd["model.layers.0.self_attn.k_proj.weight"][:, 0], want_q[:32])
+    assert torch.equal(hf_sd["model.layers.0.self_attn.v_proj.weight"], sd["layers.0.attention.wv.weight"])
+
+
+def test_unknown_hf_weights_are_refused():
+    args = model_args("tiny")
+    hf_sd = hf.to_hf_state_dict(build_model(args, 0, CPU).state_dict(), args)
+    hf_sd["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(64)
+    with pytest.raises(hf.InterchangeError, match="q_proj.bias"):
+        hf.from_hf_state_dict(hf_sd, args)
+
+
+# ---------------------------------------------------------------------------------------------
+# (c) import, then resume
+
+
+def trainer_from_import(run_dir: Path, tmp: Path, corpus: Path, resume: bool) -> Trainer:
+    """A Trainer from run_dir/imported.toml with the tests' data settings (and no model keys)."""
+    items = {k: v for k, v in tiny_overrides(tmp, corpus).items() if not k.startswith(("model.", "run_dir"))}
+    if not resume:
+        items |= {"checkpoint.resume": False, "run_dir": str(tmp / "fresh")}
+    return Trainer(load_config(run_dir / "imported.toml", items))
+
+
+@pytest.mark.parametrize("name", ["gqa", "tied"])
+def test_import_then_resume_continues_the_original(runs, name, tmp_path, corpus_dir, capsys):
+    run = runs[name]
+    assert main(["export", str(run.run_dir), str(tmp_path / "hf")]) == 0
+    assert main(["import", str(tmp_path / "hf"), str(tmp_path / "imported")]) == 0
+    assert "imported.toml" in capsys.readouterr().out
+    toml = tomllib.loads((tmp_path / "imported" / "imported.toml").read_text())
+    assert toml["checkpoint"]["resume"] is True and toml["model"]["preset"] == "tiny"
+    assert toml["model"]["tie_embeddings"] is (name == "tied")
+
+    resumed = trainer_from_import(tmp_path / "imported", tmp_path, corpus_dir, resume=True)
+    assert resumed.step == 0 and resumed.args == run.cfg.model.args()
+    for key, value in resumed.model.state_dict().items():
+        assert torch.equal(value, run.weights[key]), key  # gridtrain -> HF -> gridtrain is lossless
+    if name == "tied":
+        assert resumed.model.output.weight is resumed.model.tok_embeddings.weight
+
+    inputs, targets = resumed.data.train.read(0, resumed.global_batch)
+    with torch.no_grad():
+        original_loss = loss_fn(run.model()(inputs), targets).item()
+    # A fresh Trainer given the same weights: the imported optimizer state must be a fresh AdamW's.
+    fresh = trainer_from_import(tmp_path / "imported", tmp_path, corpus_dir, resume=False)
+    assert fresh.step == 0
+    fresh.model.load_state_dict(run.weights)
+    got, want = resumed.train_step(), fresh.train_step()
+    assert got["loss/train"] == pytest.approx(original_loss, rel=1e-6)
+    assert got["loss/train"] == want["loss/train"] and got["grad/norm"] == want["grad/norm"]
+    for (key, a), b in zip(resumed.model.named_parameters(), fresh.model.parameters()):
+        assert torch.equal(a, b), key
+    assert any(not torch.equal(p, run.weights[k]) for k, p in resumed.model.named_parameters())
+
+
+def test_import_reads_sharded_safetensors(runs, tmp_path):
+    run = runs["gqa"]
+    out = hf.export_run(run.run_dir, tmp_path / "hf")
+    weights = load_file(out / "model.safetensors")
+    (out / "model.safetensors").unlink()
+    names = sorted(weights)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, keys in shards.items():
+        save_file({k: weights[k] for k in keys}, out / file, metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {k: f for f, keys in shards.items() for k in keys}}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    run_dir = hf.import_hf(out, tmp_path / "imported")
+    loaded = hf.load_model_weights(hf.find_checkpoint(run_dir / "checkpoints"), run.cfg.model.args())
+    for key, value in loaded.items():
+        assert torch.equal(value, run.weights[key]), key
+
+
+# ---------------------------------------------------------------------------------------------
+# (d) the CLI's errors
+
+
+def assert_refused(argv: list[str], message: str, capsys) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+
+
+def test_export_errors(runs, tmp_path, capsys):
+    run_dir = str(runs["gqa"].run_dir)
+    assert_refused(["export", str(tmp_path / "nowhere"), str(tmp_path / "a")], "no config.json", capsys)
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text((runs["gqa"].run_dir / "config.json").read_text())
+    assert_refused(["export", str(bare), str(tmp_path / "b")], "no intact checkpoint", capsys)
+    assert_refused(["export", run_dir, str(tmp_path / "c"), "--step", "99"], "steps there: [1, 2, 3]", capsys)
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("")
+    assert_refused(["export", run_dir, str(tmp_path / "full")], "is not an empty directory", capsys)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bare", "full"]
+
+
+def test_import_errors(tmp_path, capsys):
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    assert_refused(["import", str(hf_dir), str(tmp_path / "run")], "no config.json", capsys)
+    (hf_dir / "config.json").write_text(json.dumps(hf.hf_config(PRESETS["tiny"]())))
+    (hf_dir / "pytorch_model.bin").write_bytes(b"not read")
+    assert_refused(["import", str(hf_dir), str(tmp_path / "run")], "safetensors only", capsys)
+    save_file({"model.norm.weight": torch.ones(64)}, hf_dir / "model.safetensors", metadata={"format": "pt"})
+    assert_refused(["import", str(hf_dir), str(tmp_path / "run")], "do not fit its config.json", capsys)
+    bad = hf.hf_config(PRESETS["tiny"]()) | {"hidden_act": "gelu", "attention_bias": True,
+                                             "rope_parameters": {"rope_type": "yarn", "factor": 4.0}}
+    (hf_dir / "config.json").write_text(json.dumps(bad))
+    assert main(["import", str(hf_dir), str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    for part in ("hidden_act 'gelu'", "attention_bias = true", "rope_type 'yarn'"):
+        assert part in err, err
+    assert "Traceback" not in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_import_refuses_a_norm_eps_the_config_cannot_hold(tmp_path):
+    args = ModelArgs(**{**PRESETS["tiny"]().__dict__, "norm_eps": 1e-6})
+    with pytest.raises(hf.InterchangeError, match="rms_norm_eps 1e-06"):
+        hf.imported_toml(args, tmp_path, load_config().train)

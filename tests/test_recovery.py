@@ -1,0 +1,139 @@
+"""Recovery from failures, end to end through `gridtrain train --nproc N`: a rank killed with
+SIGKILL and restarted by torchrun finishes bit-identical to an uninterrupted run; a checkpoint
+written under FSDP 4 continues under TP 2 x DP 2 and in one process; a stalled rank ends the run
+within the collective timeout with an error naming it."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from gridtrain.model.args import model_args
+from gridtrain.model.llama import Transformer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def train(tmp: Path, corpus: Path, run: str, nproc: int, *args: str, check: bool = True,
+          timeout: float = 600) -> subprocess.CompletedProcess:
+    """`gridtrain train` on the tiny model: 8 steps of 4 sequences of 32 tokens, a checkpoint
+    every 2 steps, metrics on every step."""
+    cmd = [sys.executable, "-m", "gridtrain", "train", "--nproc", str(nproc), "--model.preset", "tiny",
+           "--data.corpus", str(corpus), "--data.cache_dir", str(tmp / "cache"), "--data.seq_len", "32",
+           "--train.global_batch", "4", "--train.micro_batch", "2", "--train.steps", "8",
+           "--train.warmup_steps", "1", "--train.val_every", "0", "--checkpoint.interval", "2",
+           "--metrics.log_every", "1", "--metrics.tensorboard", "false", "--metrics.progress", "false",
+           "--metrics.account_every", "0", "--run_dir", str(tmp / run), *args]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if check:
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+    return proc
+
+
+def saved_weights(path: Path) -> dict[str, torch.Tensor]:
+    """The model weights of a checkpoint, loaded in this process (DCP reshards to one rank)."""
+    with torch.device("meta"):
+        model = Transformer(model_args("tiny"))
+    model.to_empty(device="cpu")
+    state = {"model": model.state_dict()}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*single process.*")
+        dcp.load(state, checkpoint_id=path)
+    return state["model"]
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """step -> training loss; a resumed run's records replace the earlier attempt's."""
+    out = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "loss/train" in record:
+            out[record["step"]] = record["loss/train"]
+    return out
+
+
+LAYOUTS = {"ddp2": ["--parallel.zero_stage", "0"], "fsdp2": [], "tp2": ["--parallel.tp", "2"],
+           "pp2": ["--parallel.pp", "2"]}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_killed_rank_restarts_and_finishes_bit_identical(tmp_path, corpus_dir, name):
+    """Rank 1 SIGKILLs itself at the start of step 5; torchrun restarts both ranks, which resume
+    from the step-4 checkpoint and finish step 8 with exactly the weights of a run never killed."""
+    layout = LAYOUTS[name]
+    train(tmp_path, corpus_dir, "clean", 2, *layout)
+    proc = train(tmp_path, corpus_dir, "killed", 2, *layout, "--fault.kill_rank", "1", "--fault.at_step", "5",
+                 "--max-restarts", "1")
+    log = proc.stdout + proc.stderr
+    assert "rank 1 kills itself (SIGKILL) at the start of step 5" in log
+    assert "torchrun restart 1: resuming" in log
+    assert re.search(r"resumed from \S+step-0000004 at step 4 \(sample offset 16\)", log), log[-3000:]
+    clean = saved_weights(tmp_path / "clean" / "checkpoints" / "step-0000008")
+    killed = saved_weights(tmp_path / "killed" / "checkpoints" / "step-0000008")
+    assert clean.keys() == killed.keys()
+    for key in clean:
+        assert torch.equal(clean[key], killed[key]), key
+    assert losses(tmp_path / "killed") == losses(tmp_path / "clean")
+
+
+def test_fsdp4_checkpoint_continues_under_tp2_dp2_and_one_process(tmp_path, corpus_dir, make_config):
+    """A checkpoint of step 4 written by FSDP over 4 ranks loads under TP 2 x DP 2 (4 ranks) and
+    in one process. Steps 5-8 then read samples 16-31, the ones the uninterrupted FSDP 4 run read
+    (any skipped or repeated sample would change the losses), and their losses match that run
+    within fp32 tolerance (the layouts sum in different orders)."""
+    one = ("--train.micro_batch", "1")  # 4 sequences over 4 data-parallel ranks
+    train(tmp_path, corpus_dir, "fsdp4", 4, *one)
+    reference = losses(tmp_path / "fsdp4")
+    for run in ("tp2dp2", "one"):
+        (tmp_path / run / "checkpoints").mkdir(parents=True)
+        shutil.copytree(tmp_path / "fsdp4" / "checkpoints" / "step-0000004",
+                        tmp_path / run / "checkpoints" / "step-0000004")
+    proc = train(tmp_path, corpus_dir, "tp2dp2", 4, *one, "--parallel.tp", "2", "--parallel.dp_shard", "2", "--resume")
+    assert "at step 4 (sample offset 16)" in proc.stderr
+    resumed = losses(tmp_path / "tp2dp2")
+    assert sorted(resumed) == [5, 6, 7, 8]
+    for step in resumed:
+        assert resumed[step] == pytest.approx(reference[step], rel=1e-5), step
+
+    from gridtrain.train.trainer import Trainer
+
+    cfg = make_config(tmp_path, run_dir=str(tmp_path / "one"), **{"checkpoint.resume": True, "train.steps": 8,
+                                                                   "data.cache_dir": str(tmp_path / "cache")})
+    trainer = Trainer(cfg)
+    assert trainer.step == 4
+    for step in range(5, 9):
+        assert trainer.train_step()["loss/train"] == pytest.approx(reference[step], rel=1e-5), step
+
+
+def test_stalled_rank_ends_the_run_within_the_timeout(tmp_path, corpus_dir):
+    """Rank 1 stops responding at step 3; rank 0 gives up after train.collective_timeout_s (5 s),
+    names rank 1, the collective and the step, and writes its last collectives; torchrun then
+    stops the stalled rank. Without the timeout gloo would wait 30 minutes."""
+    start = time.monotonic()
+    proc = train(tmp_path, corpus_dir, "hang", 2, "--fault.hang_rank", "1", "--fault.at_step", "3",
+                 "--train.collective_timeout_s", "5", check=False, timeout=300)
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0
+    log = proc.stderr
+    assert "rank 1 stops responding at the start of step 3" in log
+    message = re.search(r"gridtrain: rank 0: rank 0 gave up on (\S+) over '(\w+)' .* at step 3 after 5 s \(train.collective_timeout_s\)", log)
+    assert message, log[-4000:]
+    assert "rank 1 never reached step 3 (last started: step 2)" in log
+    record = json.loads((tmp_path / "hang" / "failures" / "rank0.json").read_text())
+    assert record["step"] == 3 and record["ranks_last_step"] == {"0": 3, "1": 2}
+    last = record["last_collectives"][-1]
+    assert (last["kind"], last["axis"]) == message.groups()
+    assert last["timeout_ms"] == 5000
+    assert elapsed < 120, elapsed

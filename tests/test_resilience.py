@@ -1,0 +1,104 @@
+"""Guards, fault-injection rules and the automatic checkpoint cadence, in one process."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+
+from gridtrain.config import ConfigError, FaultConfig, load_config
+from gridtrain.checks import validate
+from gridtrain.train.resilience import Guard, TrainingDiverged, auto_interval, inject_fault
+
+
+def test_guard_skips_non_finite_steps_and_stops_after_max_in_a_row(caplog):
+    guard = Guard(max_bad=3, zscore=0)
+    assert guard.admit(1, 2.0, 1.0)
+    with caplog.at_level(logging.WARNING, logger="gridtrain"):
+        assert not guard.admit(2, math.nan, 1.0)
+        assert not guard.admit(3, 2.0, math.inf)
+    assert "step 3: loss 2.0, gradient norm inf: update skipped (2 in a row, 2 in all)" in caplog.text
+    assert guard.admit(4, 2.0, 1.0)  # a finite step resets the count in a row, not the total
+    assert not guard.admit(5, math.nan, math.nan) and not guard.admit(6, math.nan, 1.0)
+    with pytest.raises(TrainingDiverged, match=r"3 steps in a row \(up to step 7\).*train.max_bad_steps = 3"):
+        guard.admit(7, math.inf, 1.0)
+    assert guard.metrics()["guard/skipped_total"] == 5.0
+
+
+def test_guard_logs_a_loss_spike_by_z_score(caplog):
+    """After 20 losses alternating 2.0 and 2.2 (mean 2.1, std 0.1), 2.6 is 5 deviations up (no
+    spike at 6), 2.8 is 7 (a spike, logged; the update is not skipped)."""
+    guards = [Guard(max_bad=5, zscore=6.0) for _ in range(2)]
+    for guard in guards:
+        for i in range(20):
+            guard.admit(i + 1, 2.0 + 0.2 * (i % 2), 1.0)
+    with caplog.at_level(logging.WARNING, logger="gridtrain"):
+        assert guards[0].admit(21, 2.6, 1.0)
+        assert guards[1].admit(21, 2.8, 1.0)
+    assert guards[0].metrics()["guard/spikes_total"] == 0.0
+    assert guards[1].metrics()["guard/spikes_total"] == 1.0
+    assert "step 21: loss spike: 2.8000 is 7.0 standard deviations above the mean 2.1000 of the last 20" in caplog.text
+
+
+def test_auto_interval_is_dalys_in_steps():
+    """C = 2 s, M = 1 h: Young sqrt(2 x 2 x 3600) = 120 s; Daly 120 (1 + sqrt(2/7200)/3 + (2/7200)/9) - 2
+    = 118.67 s, at 0.5 s per step: every 237 steps."""
+    steps, reason = auto_interval(2.0, 0.5, 1.0)
+    assert steps == 237
+    assert "Daly's interval 118.7 s (Young's 120.0 s) = every 237 steps" in reason
+    assert auto_interval(10.0, 100.0, 0.001)[0] == 1  # never less than every step
+
+
+def test_fault_fires_only_on_its_step_and_first_attempt(monkeypatch):
+    fault = FaultConfig(at_step=3, kill_rank=1)
+    killed = []
+    monkeypatch.setattr("os.kill", lambda pid, sig: killed.append(sig))
+    inject_fault(fault, rank=1, step=2)
+    inject_fault(fault, rank=0, step=3)
+    assert killed == []
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    inject_fault(fault, rank=1, step=3)
+    assert killed == []
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    inject_fault(fault, rank=1, step=3)
+    assert len(killed) == 1
+
+
+def test_resilience_settings_are_validated():
+    cfg = load_config(None, {"checkpoint.interval": "sometimes", "checkpoint.on_save_error": "retry",
+                             "fault.kill_rank": 2, "train.collective_timeout_s": 0, "checkpoint.mtbf_hours": -1})
+    with pytest.raises(ConfigError) as err:
+        validate(cfg)
+    text = str(err.value)
+    assert "checkpoint.interval = 'sometimes' is neither a number of steps nor 'auto'" in text
+    assert "checkpoint.on_save_error = 'retry' is not one of stop, continue" in text
+    assert "fault.kill_rank = 2 is not a rank of this world (0..0)" in text
+    assert "train.collective_timeout_s = 0.0 must be > 0" in text
+    assert "checkpoint.mtbf_hours = -1.0 must be > 0" in text
+    assert load_config(None, {"checkpoint.interval": "auto"}).checkpoint.interval == "auto"
+    assert load_config(None, {"checkpoint.interval": "12"}).checkpoint.interval == 12
+
+
+def test_trainer_skips_a_non_finite_step_without_touching_the_weights(tmp_path, make_config, monkeypatch):
+    from gridtrain.train.trainer import Trainer
+
+    trainer = Trainer(make_config(tmp_path, **{"train.max_bad_steps": 2}))
+    trainer.train_step()
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    real = trainer.forward_backward
+
+    def poisoned() -> torch.Tensor:
+        loss = real()
+        next(trainer.model.parameters()).grad.fill_(math.nan)
+        return loss
+
+    monkeypatch.setattr(trainer, "forward_backward", poisoned)
+    metrics = trainer.train_step()
+    assert metrics["optim/skipped_steps"] == 1.0 and metrics["guard/skipped_total"] == 1.0
+    assert trainer.step == 2  # the batch is consumed: the next step reads the next one
+    for key, value in trainer.model.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    with pytest.raises(TrainingDiverged):
+        trainer.train_step()
