@@ -49,9 +49,12 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     except (CollectiveTimeout, TrainingDiverged, CheckpointSaveError) as err:
         rank = os.environ.get("RANK")
         print(f"gridtrain: {'' if rank is None else f'rank {rank}: '}{err}", file=sys.stderr, flush=True)
-        return 1
-    finally:
         shutdown()
+        return 1
+    except BaseException:
+        shutdown()
+        raise
+    shutdown(finished=True)
     if "loss/val" in final and trainer.is_writer:
         print(f"final validation loss {final['loss/val']:.4f} (perplexity {final['loss/val_ppl']:.2f})")
     del dims

@@ -114,3 +114,27 @@ def make_config(corpus_dir: Path) -> Callable[..., Config]:
         return load_config(None, items)
 
     return make
+
+
+@pytest.fixture
+def checkpoint_weights() -> Callable[[Path], dict[str, torch.Tensor]]:
+    """checkpoint_weights(path) -> the tiny model's weights in a checkpoint, loaded in this
+    process (DCP reshards whatever layout wrote it to one rank)."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from gridtrain.model.args import model_args
+    from gridtrain.model.llama import Transformer
+
+    def load(path: Path) -> dict[str, torch.Tensor]:
+        with torch.device("meta"):
+            model = Transformer(model_args("tiny"))
+        model.to_empty(device="cpu")
+        state = {"model": model.state_dict()}
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*single process.*")
+            dcp.load(state, checkpoint_id=path)
+        return state["model"]
+
+    return load

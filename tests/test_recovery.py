@@ -12,15 +12,11 @@ import shutil
 import subprocess
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 
-from gridtrain.model.args import model_args
-from gridtrain.model.llama import Transformer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,18 +38,6 @@ def train(tmp: Path, corpus: Path, run: str, nproc: int, *args: str, check: bool
     return proc
 
 
-def saved_weights(path: Path) -> dict[str, torch.Tensor]:
-    """The model weights of a checkpoint, loaded in this process (DCP reshards to one rank)."""
-    with torch.device("meta"):
-        model = Transformer(model_args("tiny"))
-    model.to_empty(device="cpu")
-    state = {"model": model.state_dict()}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*single process.*")
-        dcp.load(state, checkpoint_id=path)
-    return state["model"]
-
-
 def losses(run_dir: Path) -> dict[int, float]:
     """step -> training loss; a resumed run's records replace the earlier attempt's."""
     out = {}
@@ -69,7 +53,7 @@ LAYOUTS = {"ddp2": ["--parallel.zero_stage", "0"], "fsdp2": [], "tp2": ["--paral
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_killed_rank_restarts_and_finishes_bit_identical(tmp_path, corpus_dir, name):
+def test_killed_rank_restarts_and_finishes_bit_identical(tmp_path, corpus_dir, checkpoint_weights, name):
     """Rank 1 SIGKILLs itself at the start of step 5; torchrun restarts both ranks, which resume
     from the step-4 checkpoint and finish step 8 with exactly the weights of a run never killed."""
     layout = LAYOUTS[name]
@@ -80,8 +64,8 @@ def test_killed_rank_restarts_and_finishes_bit_identical(tmp_path, corpus_dir, n
     assert "rank 1 kills itself (SIGKILL) at the start of step 5" in log
     assert "torchrun restart 1: resuming" in log
     assert re.search(r"resumed from \S+step-0000004 at step 4 \(sample offset 16\)", log), log[-3000:]
-    clean = saved_weights(tmp_path / "clean" / "checkpoints" / "step-0000008")
-    killed = saved_weights(tmp_path / "killed" / "checkpoints" / "step-0000008")
+    clean = checkpoint_weights(tmp_path / "clean" / "checkpoints" / "step-0000008")
+    killed = checkpoint_weights(tmp_path / "killed" / "checkpoints" / "step-0000008")
     assert clean.keys() == killed.keys()
     for key in clean:
         assert torch.equal(clean[key], killed[key]), key

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 
 import pytest
 import torch
 
 from gridtrain.config import ConfigError, FaultConfig, load_config
 from gridtrain.checks import validate
+from gridtrain.plan.reliability import daly_interval
 from gridtrain.train.resilience import Guard, TrainingDiverged, auto_interval, inject_fault
 
 
@@ -102,3 +104,69 @@ def test_trainer_skips_a_non_finite_step_without_touching_the_weights(tmp_path, 
         assert torch.equal(value, before[key]), key
     with pytest.raises(TrainingDiverged):
         trainer.train_step()
+
+
+def test_resume_skips_a_corrupted_checkpoint_for_the_previous_one(tmp_path, make_config, caplog):
+    """A flipped byte in the newest checkpoint's shard: the trainer warns, names it, and resumes
+    from the one before, which then trains on exactly as the uninterrupted run did."""
+    from gridtrain.train.trainer import Trainer
+
+    cfg = make_config(tmp_path, **{"checkpoint.interval": 2, "train.steps": 4})
+    Trainer(cfg).run()
+    shard = next((tmp_path / "run" / "checkpoints" / "step-0000004").glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING):
+        resumed = Trainer(make_config(tmp_path, **{"checkpoint.interval": 2, "train.steps": 4,
+                                                   "checkpoint.resume": True}))
+    assert resumed.step == 2
+    assert "step-0000004 skipped" in caplog.text and "sha256" in caplog.text
+
+
+def test_failed_saves_keep_the_earlier_checkpoint_and_follow_the_policy(tmp_path, make_config, monkeypatch, caplog):
+    """A disk that fills after step 2's checkpoint: with on_save_error 'continue' the run
+    finishes and logs each failure; with 'stop' it ends with the error. Step 2's checkpoint stays
+    intact and loadable either way, and no half-written directory is left."""
+    from gridtrain.train.checkpoint import CheckpointSaveError, latest_valid_checkpoint
+    from gridtrain.train.trainer import Trainer
+
+    base = {"checkpoint.interval": 2, "train.steps": 2}
+    Trainer(make_config(tmp_path, **base)).run()
+    monkeypatch.setenv("GRIDTRAIN_FAULT_SAVE_ERROR", "ENOSPC")
+    more = {**base, "train.steps": 4, "checkpoint.resume": True}
+    with caplog.at_level(logging.ERROR):
+        metrics = Trainer(make_config(tmp_path, **more, **{"checkpoint.on_save_error": "continue"})).run()
+    assert metrics["loss/train"] > 0
+    assert "No space left on device" in caplog.text and "training goes on" in caplog.text
+    with pytest.raises(CheckpointSaveError, match="No space left on device"):
+        Trainer(make_config(tmp_path, **more)).run()
+    root = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["step-0000002"]
+    assert latest_valid_checkpoint(root)[0] == root / "step-0000002"
+
+
+def test_async_save_writes_the_same_checkpoints(tmp_path, make_config, checkpoint_weights):
+    from gridtrain.train.trainer import Trainer
+
+    for name, background in (("sync", False), ("async", True)):
+        Trainer(make_config(tmp_path, run_dir=str(tmp_path / name),
+                            **{"checkpoint.interval": 2, "checkpoint.async_save": background})).run()
+    for step in ("step-0000002", "step-0000004"):
+        sync, background = (checkpoint_weights(tmp_path / n / "checkpoints" / step) for n in ("sync", "async"))
+        for key in sync:
+            assert torch.equal(sync[key], background[key]), (step, key)
+
+
+def test_auto_interval_times_a_save_after_the_first_step(tmp_path, make_config, caplog):
+    from gridtrain.train.trainer import Trainer
+
+    with caplog.at_level(logging.INFO, logger="gridtrain"):
+        trainer = Trainer(make_config(tmp_path, **{"checkpoint.interval": "auto", "checkpoint.mtbf_hours": 1e-4}))
+        trainer.run()
+    assert (tmp_path / "run" / "checkpoints" / "step-0000001").is_dir()
+    match = re.search(r"checkpoint.interval auto: a save takes ([\d.]+) s, a step ([\d.]+) s, the job's MTBF is "
+                      r"0.0001 h .* = every (\d+) steps", caplog.text)
+    assert match, caplog.text
+    save_s, step_s, steps = float(match[1]), float(match[2]), int(match[3])
+    assert steps == trainer.interval == max(1, round(daly_interval(save_s, 0.36) / step_s))

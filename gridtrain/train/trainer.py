@@ -14,6 +14,7 @@ import math
 import os
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -80,6 +81,7 @@ class Trainer:
         self.comm_log = CollectiveLog(self.axis_groups()) if self.world.distributed else None
         self.guard = Guard(t.max_bad_steps, t.spike_zscore)
         self.interval = None if cfg.checkpoint.interval == "auto" else cfg.checkpoint.interval
+        self.saver = checkpoint.AsyncSaver(self.ckpt_dir, cfg.checkpoint.keep) if cfg.checkpoint.async_save else None
         if cfg.checkpoint.resume or restart_count() > 0:
             if restart_count() > 0 and self.world.rank == 0:
                 log.warning("torchrun restart %d: resuming from the newest intact checkpoint", restart_count())
@@ -117,19 +119,35 @@ class Trainer:
                 "rng": torch.get_rng_state(), **self.precision.state_dict()}
 
     def save(self) -> Path | None:
-        """Save a checkpoint; a failed save leaves the earlier ones intact and, by
-        checkpoint.on_save_error, stops the run or is logged and retried at the next interval."""
+        """Save a checkpoint (with checkpoint.async_save: start writing it and commit the previous
+        one); a failed save leaves the earlier ones intact and, by checkpoint.on_save_error, stops
+        the run or is logged and retried at the next interval."""
+        if self.saver:
+            path = self.checked(lambda: self.saver.save(self.step, self.pmodel.parts, self.optimizers,
+                                                        self.trainer_state()))
+            if self.world.rank == 0:
+                log.info("checkpoint of step %d is being written in the background", self.step)
+            return path
+        path = self.checked(lambda: checkpoint.save(self.ckpt_dir, self.step, self.pmodel.parts, self.optimizers,
+                                                    self.trainer_state(), self.cfg.checkpoint.keep))
+        if path and self.world.rank == 0:
+            log.info("saved checkpoint %s", path)
+        return path
+
+    def checked(self, save: Callable[[], Path | None]) -> Path | None:
         try:
-            path = checkpoint.save(self.ckpt_dir, self.step, self.pmodel.parts, self.optimizers,
-                                   self.trainer_state(), self.cfg.checkpoint.keep)
+            return save()
         except checkpoint.CheckpointSaveError as err:
             if self.cfg.checkpoint.on_save_error == "stop":
                 raise
             log.error("%s; training goes on (checkpoint.on_save_error = 'continue')", err)
             return None
-        if self.world.rank == 0:
+
+    def finish_saves(self) -> None:
+        """Commit a checkpoint still being written in the background."""
+        path = self.checked(self.saver.wait) if self.saver else None
+        if path and self.world.rank == 0:
             log.info("saved checkpoint %s", path)
-        return path
 
     def resume(self) -> None:
         path, skipped = checkpoint.latest_valid_checkpoint(self.ckpt_dir)
@@ -350,6 +368,7 @@ class Trainer:
                     self.choose_interval(metrics["time/step_s"])
                 elif self.should(self.interval):
                     self.save()
+            self.finish_saves()
         except Exception as err:
             if self.world.distributed and is_comm_failure(err):
                 raise collective_failure(err, self.world.rank, self.step + 1, cfg.train.collective_timeout_s,
