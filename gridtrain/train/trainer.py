@@ -229,6 +229,8 @@ class Trainer:
             self.precision.unscale_(opt, self.group("world"))
         max_norm = t.grad_clip if t.grad_clip > 0 else math.inf
         grad_norm = clip_grad_norm(self.pmodel.parameters(), max_norm, self.group("pp")).item()
+        # The step's collectives end here: the loss average below is reporting, not training.
+        comm = self.comm_log.since_start() if account and self.comm_log else {}
         loss_value = self.reduce_loss(loss)  # synchronises, so the step time below is honest
         # fp16's scaler skips overflowing steps itself (and lowers the scale): the guard sees the loss.
         if self.guard.admit(self.step + 1, loss_value, 0.0 if t.precision == "fp16" else grad_norm):
@@ -239,7 +241,7 @@ class Trainer:
         accounting = {}
         if account:
             sent = self.pmodel.traffic.send_bytes - sent_before if self.pmodel.traffic else None
-            accounting = self.account(meter.bytes, grads, sent)
+            accounting = self.account(meter.bytes, grads, sent, comm)
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         self.step += 1
@@ -255,7 +257,8 @@ class Trainer:
             metrics["precision/loss_scale"] = self.precision.loss_scale
         return metrics
 
-    def account(self, saved_bytes: int, grads: int, pp_sent: int | None) -> dict[str, float]:
+    def account(self, saved_bytes: int, grads: int, pp_sent: int | None,
+                comm: dict[str, dict[str, float]]) -> dict[str, float]:
         """This rank's memory buckets and the step's collectives; also appended to
         <run_dir>/accounting/rank<r>.jsonl, one line per accounted step."""
         record = {"memory/params_bytes": float(param_bytes(self.pmodel.parameters())),
@@ -263,7 +266,7 @@ class Trainer:
                   "memory/optimizer_bytes": float(optimizer_bytes(self.optimizers)),
                   "memory/activations_bytes": float(saved_bytes)}
         if self.comm_log:
-            record.update(flatten_comm(self.comm_log.since_start()))
+            record.update(flatten_comm(comm))
         if pp_sent is not None:
             record["comm/pp/send_bytes"] = float(pp_sent)
         path = Path(self.cfg.run_dir) / "accounting" / f"rank{self.world.rank}.jsonl"
