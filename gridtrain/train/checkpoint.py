@@ -49,6 +49,9 @@ from torch.futures import Future
 from gridtrain.train.manifest import fsync_dir, verify, write_manifest
 
 log = logging.getLogger(__name__)
+# A world of one runs DCP without a process group, which DCP announces on every save and load,
+# also from the background thread of an asynchronous save (where a local filter would not reach).
+warnings.filterwarnings("ignore", message=".*assuming the intent is to .* in a single process.*")
 
 FAULT_ENV = "GRIDTRAIN_FAULT_SAVE_ERROR"
 _STEP_DIR = re.compile(r"^step-(\d{7})$")
@@ -323,11 +326,8 @@ def save(root: Path, step: int, parts: list[nn.Module], optimizers: list[torch.o
     final = step_dir(root, step)
     _stage(final, step, "prepare", lambda: _prepare(final), all_ranks=False)
     state = _state(parts, optimizers, trainer_state)
-    with warnings.catch_warnings():
-        # A world of one runs DCP without a process group, which it announces each time.
-        warnings.filterwarnings("ignore", message=".*single process.*")
-        _stage(final, step, "writing shards",
-               lambda: dcp.save(state, storage_writer=_Writer(_tmp_dir(final))), all_ranks=True)
+    _stage(final, step, "writing shards",
+           lambda: dcp.save(state, storage_writer=_Writer(_tmp_dir(final))), all_ranks=True)
     _commit(root, final, step, keep)
     return final
 
@@ -357,10 +357,7 @@ class AsyncSaver:
         started: list[futures.Future] = []
 
         def start() -> None:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=".*single process.*")
-                response = dcp.async_save(state, storage_writer=_Writer(_tmp_dir(final)),
-                                          process_group=self.group)
+            response = dcp.async_save(state, storage_writer=_Writer(_tmp_dir(final)), process_group=self.group)
             started.append(getattr(response, "upload_completion", response))
 
         _stage(final, step, "staging", start, all_ranks=True)
@@ -396,9 +393,7 @@ def load(path: Path, parts: list[nn.Module], optimizers: list[torch.optim.Optimi
             "checkpoint by itself (checkpoint.latest_valid_checkpoint); move this one aside to "
             "inspect it")
     state = _state(parts, optimizers, trainer_state)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*single process.*")
-        dcp.load(state, checkpoint_id=path)
+    dcp.load(state, checkpoint_id=path)
     for part, opt in zip(parts, optimizers):
         set_state_dict(part, opt, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=StateDictOptions(flatten_optimizer_state_dict=True, strict=False))
