@@ -169,4 +169,7 @@ def test_auto_interval_times_a_save_after_the_first_step(tmp_path, make_config, 
                       r"0.0001 h .* = every (\d+) steps", caplog.text)
     assert match, caplog.text
     save_s, step_s, steps = float(match[1]), float(match[2]), int(match[3])
-    assert steps == trainer.interval == max(1, round(daly_interval(save_s, 0.36) / step_s))
+    assert steps == trainer.interval
+    # The log rounds the times to 1 ms, so the interval recomputed from it may differ by a step or so.
+    expected = daly_interval(save_s, 0.36) / step_s
+    assert abs(steps - expected) <= 0.1 * expected + 1, (steps, expected)
