@@ -75,7 +75,8 @@ def launch(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            f"--max-restarts={max_restarts}", "-m", "gridtrain", *forwarded]
     log.info("launching %d processes: %s", nproc, " ".join(cmd[2:]))
-    return subprocess.call(cmd)
+    # A fresh rendezvous store per attempt: restarted ranks never read a dead attempt's keys.
+    return subprocess.call(cmd, env={**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
 
 
 def cmd_model(args: argparse.Namespace, extra: list[str]) -> int:

@@ -150,6 +150,9 @@ class CheckpointConfig:
     on_save_error: str = "stop"
     """A save that fails (disk full, permission denied): 'stop' the run with the error, or
     'continue' training and try again at the next interval. Earlier checkpoints stay intact."""
+    timeout_s: float = 1800.0
+    """How long ranks wait for each other while saving or loading (rank 0 alone hashes and
+    commits every shard meanwhile): a separate group from training's collective timeout."""
     async_save: bool = False
     """Write checkpoints in the background while training goes on (committed at the next save
     or the end of the run)."""

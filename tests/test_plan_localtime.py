@@ -12,7 +12,7 @@ from gridtrain.parallel.dims import ParallelDims
 from gridtrain.plan.localtime import CPU_MATMUL, LocalMachine, collective_seconds, local_step, microbatch_seconds
 
 MACHINE = LocalMachine(matmul_flops=1e11, attention_flops=5e10, memory_bytes_per_s=1e10, gloo_bytes_per_s=1e9,
-                       gloo_latency_s=1e-4, cores=2)
+                       cores=2)
 
 
 def config(**train):

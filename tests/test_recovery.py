@@ -62,7 +62,7 @@ def test_killed_rank_restarts_and_finishes_bit_identical(tmp_path, corpus_dir, c
                  "--max-restarts", "1")
     log = proc.stdout + proc.stderr
     assert "rank 1 kills itself (SIGKILL) at the start of step 5" in log
-    assert "torchrun restart 1: resuming" in log
+    assert "torchrun restarted the run: resuming" in log
     assert re.search(r"resumed from \S+step-0000004 at step 4 \(sample offset 16\)", log), log[-3000:]
     clean = checkpoint_weights(tmp_path / "clean" / "checkpoints" / "step-0000008")
     killed = checkpoint_weights(tmp_path / "killed" / "checkpoints" / "step-0000008")

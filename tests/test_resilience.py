@@ -57,14 +57,11 @@ def test_fault_fires_only_on_its_step_and_first_attempt(monkeypatch):
     fault = FaultConfig(at_step=3, kill_rank=1)
     killed = []
     monkeypatch.setattr("os.kill", lambda pid, sig: killed.append(sig))
-    inject_fault(fault, rank=1, step=2)
-    inject_fault(fault, rank=0, step=3)
+    inject_fault(fault, rank=1, step=2, restarted=False)
+    inject_fault(fault, rank=0, step=3, restarted=False)
+    inject_fault(fault, rank=1, step=3, restarted=True)
     assert killed == []
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    inject_fault(fault, rank=1, step=3)
-    assert killed == []
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
-    inject_fault(fault, rank=1, step=3)
+    inject_fault(fault, rank=1, step=3, restarted=False)
     assert len(killed) == 1
 
 

@@ -108,7 +108,7 @@ class _Toy:
         if overflow:
             self.model.weight.grad[0, 0] = float("inf")
         self.precision.unscale_(self.opt)
-        stepped = self.precision.step(self.opt)
+        stepped = self.precision.step([self.opt])
         self.opt.zero_grad(set_to_none=True)
         return stepped
 
@@ -120,6 +120,22 @@ def test_overflow_skips_the_step_and_halves_the_scale():
     assert toy.precision.loss_scale == 512.0
     for name, p in toy.model.named_parameters():
         assert torch.equal(p, before[name]), name
+
+
+def test_fp16_steps_several_stages_with_one_scale_update():
+    """A rank holding two pipeline stages has two optimizers: both get their gradient unscaled
+    exactly once and the scale advances once per step (growth interval 1: 1024 -> 2048)."""
+    precision = _fp16(1024.0, 1)
+    first, second = _Toy(precision), _Toy(precision)
+    expected = [[p - first.lr * g for p, g in zip(toy.model.parameters(), toy.true_grads())] for toy in (first, second)]
+    for toy in (first, second):
+        precision.backward(toy.loss())
+        precision.unscale_(toy.opt)
+    assert precision.step([first.opt, second.opt]) is True
+    assert precision.loss_scale == 2048.0
+    for toy, want in zip((first, second), expected):
+        for p, w in zip(toy.model.parameters(), want):
+            torch.testing.assert_close(p, w, rtol=1e-6, atol=1e-7)
 
 
 def test_clean_step_applies_the_unscaled_gradient():

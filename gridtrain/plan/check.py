@@ -263,14 +263,14 @@ def check_step_time(run_dir: Path, calibration: dict | None = None) -> tuple[Che
                                                coords["pp"] == dims.pp - 1)
         collectives = predict_collectives(args, dims, cfg, coords["pp"])
         steps.append(local_step(args, dims, cfg, machine, coords["pp"], acts, collectives, params, threads))
-    slowest = max(steps, key=lambda s: s.total_s if s.total_s == s.total_s else s.compute_s)
+    slowest = max(steps, key=lambda s: s.compute_s if math.isnan(s.total_s) else s.total_s)
     parts = {"compute_s": slowest.compute_s, "bubble_s": slowest.bubble_s, "comm_s": slowest.comm_s,
              "optimizer_s": slowest.optimizer_s}
     return CheckRow(0, "step_time_s", slowest.total_s, measured_step_seconds(run_dir)), parts
 
 
 def format_step_time(row: CheckRow, parts: dict[str, float]) -> str:
-    detail = ", ".join(f"{k[:-2]} {v:.4f}" if v == v else f"{k[:-2]} not modelled" for k, v in parts.items())
+    detail = ", ".join(f"{k[:-2]} not modelled" if math.isnan(v) else f"{k[:-2]} {v:.4f}" for k, v in parts.items())
     return (f"step time on this machine: predicted {row.predicted:.4f} s ({detail}), measured "
             f"{row.measured:.4f} s (median of plain steps), measured/predicted {row.ratio:.3f}")
 

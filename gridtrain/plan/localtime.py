@@ -21,7 +21,9 @@ One optimizer step on one rank:
 - contention: ranks x threads beyond the machine's cores share them;
 - optimizer: AdamW in fp32 streams 28 bytes per local parameter (gradient read, parameter and both
   moments read and written).
-Left out: data loading, logging, and collectives whose bytes are not modelled (the row says so).
+Left out: data loading, logging, the latency of each collective (calibrate measures it, but the
+count of collectives per step is not modelled), and collectives whose bytes are not modelled
+(the row says so).
 """
 
 from __future__ import annotations
@@ -44,14 +46,13 @@ class LocalMachine:
     attention_flops: float
     memory_bytes_per_s: float
     gloo_bytes_per_s: float
-    gloo_latency_s: float
     cores: int
 
     @classmethod
     def from_calibration(cls, entry: dict, precision: str, cores: int) -> LocalMachine:
         peak = entry["peak_flops"][precision]
         return cls(peak, entry.get("attention_flops", {}).get(precision, peak), entry["memory_bytes_per_s"],
-                   entry["gloo_bytes_per_s"], entry["gloo_latency_s"], cores)
+                   entry["gloo_bytes_per_s"], cores)
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ import re
 import shutil
 import warnings
 from concurrent import futures
+from datetime import timedelta
 from pathlib import Path
 from typing import Callable
 
@@ -49,6 +50,9 @@ from torch.futures import Future
 from gridtrain.train.manifest import fsync_dir, verify, write_manifest
 
 log = logging.getLogger(__name__)
+Group = dist.ProcessGroup | None
+"""The ranks a save or load agrees over: None is the world (the trainer passes a group of its own
+whose timeout allows for rank 0 hashing every shard)."""
 # A world of one runs DCP without a process group, which DCP announces on every save and load,
 # also from the background thread of an asynchronous save (where a local filter would not reach).
 warnings.filterwarnings("ignore", message=".*assuming the intent is to .* in a single process.*")
@@ -96,28 +100,28 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _agree(ok: bool) -> bool:
+def _agree(ok: bool, group: Group = None) -> bool:
     """True when every rank says ok: an all-reduce (MAX) of one int64 over the world, on CPU
     (gloo, or the cpu:gloo half of a cpu:gloo,cuda:nccl group)."""
     if not dist.is_initialized():
         return ok
     failed = torch.tensor([0 if ok else 1], dtype=torch.int64)
-    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
     return int(failed.item()) == 0
 
 
-def _broadcast_int(value: int) -> int:
+def _broadcast_int(value: int, group: Group = None) -> int:
     """Rank 0's `value` on every rank: a broadcast of one int64 tensor (8 bytes) over the world."""
     if not dist.is_initialized():
         return value
     t = torch.tensor([value], dtype=torch.int64)
-    dist.broadcast(t, src=0)
+    dist.broadcast(t, src=dist.get_global_rank(group, 0) if group else 0, group=group)
     return int(t.item())
 
 
 # -- choosing a checkpoint ---------------------------------------------------------------------
 
-def latest_valid_checkpoint(root: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
+def latest_valid_checkpoint(root: Path, group: Group = None) -> tuple[Path | None, list[tuple[Path, str]]]:
     """The newest checkpoint under `root` that verifies, and the newer ones skipped with why.
 
     Collective: rank 0 verifies (newest first, stopping at the first intact one), logs a WARNING
@@ -134,7 +138,7 @@ def latest_valid_checkpoint(root: Path) -> tuple[Path | None, list[tuple[Path, s
                 break
             log.warning("checkpoint %s skipped: %s", path.name, reason)
             skipped.append((path, reason))
-    chosen = _broadcast_int(chosen)
+    chosen = _broadcast_int(chosen, group)
     if _rank() != 0:
         skipped = [(p, "failed verification on rank 0 (its log names the problem)")
                    for s, p in candidates if s > chosen]
@@ -228,7 +232,8 @@ def _save_error(final: Path, step: int, stage: str, error: BaseException | None)
         f"Fix: {fix}")
 
 
-def _stage(final: Path, step: int, stage: str, work: Callable[[], object], all_ranks: bool) -> None:
+def _stage(final: Path, step: int, stage: str, work: Callable[[], object], all_ranks: bool,
+           group: Group = None) -> None:
     """Run one save stage (on every rank, or rank 0 only), then agree on its outcome: on a failure
     anywhere, rank 0 removes the .tmp directory and every rank raises CheckpointSaveError."""
     error: BaseException | None = None
@@ -237,11 +242,11 @@ def _stage(final: Path, step: int, stage: str, work: Callable[[], object], all_r
             work()
         except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
             error = e
-    if _agree(error is None):
+    if _agree(error is None, group):
         return
     if _rank() == 0:
         shutil.rmtree(_tmp_dir(final), ignore_errors=True)
-    _agree(True)  # a barrier: no rank returns while the .tmp directory still exists
+    _agree(True, group)  # a barrier: no rank returns while the .tmp directory still exists
     raise _save_error(final, step, stage, error) from error
 
 
@@ -305,7 +310,7 @@ def prune(root: Path, committed_step: int, keep: int) -> list[Path]:
     return deleted
 
 
-def _commit(root: Path, final: Path, step: int, keep: int) -> None:
+def _commit(root: Path, final: Path, step: int, keep: int, group: Group = None) -> None:
     """Stage 3 (rank 0): manifest, rename, prune; then every rank learns the outcome."""
     def commit() -> None:
         tmp = _tmp_dir(final)
@@ -315,20 +320,22 @@ def _commit(root: Path, final: Path, step: int, keep: int) -> None:
         fsync_dir(root)
         prune(root, step, keep)
 
-    _stage(final, step, "commit (manifest and rename)", commit, all_ranks=False)
+    _stage(final, step, "commit (manifest and rename)", commit, all_ranks=False, group=group)
 
 
 def save(root: Path, step: int, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
-         trainer_state: dict[str, torch.Tensor], keep: int) -> Path:
-    """Write the checkpoint of `step` (collective; see the module docstring for the stages) and
-    keep the newest `keep` intact ones. Returns `root/step-NNNNNNN`, committed with its manifest.
-    Raises CheckpointSaveError on every rank if any rank fails; older checkpoints stay intact."""
+         trainer_state: dict[str, torch.Tensor], keep: int, group: Group = None) -> Path:
+    """Write the checkpoint of `step` (collective over `group`, the world by default; see the
+    module docstring for the stages) and keep the newest `keep` intact ones. Returns
+    `root/step-NNNNNNN`, committed with its manifest. Raises CheckpointSaveError on every rank
+    if any rank fails; older checkpoints stay intact."""
     final = step_dir(root, step)
-    _stage(final, step, "prepare", lambda: _prepare(final), all_ranks=False)
+    _stage(final, step, "prepare", lambda: _prepare(final), all_ranks=False, group=group)
     state = _state(parts, optimizers, trainer_state)
     _stage(final, step, "writing shards",
-           lambda: dcp.save(state, storage_writer=_Writer(_tmp_dir(final))), all_ranks=True)
-    _commit(root, final, step, keep)
+           lambda: dcp.save(state, storage_writer=_Writer(_tmp_dir(final)), process_group=group),
+           all_ranks=True, group=group)
+    _commit(root, final, step, keep, group)
     return final
 
 
@@ -341,9 +348,9 @@ class AsyncSaver:
     Collective: every rank constructs it (it creates a gloo group for the background collectives,
     so they never interleave with training's) and calls `save` and `wait` at the same steps."""
 
-    def __init__(self, root: Path, keep: int) -> None:
+    def __init__(self, root: Path, keep: int, timeout: timedelta = timedelta(minutes=30)) -> None:
         self.root, self.keep = root, keep
-        self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self.group = dist.new_group(backend="gloo", timeout=timeout) if dist.is_initialized() else None
         self.pending: tuple[int, futures.Future] | None = None
 
     def save(self, step: int, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
@@ -352,7 +359,7 @@ class AsyncSaver:
         pending save failed, its CheckpointSaveError is raised and this one is not started."""
         self.wait()
         final = step_dir(self.root, step)
-        _stage(final, step, "prepare", lambda: _prepare(final), all_ranks=False)
+        _stage(final, step, "prepare", lambda: _prepare(final), all_ranks=False, group=self.group)
         state = _state(parts, optimizers, trainer_state)
         started: list[futures.Future] = []
 
@@ -360,7 +367,7 @@ class AsyncSaver:
             response = dcp.async_save(state, storage_writer=_Writer(_tmp_dir(final)), process_group=self.group)
             started.append(getattr(response, "upload_completion", response))
 
-        _stage(final, step, "staging", start, all_ranks=True)
+        _stage(final, step, "staging", start, all_ranks=True, group=self.group)
         self.pending = (step, started[0])
 
     def wait(self) -> Path | None:
@@ -370,15 +377,15 @@ class AsyncSaver:
         step, future = self.pending
         self.pending = None
         final = step_dir(self.root, step)
-        _stage(final, step, "writing shards", future.result, all_ranks=True)
-        _commit(self.root, final, step, self.keep)
+        _stage(final, step, "writing shards", future.result, all_ranks=True, group=self.group)
+        _commit(self.root, final, step, self.keep, self.group)
         return final
 
 
 # -- loading -----------------------------------------------------------------------------------
 
 def load(path: Path, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
-         trainer_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+         trainer_state: dict[str, torch.Tensor], group: Group = None) -> dict[str, torch.Tensor]:
     """Load a checkpoint into the model parts and optimizers in place; returns the trainer's
     state. `trainer_state` gives the keys and shapes expected (its values are overwritten).
 
@@ -386,14 +393,14 @@ def load(path: Path, parts: list[nn.Module], optimizers: list[torch.optim.Optimi
     InvalidCheckpointError if it does not verify. Only DCP reads the files: tensors through
     torch.load(weights_only=True), and its .metadata with pickle, after its sha256 matched."""
     reason = verify(path) if _rank() == 0 else None
-    if not _agree(reason is None):
+    if not _agree(reason is None, group):
         detail = reason or "it failed verification on rank 0 (its log names the problem)"
         raise InvalidCheckpointError(
             f"refusing to load checkpoint {path}: {detail}. Resume picks the newest intact "
             "checkpoint by itself (checkpoint.latest_valid_checkpoint); move this one aside to "
             "inspect it")
     state = _state(parts, optimizers, trainer_state)
-    dcp.load(state, checkpoint_id=path)
+    dcp.load(state, checkpoint_id=path, process_group=group)
     for part, opt in zip(parts, optimizers):
         set_state_dict(part, opt, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=StateDictOptions(flatten_optimizer_state_dict=True, strict=False))

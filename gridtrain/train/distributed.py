@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 from dataclasses import dataclass
 
@@ -10,6 +11,8 @@ import torch
 import torch.distributed as dist
 
 from gridtrain.train.device import pick_device
+
+log = logging.getLogger("gridtrain")
 
 # Each rank keeps a ring buffer of its last collectives (gloo and NCCL alike): the accounting reads
 # it every step, and it is what a hung run dumps. Must be set before the first process group.
@@ -52,15 +55,31 @@ def init_world(timeout_s: float = 600.0) -> World:
 
 
 def attempt_store(world_size: int, timeout: datetime.timedelta) -> dist.Store | None:
-    """Under torchrun the agent hosts the store and keeps it across restarts, while torch
-    prefixes nothing per attempt: a restarted rank could read a dead peer's address from the
-    previous attempt (gloo then fails with "Connection refused"). Each attempt gets its own
-    prefix. None outside torchrun's agent store (env:// then does the usual)."""
+    """Under torchrun the agent hosts the store and, by default, keeps it across restarts while
+    torch prefixes nothing per attempt: a restarted rank could read a dead peer's address from
+    the previous attempt (gloo then fails with "Connection refused"). On one node every rank
+    sees the same restart count, so each attempt gets its own prefix; across nodes the counts
+    differ (only the failed node counts), so there the store must not be shared at all:
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, which `gridtrain train --nproc` sets. None: env://."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return None
+    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) > 0 and \
+            int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) != world_size:
+        log.warning("torchrun restarts across nodes need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in every "
+                    "node's environment: a shared store makes restarted ranks read stale addresses")
         return None
     client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
                            is_master=False, timeout=timeout)
     return dist.PrefixStore(f"gridtrain/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", client)
+
+
+def any_rank(flag: bool) -> bool:
+    """Whether `flag` holds on any rank (an all-reduce MAX of one int64 over the world)."""
+    if not dist.is_initialized():
+        return flag
+    t = torch.tensor([int(flag)], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
 
 
 def shutdown(finished: bool = False) -> None:

@@ -88,13 +88,17 @@ class Precision:
             for found_inf in state["found_inf_per_device"].values():
                 dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)
 
-    def step(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Optimizer step unless fp16 found an overflow; updates S. Returns whether it stepped."""
+    def step(self, optimizers: list[torch.optim.Optimizer]) -> bool:
+        """Step every optimizer (one per pipeline stage this rank holds) unless fp16 found an
+        overflow, then update S once. Returns whether they stepped. (Updating S per optimizer
+        would unscale the later ones' gradients a second time and grow S once per stage.)"""
         if not self.scaler.is_enabled():
-            optimizer.step()
+            for optimizer in optimizers:
+                optimizer.step()
             return True
         before = self.scaler.get_scale()
-        self.scaler.step(optimizer)
+        for optimizer in optimizers:
+            self.scaler.step(optimizer)
         self.scaler.update()
         # GradScaler skips the step exactly when it backs the scale off.
         return self.scaler.get_scale() >= before

@@ -31,11 +31,12 @@ def restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
 
 
-def inject_fault(fault: FaultConfig, rank: int, step: int) -> None:
+def inject_fault(fault: FaultConfig, rank: int, step: int, restarted: bool) -> None:
     """Fire the configured fault if `step` (the one about to run, counted from 1) is
-    fault.at_step, on the first attempt only: SIGKILL (no cleanup, like a lost node) or an
-    endless sleep (a stalled rank that its peers must detect)."""
-    if restart_count() > 0 or fault.at_step == 0 or step != fault.at_step:
+    fault.at_step, on the first attempt only (`restarted`: torchrun restarted any rank):
+    SIGKILL (no cleanup, like a lost node) or an endless sleep (a stalled rank that its peers
+    must detect)."""
+    if restarted or fault.at_step == 0 or step != fault.at_step:
         return
     if rank == fault.kill_rank:
         log.warning("fault injection: rank %d kills itself (SIGKILL) at the start of step %d", rank, step)
@@ -129,25 +130,31 @@ class ProgressBoard:
         self.store.set(f"{self.PREFIX}{self.rank}", str(step))
 
     def last_steps(self) -> dict[int, int | None]:
-        steps: dict[int, int | None] = {}
-        for r in range(self.world_size):
-            key = f"{self.PREFIX}{r}"
-            try:
-                steps[r] = int(self.store.get(key)) if self.store.check([key]) else None
-            except Exception:  # the store went away with its host: report what we know
-                steps[r] = None
+        """Each rank's last posted step (None: never posted, or the store did not answer within
+        5 s: after a failure its host may be gone)."""
+        steps: dict[int, int | None] = dict.fromkeys(range(self.world_size))
+        try:
+            self.store.set_timeout(datetime.timedelta(seconds=5))
+            keys = [f"{self.PREFIX}{r}" for r in range(self.world_size)]
+            posted = [r for r, key in enumerate(keys) if self.store.check([key])]
+            for r, value in zip(posted, self.store.multi_get([keys[r] for r in posted])):
+                steps[r] = int(value)
+        except Exception:  # report what we know
+            pass
         return steps
 
 
 def collective_failure(err: BaseException, rank: int, step: int, timeout_s: float, board: ProgressBoard | None,
-                       comm_log: CollectiveLog | None, run_dir: Path) -> CollectiveTimeout:
-    """Write this rank's last collectives to <run_dir>/failures/rank<r>.json and build the error."""
+                       comm_log: CollectiveLog | None, run_dir: Path, doing: str) -> CollectiveTimeout:
+    """Write this rank's last collectives to <run_dir>/failures/rank<r>.json and build the error;
+    `step` is the last step any rank may have started, `doing` what this rank was at."""
     records = comm_log.last(20) if comm_log else []
     steps = board.last_steps() if board else {}
     stalled = {r: s for r, s in steps.items() if r != rank and (s is None or s < step)}
     path = Path(run_dir) / "failures" / f"rank{rank}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"rank": rank, "step": step, "error": str(err)[:2000], "ranks_last_step": steps,
+    path.write_text(json.dumps({"rank": rank, "step": step, "doing": doing, "error": str(err)[:2000],
+                                "ranks_last_step": steps,
                                 "last_collectives": records}, indent=2))
     last = records[-1] if records else None
     what = (f"{last['kind']} over '{last['axis']}' (sequence {last['seq']}, {last['bytes']:,} bytes)"
@@ -155,8 +162,8 @@ def collective_failure(err: BaseException, rank: int, step: int, timeout_s: floa
     who = "; ".join(f"rank {r} never reached step {step} (last started: "
                     f"{'none' if s is None else f'step {s}'})" for r, s in sorted(stalled.items()))
     timed_out = "timed out" in str(err).lower()
-    how = (f"gave up on {what} at step {step} after {timeout_s:g} s (train.collective_timeout_s)" if timed_out
-           else f"lost a peer in {what} at step {step}")
+    how = (f"gave up on {what} {doing} after {timeout_s:g} s (train.collective_timeout_s)" if timed_out
+           else f"lost a peer in {what} {doing}")
     return CollectiveTimeout(
         f"rank {rank} {how}: {who or 'no peer is behind: a peer failed inside the step'}. "
         f"This rank's last collectives: {path}. Cause: {str(err).splitlines()[0][:300]}")

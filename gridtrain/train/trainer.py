@@ -8,6 +8,7 @@ by `accum`, so the accumulated gradient is the gradient of the mean loss over th
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import logging
 import math
@@ -32,12 +33,12 @@ from gridtrain.plan.hardware import peak_flops
 from gridtrain.train import checkpoint
 from gridtrain.train.build import build_data, build_model, loss_fn, scalar
 from gridtrain.train.device import device_name, memory_gib
-from gridtrain.train.distributed import init_world
+from gridtrain.train.distributed import any_rank, init_world
 from gridtrain.train.metrics import MetricsWriter
 from gridtrain.train.optim import build_optimizer, lr_at, set_lr
 from gridtrain.train.units import units_table
 from gridtrain.train.precision import Precision
-from gridtrain.train.resilience import (Guard, ProgressBoard, auto_interval, collective_failure, inject_fault,
+from gridtrain.train.resilience import (Guard, ProgressBoard, TrainingDiverged, auto_interval, collective_failure, inject_fault,
                                         is_comm_failure, restart_count, set_timeouts)
 
 log = logging.getLogger("gridtrain")
@@ -81,10 +82,15 @@ class Trainer:
         self.comm_log = CollectiveLog(self.axis_groups()) if self.world.distributed else None
         self.guard = Guard(t.max_bad_steps, t.spike_zscore)
         self.interval = None if cfg.checkpoint.interval == "auto" else cfg.checkpoint.interval
-        self.saver = checkpoint.AsyncSaver(self.ckpt_dir, cfg.checkpoint.keep) if cfg.checkpoint.async_save else None
-        if cfg.checkpoint.resume or restart_count() > 0:
-            if restart_count() > 0 and self.world.rank == 0:
-                log.warning("torchrun restart %d: resuming from the newest intact checkpoint", restart_count())
+        ckpt_timeout = datetime.timedelta(seconds=cfg.checkpoint.timeout_s)
+        self.ckpt_group = dist.new_group(backend="gloo", timeout=ckpt_timeout) if self.world.distributed else None
+        self.saver = (checkpoint.AsyncSaver(self.ckpt_dir, cfg.checkpoint.keep, ckpt_timeout)
+                      if cfg.checkpoint.async_save else None)
+        # Across nodes only the failed node counts a restart: every rank must resume if any does.
+        self.restarted = any_rank(restart_count() > 0)
+        if cfg.checkpoint.resume or self.restarted:
+            if self.restarted and self.world.rank == 0:
+                log.warning("torchrun restarted the run: resuming from the newest intact checkpoint")
             self.resume()
         self.board = None
         if self.world.distributed:
@@ -129,7 +135,7 @@ class Trainer:
                 log.info("checkpoint of step %d is being written in the background", self.step)
             return path
         path = self.checked(lambda: checkpoint.save(self.ckpt_dir, self.step, self.pmodel.parts, self.optimizers,
-                                                    self.trainer_state(), self.cfg.checkpoint.keep))
+                                                    self.trainer_state(), self.cfg.checkpoint.keep, self.ckpt_group))
         if path and self.world.rank == 0:
             log.info("saved checkpoint %s", path)
         return path
@@ -150,13 +156,13 @@ class Trainer:
             log.info("saved checkpoint %s", path)
 
     def resume(self) -> None:
-        path, skipped = checkpoint.latest_valid_checkpoint(self.ckpt_dir)
+        path, skipped = checkpoint.latest_valid_checkpoint(self.ckpt_dir, self.ckpt_group)
         if path is None and self.world.rank == 0:
             log.info("resume: no intact checkpoint in %s (%d skipped), starting from step 0",
                      self.ckpt_dir, len(skipped))
         if path is None:
             return
-        state = checkpoint.load(path, self.pmodel.parts, self.optimizers, self.trainer_state())
+        state = checkpoint.load(path, self.pmodel.parts, self.optimizers, self.trainer_state(), self.ckpt_group)
         self.step = int(state["step"])
         samples = int(state["samples"])
         if samples != self.step * self.global_batch:
@@ -206,7 +212,7 @@ class Trainer:
 
     def train_step(self) -> dict[str, float]:
         """One optimizer step over the global batch; returns its metrics."""
-        inject_fault(self.cfg.fault, self.world.rank, self.step + 1)
+        inject_fault(self.cfg.fault, self.world.rank, self.step + 1, self.restarted)
         if self.board:
             self.board.post(self.step + 1)
         t, start = self.cfg.train, time.perf_counter()
@@ -234,7 +240,7 @@ class Trainer:
         loss_value = self.reduce_loss(loss)  # synchronises, so the step time below is honest
         # fp16's scaler skips overflowing steps itself (and lowers the scale): the guard sees the loss.
         if self.guard.admit(self.step + 1, loss_value, 0.0 if t.precision == "fp16" else grad_norm):
-            stepped = all([self.precision.step(opt) for opt in self.optimizers])
+            stepped = self.precision.step(self.optimizers)
         else:
             stepped = False
             self.precision.skip()
@@ -359,23 +365,31 @@ class Trainer:
             val = self.evaluate()
             if writer:
                 writer.write(0, val)
+        doing = "during start-up"
         try:
             while self.step < cfg.train.steps:
+                doing = f"at step {self.step + 1}"
                 metrics = self.train_step()
                 if self.should(cfg.train.val_every) and can_validate:
+                    doing = f"while validating after step {self.step}"
                     metrics.update(self.evaluate())
                 if writer:
                     writer.write(self.step, metrics, echo=self.should(cfg.metrics.log_every) or "loss/val" in metrics)
                     writer.advance(metrics["loss/train"])
+                doing = f"while saving the checkpoint of step {self.step}"
                 if self.interval is None:
                     self.choose_interval(metrics["time/step_s"])
                 elif self.should(self.interval):
                     self.save()
             self.finish_saves()
+        except TrainingDiverged:
+            self.finish_saves()  # every rank stops here together: keep the last good checkpoint
+            raise
         except Exception as err:
             if self.world.distributed and is_comm_failure(err):
-                raise collective_failure(err, self.world.rank, self.step + 1, cfg.train.collective_timeout_s,
-                                         self.board, self.comm_log, Path(cfg.run_dir)) from err
+                step = self.step + 1 if doing.startswith("at step") else self.step
+                raise collective_failure(err, self.world.rank, step, cfg.train.collective_timeout_s,
+                                         self.board, self.comm_log, Path(cfg.run_dir), doing) from err
             raise
         finally:
             if writer:
@@ -387,6 +401,7 @@ class Trainer:
         interval for checkpoint.mtbf_hours (the same on every rank: rank 0's times decide)."""
         start = time.perf_counter()
         self.save()
+        self.finish_saves()  # an asynchronous save costs the step it blocks, not just its copy
         times = torch.tensor([time.perf_counter() - start, step_s], dtype=torch.float64)
         if self.world.distributed:
             dist.broadcast(times, src=0)
