@@ -348,9 +348,12 @@ class AsyncSaver:
     Collective: every rank constructs it (it creates a gloo group for the background collectives,
     so they never interleave with training's) and calls `save` and `wait` at the same steps."""
 
-    def __init__(self, root: Path, keep: int, timeout: timedelta = timedelta(minutes=30)) -> None:
+    def __init__(self, root: Path, keep: int, group: Group = None, timeout: timedelta = timedelta(minutes=30)) -> None:
         self.root, self.keep = root, keep
-        self.group = dist.new_group(backend="gloo", timeout=timeout) if dist.is_initialized() else None
+        # The ranks agree over `group` in this thread while DCP's writer thread runs its own
+        # collectives: those get a group of their own, or the two would interleave.
+        self.group = group
+        self.background = dist.new_group(backend="gloo", timeout=timeout) if dist.is_initialized() else None
         self.pending: tuple[int, futures.Future] | None = None
 
     def save(self, step: int, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
@@ -364,7 +367,7 @@ class AsyncSaver:
         started: list[futures.Future] = []
 
         def start() -> None:
-            response = dcp.async_save(state, storage_writer=_Writer(_tmp_dir(final)), process_group=self.group)
+            response = dcp.async_save(state, storage_writer=_Writer(_tmp_dir(final)), process_group=self.background)
             started.append(getattr(response, "upload_completion", response))
 
         _stage(final, step, "staging", start, all_ranks=True, group=self.group)

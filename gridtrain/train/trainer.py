@@ -84,7 +84,7 @@ class Trainer:
         self.interval = None if cfg.checkpoint.interval == "auto" else cfg.checkpoint.interval
         ckpt_timeout = datetime.timedelta(seconds=cfg.checkpoint.timeout_s)
         self.ckpt_group = dist.new_group(backend="gloo", timeout=ckpt_timeout) if self.world.distributed else None
-        self.saver = (checkpoint.AsyncSaver(self.ckpt_dir, cfg.checkpoint.keep, ckpt_timeout)
+        self.saver = (checkpoint.AsyncSaver(self.ckpt_dir, cfg.checkpoint.keep, self.ckpt_group, ckpt_timeout)
                       if cfg.checkpoint.async_save else None)
         # Across nodes only the failed node counts a restart: every rank must resume if any does.
         self.restarted = any_rank(restart_count() > 0)
