@@ -50,8 +50,9 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 LAYOUTS = {"ddp2": ["--parallel.zero_stage", "0"], "fsdp2": [], "tp2": ["--parallel.tp", "2"],
            "pp2": ["--parallel.pp", "2"]}
-# The FSDP 2 run saves in the background: a save is committed at the next one, so the kill at
-# the start of step 7 finds step 4 committed and step 6 still pending (lost, as a crash loses it).
+# The FSDP 2 run saves in the background: a save is committed after the first step during which
+# every rank finished writing it, so the kill at the start of step 7 finds step 4 committed and
+# step 6 still pending (lost, as a crash loses it).
 KILL = {"fsdp2": (7, ["--checkpoint.async_save", "true"])}
 
 

@@ -170,3 +170,21 @@ def test_auto_interval_times_a_save_after_the_first_step(tmp_path, make_config, 
     # The log rounds the times to 1 ms, so the interval recomputed from it may differ by a step or so.
     expected = daly_interval(save_s, 0.36) / step_s
     assert abs(steps - expected) <= 0.1 * expected + 1, (steps, expected)
+
+
+def test_async_save_is_committed_once_written_without_waiting_for_the_next(tmp_path, make_config):
+    import time
+
+    from gridtrain.train.manifest import verify
+    from gridtrain.train.trainer import Trainer
+
+    trainer = Trainer(make_config(tmp_path, **{"checkpoint.async_save": True}))
+    trainer.train_step()
+    trainer.save()
+    committed = tmp_path / "run" / "checkpoints" / "step-0000001"
+    assert not committed.exists()  # written in the background, not yet committed
+    deadline = time.monotonic() + 60
+    while trainer.saver.poll() is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert verify(committed) is None and trainer.saver.pending is None

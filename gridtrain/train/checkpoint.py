@@ -343,8 +343,9 @@ class AsyncSaver:
     """Checkpoints written by DCP in a background thread while training goes on.
 
     `save` copies the state to CPU memory (DCP's staging), starts the write and returns; the commit
-    (manifest, rename, prune) of a pending save happens at the next `save` or at `wait()`, which
-    also raise its CheckpointSaveError if the write failed. Call `wait()` before the run ends.
+    (manifest, rename, prune) of a pending save happens at the first `poll` after every rank has
+    written it, at the next `save` or at `wait()`, which raise its CheckpointSaveError if the
+    write failed. Call `wait()` before the run ends.
     Collective: every rank constructs it (it creates a gloo group for the background collectives,
     so they never interleave with training's) and calls `save` and `wait` at the same steps."""
 
@@ -372,6 +373,13 @@ class AsyncSaver:
 
         _stage(final, step, "staging", start, all_ranks=True, group=self.group)
         self.pending = (step, started[0])
+
+    def poll(self) -> Path | None:
+        """Commit the pending save if every rank has finished writing it (one all-reduce of a
+        flag over the group, so all ranks commit together); None while one is still writing."""
+        if self.pending is None or not _agree(self.pending[1].done(), self.group):
+            return None
+        return self.wait()
 
     def wait(self) -> Path | None:
         """Block until the pending save is written, commit it and return its path (None if none)."""

@@ -149,6 +149,13 @@ class Trainer:
             log.error("%s; training goes on (checkpoint.on_save_error = 'continue')", err)
             return None
 
+    def commit_written(self) -> None:
+        """Commit a background save as soon as every rank has written it (a crash then loses at
+        most the steps since it, not a whole interval more)."""
+        path = self.checked(self.saver.poll) if self.saver and self.saver.pending else None
+        if path and self.world.rank == 0:
+            log.info("saved checkpoint %s", path)
+
     def finish_saves(self) -> None:
         """Commit a checkpoint still being written in the background."""
         path = self.checked(self.saver.wait) if self.saver else None
@@ -377,6 +384,7 @@ class Trainer:
                     writer.write(self.step, metrics, echo=self.should(cfg.metrics.log_every) or "loss/val" in metrics)
                     writer.advance(metrics["loss/train"])
                 doing = f"while saving the checkpoint of step {self.step}"
+                self.commit_written()
                 if self.interval is None:
                     self.choose_interval(metrics["time/step_s"])
                 elif self.should(self.interval):
