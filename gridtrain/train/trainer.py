@@ -244,7 +244,8 @@ class Trainer:
         grad_norm = clip_grad_norm(self.pmodel.parameters(), max_norm, self.group("pp")).item()
         # The step's collectives end here: the loss average below is reporting, not training.
         comm = self.comm_log.since_start() if account and self.comm_log else {}
-        loss_value = self.reduce_loss(loss)  # synchronises, so the step time below is honest
+        # The global mean loss and norm: every rank sees the same values, so all decide alike.
+        loss_value = self.reduce_loss(loss)
         # fp16's scaler skips overflowing steps itself (and lowers the scale): the guard sees the loss.
         if self.guard.admit(self.step + 1, loss_value, 0.0 if t.precision == "fp16" else grad_norm):
             stepped = self.precision.step(self.optimizers)
