@@ -333,6 +333,19 @@ def test_keep_k_keeps_exactly_k_and_never_the_newest_valid(tmp_path):
     assert verify(root / "step-0000007") is None
 
 
+
+def test_commit_removes_what_crashed_earlier_saves_left(tmp_path):
+    """A kill mid-save leaves step-NNNNNNN.tmp (or .replaced) behind: the next commit of a later
+    step removes those of earlier steps and leaves a later step's alone."""
+    root = tmp_path / "ckpt"
+    toy, opt = _toy()
+    for name in ("step-0000002.tmp", "step-0000003.replaced", "step-0000009.tmp"):
+        (root / name).mkdir(parents=True)
+        (root / name / "__0_0.distcp").write_bytes(b"partial")
+    save(root, 4, [toy], [opt], {"step": torch.tensor(4)}, keep=2)
+    assert sorted(p.name for p in root.iterdir()) == ["step-0000004", "step-0000009.tmp"]
+
+
 def _truncate_any(path: Path) -> None:
     shard = next(path.glob("*.distcp"))
     with open(shard, "r+b") as f:

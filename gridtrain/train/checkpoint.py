@@ -289,13 +289,29 @@ def _replace_dir(tmp: Path, final: Path) -> None:
     shutil.rmtree(aside, ignore_errors=True)
 
 
+_LEFTOVER = re.compile(r"^step-(\d{7})\.(tmp|replaced)$")
+
+
+def _remove_leftovers(root: Path, committed_step: int) -> list[Path]:
+    """Delete what crashed saves of earlier steps left (`step-NNNNNNN.tmp`, `.replaced`): no
+    save will ever finish them, and after many crashes they would fill the disk."""
+    deleted = []
+    for path in root.iterdir():
+        match = _LEFTOVER.match(path.name)
+        if match and int(match.group(1)) < committed_step and path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+            deleted.append(path)
+    return deleted
+
+
 def prune(root: Path, committed_step: int, keep: int) -> list[Path]:
     """Delete checkpoints older than `committed_step` beyond the newest `keep` intact ones (the
-    committed one counts; a checkpoint failing the cheap size check does not). Newer checkpoints
-    are never touched; `keep` < 1 keeps everything. Returns the deleted paths; never raises."""
+    committed one counts; a checkpoint failing the cheap size check does not), and the leftovers
+    of earlier crashed saves. Newer checkpoints are never touched; `keep` < 1 keeps everything.
+    Returns the deleted paths; never raises."""
     if keep < 1:
         return []
-    kept, deleted = 1, []
+    kept, deleted = 1, _remove_leftovers(root, committed_step)
     for step, path in reversed(_candidates(root)):
         if step >= committed_step:
             continue
