@@ -153,8 +153,8 @@ def predict_activations(args: ModelArgs, dims: ParallelDims, cfg: dict, pp_rank:
 
 def predict_collectives(args: ModelArgs, dims: ParallelDims, cfg: dict, pp_rank: int) -> dict[str, float]:
     """Payload bytes per collective and mesh axis in one accounted step, for the layouts whose
-    traffic is modelled exactly on CPU (gloo): DDP, FSDP (ZeRO 2 and 3), TP without SP, and
-    single-stage pipelines. Keys as in the accounting ('dp_shard/all_gather_bytes'); empty when
+    traffic is modelled exactly on CPU (gloo): DDP, FSDP (ZeRO 2 and 3), TP with or without SP,
+    and single-stage pipelines. Keys as in the accounting ('dp_shard/all_gather_bytes'); empty when
     the layout is not modelled. gloo specifics: FSDP2 reduces gradients with an all-reduce (gloo
     has no reduce-scatter); the gradient norm all-reduces one fp32 scalar per sharded parameter
     tensor (DTensor's per-tensor norms) or one per pipeline (the squared total over 'pp')."""
@@ -176,12 +176,20 @@ def predict_collectives(args: ModelArgs, dims: ParallelDims, cfg: dict, pp_rank:
         gathered = total if p["zero_stage"] == 2 else 2 * total - layer
         return {"dp_shard/all_gather_bytes": m * gathered,
                 "dp_shard/all_reduce_bytes": m * total + 4 * len(shapes)}
-    if only("tp") and dims.tp > 1 and not p["sequence_parallel"]:
+    if only("tp") and dims.tp > 1:
         # Per micro-batch: two all-reduces per block forward and two backward, the embedding's
         # forward and the head input's backward (Megatron), plus loss_parallel's three of one
         # value per token; then one norm scalar per sharded tensor (7 per block and the head).
+        # With SP each of those activation all-reduces is a reduce-scatter, which gloo runs as an
+        # all-reduce of the same tensor; the norms' inputs are all-gathered (2 per block and the
+        # final one), and the norms' weight gradients, partial per sequence shard, all-reduced once.
+        norms = 2 * args.n_layers + 1
         per_micro = (4 * args.n_layers + 2) * activation + 3 * 4 * mb * seq
-        return {"tp/all_reduce_bytes": m * per_micro + 4 * (7 * args.n_layers + 1)}
+        reduced = m * per_micro + 4 * (7 * args.n_layers + 1)
+        if not p["sequence_parallel"]:
+            return {"tp/all_reduce_bytes": reduced}
+        return {"tp/all_reduce_bytes": reduced + norms * 4 * args.dim,
+                "tp/all_gather_bytes": m * norms * activation}
     if only("pp") and dims.pp > 1 and p["pp_schedule"] in ("gpipe", "1f1b"):
         first, last = pp_rank == 0, pp_rank == dims.pp - 1
         return {"pp/all_reduce_bytes": 4.0, "pp/send_bytes": m * activation * ((not last) + (not first))}
