@@ -274,7 +274,7 @@ def test_plan_check_predicts_model_state_bytes(runs, world, name):
 
 
 COMM_CHECKED = [(2, "ddp2"), (4, "ddp4"), (2, "zero2"), (2, "fsdp2_accum4"), (4, "fsdp4"), (2, "tp2"),
-                (2, "tp2_sp"), (2, "pp2_1f1b"), (2, "pp2_gpipe")]
+                (2, "tp2_sp"), (4, "hsdp2x2"), (2, "pp2_1f1b"), (2, "pp2_gpipe")]
 
 
 @pytest.mark.parametrize("world,name", COMM_CHECKED, ids=[n for _, n in COMM_CHECKED])

@@ -153,8 +153,8 @@ def predict_activations(args: ModelArgs, dims: ParallelDims, cfg: dict, pp_rank:
 
 def predict_collectives(args: ModelArgs, dims: ParallelDims, cfg: dict, pp_rank: int) -> dict[str, float]:
     """Payload bytes per collective and mesh axis in one accounted step, for the layouts whose
-    traffic is modelled exactly on CPU (gloo): DDP, FSDP (ZeRO 2 and 3), TP with or without SP,
-    and single-stage pipelines. Keys as in the accounting ('dp_shard/all_gather_bytes'); empty when
+    traffic is modelled exactly on CPU (gloo): DDP, FSDP (ZeRO 2 and 3) and HSDP, TP with or
+    without SP, and single-stage pipelines. Keys as in the accounting ('dp_shard/all_gather_bytes'); empty when
     the layout is not modelled. gloo specifics: FSDP2 reduces gradients with an all-reduce (gloo
     has no reduce-scatter); the gradient norm all-reduces one fp32 scalar per sharded parameter
     tensor (DTensor's per-tensor norms) or one per pipeline (the squared total over 'pp')."""
@@ -170,12 +170,17 @@ def predict_collectives(args: ModelArgs, dims: ParallelDims, cfg: dict, pp_rank:
     activation = 4 * mb * seq * args.dim
     if p["zero_stage"] == 0 and only("dp_replicate"):
         return {"dp_replicate/all_reduce_bytes": total}
-    if p["zero_stage"] in (2, 3) and only("dp_shard") and dims.dp_shard > 1:
+    if p["zero_stage"] in (2, 3) and only("dp_shard", "dp_replicate") and dims.dp_shard > 1:
         # ZeRO-2 gathers every unit once per micro-batch; ZeRO-3 again in backward, except the
-        # last block, which stays gathered from its forward to its backward.
+        # last block, which stays gathered from its forward to its backward. HSDP then all-reduces
+        # each micro-batch's gradient shard (FSDP2's padded chunks) over the replicas.
         gathered = total if p["zero_stage"] == 2 else 2 * total - layer
-        return {"dp_shard/all_gather_bytes": m * gathered,
-                "dp_shard/all_reduce_bytes": m * total + 4 * len(shapes)}
+        out = {"dp_shard/all_gather_bytes": m * gathered,
+               "dp_shard/all_reduce_bytes": m * total + 4 * len(shapes)}
+        if dims.dp_replicate > 1:
+            shard = 4 * sum(_numel(fsdp_local(s, dims.dp_shard, 0)) for s in shapes.values())
+            out["dp_replicate/all_reduce_bytes"] = m * shard
+        return out
     if only("tp") and dims.tp > 1:
         # Per micro-batch: two all-reduces per block forward and two backward, the embedding's
         # forward and the head input's backward (Megatron), plus loss_parallel's three of one
