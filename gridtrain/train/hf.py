@@ -20,7 +20,6 @@ import json
 import os
 import re
 import shutil
-import warnings
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -277,9 +276,7 @@ def load_model_weights(path: Path, args: ModelArgs) -> dict[str, torch.Tensor]:
     # A tied head is the embedding: read it once (the checkpoint holds it under both names).
     wanted = {k: v for k, v in model.state_dict().items()
               if not (args.tie_embeddings and k == "output.weight")}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*single process.*")
-        dcp.load({"model": wanted}, checkpoint_id=path)  # reads only these keys
+    dcp.load({"model": wanted}, checkpoint_id=path)  # reads only these keys (DCP's notice: see checkpoint.py)
     return wanted
 
 

@@ -125,15 +125,17 @@ class Trainer:
                 "rng": torch.get_rng_state(), **self.precision.state_dict()}
 
     def save(self) -> Path | None:
-        """Save a checkpoint (with checkpoint.async_save: start writing it and commit the previous
-        one); a failed save leaves the earlier ones intact and, by checkpoint.on_save_error, stops
-        the run or is logged and retried at the next interval."""
+        """Save a checkpoint and return its path (with checkpoint.async_save: start writing it,
+        after committing the previous one, and return None); a failed save leaves the earlier ones
+        intact and, by checkpoint.on_save_error, stops the run or is logged and retried at the
+        next interval (None)."""
         if self.saver:
-            path = self.checked(lambda: self.saver.save(self.step, self.pmodel.parts, self.optimizers,
-                                                        self.trainer_state()))
-            if self.world.rank == 0:
+            target = checkpoint.step_dir(self.ckpt_dir, self.step)
+            started = self.checked(lambda: self.saver.save(self.step, self.pmodel.parts, self.optimizers,
+                                                           self.trainer_state()) or target)
+            if started and self.world.rank == 0:
                 log.info("checkpoint of step %d is being written in the background", self.step)
-            return path
+            return None
         path = self.checked(lambda: checkpoint.save(self.ckpt_dir, self.step, self.pmodel.parts, self.optimizers,
                                                     self.trainer_state(), self.cfg.checkpoint.keep, self.ckpt_group))
         if path and self.world.rank == 0:
@@ -141,6 +143,8 @@ class Trainer:
         return path
 
     def checked(self, save: Callable[[], Path | None]) -> Path | None:
+        """Run one save (or commit); on CheckpointSaveError apply checkpoint.on_save_error:
+        re-raise, or log it and return None."""
         try:
             return save()
         except checkpoint.CheckpointSaveError as err:
