@@ -11,8 +11,8 @@ from pathlib import Path
 
 from gridtrain.config import Config, ConfigError
 from gridtrain.model.args import PRESETS
-from gridtrain.parallel.dims import (PP_SCHEDULES, SINGLE_STAGE_SCHEDULES, V_SCHEDULES, ParallelDims,
-                                     stage_layer_counts)
+from gridtrain.parallel.dims import (PP_SCHEDULES, SINGLE_STAGE_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, V_SCHEDULES,
+                                     ParallelDims, stage_layer_counts)
 
 LR_SCHEDULES = ("cosine", "linear", "wsd", "constant")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -173,6 +173,13 @@ def _check_pp(cfg: Config, dims: ParallelDims) -> list[str]:
     if p.pp_schedule in V_SCHEDULES and p.pp_virtual_stages != 2:
         problems.append(f"parallel.pp_schedule '{p.pp_schedule}' needs exactly 2 stages per rank: "
                         "set parallel.pp_virtual_stages to 2")
+    if p.pp_schedule in SPLIT_BACKWARD_SCHEDULES and cfg.train.activation_checkpointing == "selective":
+        problems.append(
+            f"train.activation_checkpointing 'selective' cannot run under parallel.pp_schedule "
+            f"'{p.pp_schedule}': its backward passes each micro-batch twice (input gradients, then "
+            "weight gradients), and torch's selective checkpointing allows one backward through a "
+            "recomputed region; use activation_checkpointing 'full' or 'off', or pp_schedule "
+            "'interleaved-1f1b'")
     stages = dims.pp * p.pp_virtual_stages
     if cfg.model.preset in PRESETS:
         n_layers = cfg.model.args().n_layers

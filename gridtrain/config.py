@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import difflib
+import functools
 import inspect
 import tomllib
 import typing
@@ -241,8 +242,9 @@ class Config:
 # Keys, docstrings, overrides
 
 
+@functools.cache
 def field_docs(cls: type) -> dict[str, str]:
-    """The docstring written under each field of a dataclass."""
+    """The docstring written under each field of a dataclass (parsed once per class)."""
     tree = ast.parse(inspect.getsource(cls))
     body = tree.body[0].body
     docs = {}
@@ -255,16 +257,19 @@ def field_docs(cls: type) -> dict[str, str]:
 
 def all_keys(cfg: Any = None, prefix: str = "") -> dict[str, tuple[Any, str]]:
     """Every dotted key with its (type, docstring)."""
-    cfg = cfg if cfg is not None else Config()
-    hints, docs = typing.get_type_hints(type(cfg)), field_docs(type(cfg))
-    keys: dict[str, tuple[Any, str]] = {}
-    for f in fields(cfg):
-        value = getattr(cfg, f.name)
-        if is_dataclass(value):
-            keys.update(all_keys(value, f"{prefix}{f.name}."))
+    return dict(_keys_of(type(cfg) if cfg is not None else Config, prefix))
+
+
+@functools.cache
+def _keys_of(cls: type, prefix: str) -> tuple[tuple[str, tuple[Any, str]], ...]:
+    hints, docs = typing.get_type_hints(cls), field_docs(cls)
+    keys: list[tuple[str, tuple[Any, str]]] = []
+    for f in fields(cls):
+        if is_dataclass(hints[f.name]):
+            keys.extend(_keys_of(hints[f.name], f"{prefix}{f.name}."))
         else:
-            keys[prefix + f.name] = (hints[f.name], docs.get(f.name, ""))
-    return keys
+            keys.append((prefix + f.name, (hints[f.name], docs.get(f.name, ""))))
+    return tuple(keys)
 
 
 def _unknown_key(key: str) -> str:

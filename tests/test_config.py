@@ -51,8 +51,16 @@ INVALID = [
 ]
 
 
-def test_default_config_is_valid():
-    validate(load_config(None, {}))  # the table below relies on it
+def test_default_config_is_valid(monkeypatch):
+    # The table below relies on it. One process (parallel.nproc = 1, no torchrun): every degree 1.
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    dims = validate(load_config(None, {}))
+    assert dims.world_size == 1
+    assert dims.degrees == {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1}
+    # On 4 processes the default dp_shard = -1 with ZeRO-3 takes the whole world: FSDP over 4,
+    # each rank one micro-batch of 4 of the 16 sequences per step.
+    dims = validate(load_config(None, {}), world=4)
+    assert dims.degrees == {"pp": 1, "dp_replicate": 1, "dp_shard": 4, "cp": 1, "tp": 1} and dims.dp == 4
 
 
 @pytest.mark.parametrize("overrides, key", INVALID)

@@ -65,4 +65,10 @@ def test_local_step_adds_bubble_contention_and_optimizer():
     assert step.bubble_s == pytest.approx(2 * t_mb)
     assert step.comm_s == pytest.approx(1e-3)
     assert step.optimizer_s == pytest.approx(2 * 28e6 / 1e10)
-    assert step.total_s == pytest.approx(step.compute_s + step.bubble_s + step.comm_s + step.optimizer_s)
+    # By hand: a first-stage rank holds 2 of small's 4 blocks and not the head, so t_mb is
+    # 2 x 786,432 x 6 x 128 = 1,207,959,552 matmul FLOPs at 0.85 x 1e11, plus 3 x 4 x 128 x 64 x
+    # 256 x 2 = 50,331,648 attention FLOPs at 5e10, plus 4e6 / 1e10 s of activations (0.0156 s);
+    # the step is 2 x (4 + 1) x t_mb + 1e6 / 1e9 s of send + 2 x 28e6 / 1e10 s of AdamW (0.163 s).
+    t_mb_by_hand = 1_207_959_552 / (1e11 * 0.85) + 50_331_648 / 5e10 + 4e6 / 1e10
+    assert t_mb == pytest.approx(t_mb_by_hand, rel=1e-12)
+    assert step.total_s == pytest.approx(2 * 5 * t_mb_by_hand + 1e-3 + 2 * 28e6 / 1e10, rel=1e-12)

@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 
 from gridtrain.plan import flops, shape
-from gridtrain.plan.specs import ACCELERATORS
 
 TABLE = Path(__file__).resolve().parents[1].parent / "shared" / "reference" / "megatron-sc21-table1.csv"
 
@@ -58,11 +57,3 @@ def test_megatron_flops_match_model_and_hardware_flops():
         assert flops.megatron_flops_per_iteration(b, s, l, h, v, recompute=False) == pytest.approx(model, rel=2e-3)
         assert flops.megatron_flops_per_iteration(b, s, l, h, v, recompute=True) == pytest.approx(hardware, rel=2e-3)
 
-
-def test_table_columns_consistent():
-    # measured_percent_of_peak = TFLOP/s / 312 (A100 bf16 peak); aggregate = TFLOP/s x GPUs.
-    peak = ACCELERATORS["A100-80GB"].bf16_tflops
-    for row in rows():
-        tflops = float(row["measured_tflops_per_gpu"])
-        assert round(100 * tflops / peak) == pytest.approx(float(row["measured_percent_of_peak"]), abs=1)
-        assert tflops * int(row["num_gpus"]) / 1000 == pytest.approx(float(row["aggregate_pflops"]), rel=6e-3)

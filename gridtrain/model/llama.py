@@ -151,7 +151,10 @@ class Transformer(nn.Module):
         self.register_buffer("freqs_cis", rope_frequencies(args), persistent=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        # The residual stream is fp32 in every precision mode: autocast computes matmuls in
+        # bf16/fp16 and the residual adds promote back to fp32. An embedding stored or gathered
+        # in bf16 would otherwise start a bf16 stream (a no-op when it is fp32 already).
+        h = self.tok_embeddings(tokens).float() if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
             h = layer(h, self.freqs_cis)
         h = self.norm(h) if self.norm is not None else h

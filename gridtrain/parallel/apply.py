@@ -16,6 +16,10 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from gridtrain.model.llama import Transformer
 
+# The dtype of matmuls per training precision: autocast's, and the one FSDP gathers parameters in
+# (fp32 trains as stored).
+COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
 # Selective recomputation keeps the outputs of the expensive ops (matmuls and attention) and
 # recomputes the cheap, memory-hungry elementwise ones (norms, RoPE, SiLU x gate) in backward:
 # most of full recomputation's memory saving at a fraction of its FLOPs (Korthikanti et al. 2022
@@ -107,7 +111,8 @@ def parallelize(model: Transformer, cfg: Any, dims: Any = None, mesh: Any = None
         if dims is not None and dims.dp > 1:
             from gridtrain.parallel.data import apply_data_parallel
 
-            apply_data_parallel(part, mesh, p.zero_stage, dims.dp_replicate, dims.tp)
+            apply_data_parallel(part, mesh, p.zero_stage, dims.dp_replicate, dims.tp, dims.pp,
+                                COMPUTE_DTYPES.get(t.precision))
     result = ParallelModel([m for _, m in stages], [s for s, _ in stages])
     if dims is not None and dims.pp > 1:
         from gridtrain.parallel.pipeline import PipelineTraffic, build_schedule

@@ -7,19 +7,28 @@
 | 2 | gradients and optimizer state / N | reduce-scatter of G per micro-batch, all-gather of P before forward |
 | 3 (FSDP) | also parameters / N | all-gather of P per block in forward and again in backward, reduce-scatter of G |
 
+Every variant sums the gradients over the data-parallel ranks rather than averaging them: the
+trainer divides each micro-batch's loss by the number of micro-batches in the global batch, so
+each backward runs at the scale one process gives it (with fp16, the same values overflow) and
+the sum is the gradient of the global batch's mean loss.
+
 Stages 0 and 1 keep full copies on every data-parallel rank (dp_shard is 1, dp_replicate the
 degree); 2 and 3 shard over 'dp_shard' and, when dp_replicate > 1, all-reduce the shards across
-'dp_replicate' too (HSDP). With tensor parallelism, stage 0 is FSDP2 over a (dp_replicate, 1)
-mesh, which replicates like DDP, since torch's DDP does not take DTensor parameters.
+'dp_replicate' too (HSDP). With tensor or pipeline parallelism, stage 0 is FSDP2 over a
+(dp_replicate, 1) mesh, which replicates like DDP: torch's DDP does not take DTensor parameters,
+and a pipeline stage drives the gradient sync of FSDP modules (once per step, after the last
+micro-batch) but not that of composable `replicate` (under PP 2 x DDP 2 the two copies of
+stage 0 drifted apart within 4 steps).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed._composable.replicate import replicate
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from gridtrain.parallel.dims import Mesh
@@ -30,17 +39,38 @@ def dp_mesh(mesh: Mesh, dp_replicate: int) -> DeviceMesh:
     return mesh["dp_replicate", "dp_shard"] if dp_replicate > 1 else mesh["dp_shard"]
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool) -> None:
+def mixed_precision(param_dtype: torch.dtype | None) -> MixedPrecisionPolicy:
+    """FSDP's precision for bf16 and fp16 training: gather the parameters in the training dtype
+    (half the bytes of fp32) and reduce gradients in fp32 (sums of many low-precision gradients
+    lose bits), as torchtitan does. The fp32 shards stay the master weights the optimizer updates.
+
+    Forward inputs are not cast: the residual stream stays fp32, as it does under autocast in one
+    process (the model keeps it so); autocast still runs each matmul in the training dtype.
+    """
+    if param_dtype is None:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool,
+               param_dtype: torch.dtype | None = None) -> None:
     """fully_shard each transformer block, then the rest (embedding, norm, head) at the root.
 
-    Each block's parameters are one all-gather and one reduce-scatter; FSDP2 prefetches the next
-    block's all-gather while the current one computes (implicit forward and backward prefetch).
+    Each block's parameters are one all-gather (in `param_dtype`, fp32 when None) and one
+    reduce-scatter (fp32); FSDP2 prefetches the next block's all-gather while the current one
+    computes (implicit forward and backward prefetch).
     """
+    policy = mixed_precision(param_dtype)
     blocks = list(model.layers.values())
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again at once by backward: keep them gathered.
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward and i < len(blocks) - 1)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward and i < len(blocks) - 1,
+                    mp_policy=policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):  # sum, do not average: see the module docstring
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
 
 
 def apply_ddp(model: nn.Module, mesh: DeviceMesh) -> None:
@@ -49,16 +79,28 @@ def apply_ddp(model: nn.Module, mesh: DeviceMesh) -> None:
     # Buffers (the RoPE tables) are computed identically on every rank: no need to sync them
     # before every forward.
     replicate(model, device_mesh=mesh, bucket_cap_mb=25, forward_sync_buffers=False)
+    model.register_comm_hook(mesh.get_group(), sum_gradients)
+
+
+def sum_gradients(group, bucket):  # noqa: ANN001, ANN201 - DDP compares real annotations at runtime
+    """DDP communication hook (ProcessGroup, GradBucket) -> Future[Tensor]: all-reduce a bucket of
+    gradients as a sum (DDP's default divides by the group size; the trainer has divided each
+    micro-batch's loss already)."""
+    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
 
 
 def apply_data_parallel(model: nn.Module, mesh: Mesh, zero_stage: int, dp_replicate: int,
-                        tp: int) -> None:
-    if zero_stage in (0, 1) and tp == 1:
+                        tp: int, pp: int, param_dtype: torch.dtype | None = None) -> None:
+    """DDP, ZeRO-1/2/3 or HSDP over the data-parallel axes; `param_dtype` is the training
+    precision's (bf16, fp16) in which FSDP gathers parameters, None for fp32."""
+    if zero_stage in (0, 1) and tp == 1 and pp == 1:
         apply_ddp(model, mesh["dp_replicate"])
     elif zero_stage == 0:
-        apply_fsdp(model, mesh["dp_replicate", "dp_shard"], reshard_after_forward=False)
+        apply_fsdp(model, mesh["dp_replicate", "dp_shard"], reshard_after_forward=False, param_dtype=param_dtype)
     else:
-        apply_fsdp(model, dp_mesh(mesh, dp_replicate), reshard_after_forward=zero_stage == 3)
+        apply_fsdp(model, dp_mesh(mesh, dp_replicate), reshard_after_forward=zero_stage == 3,
+                   param_dtype=param_dtype)
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:

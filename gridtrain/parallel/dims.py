@@ -23,6 +23,9 @@ MESH_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv", "dualpipev")
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
 V_SCHEDULES = ("zbv", "dualpipev")
+# Zero-bubble schedules: each micro-batch's backward runs as two passes, input gradients then
+# weight gradients (Qi et al. 2023, "Zero Bubble Pipeline Parallelism").
+SPLIT_BACKWARD_SCHEDULES = ("interleaved-zb", "zbv", "dualpipev")
 
 
 @dataclass(frozen=True)

@@ -63,8 +63,17 @@ def outer_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, object]:
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
     """Shard the model's existing weights over `tp_mesh` in place (every rank holds the same full
-    weights before, so each keeps exactly its slice of the single-process model)."""
+    weights before, so each keeps exactly its slice of the single-process model).
+
+    A tied embedding and output head stay one parameter: both plans shard the (vocab, dim) matrix
+    on the vocabulary (Shard(0)), so the head takes the embedding's DTensor and both uses add into
+    one gradient, as in one process. (`parallelize_module` would otherwise give each module its
+    own copy, and the two would drift apart after the first step.)"""
+    tied = (model.tok_embeddings is not None and model.output is not None
+            and model.output.weight is model.tok_embeddings.weight)
     parallelize_module(model, tp_mesh, outer_plan(model, sequence_parallel))
+    if tied:
+        model.output.weight = model.tok_embeddings.weight
     plan = block_plan(sequence_parallel)
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, plan)

@@ -153,7 +153,7 @@ def predict_activations(args: ModelArgs, dims: ParallelDims, cfg: dict, pp_rank:
 
 def predict_collectives(args: ModelArgs, dims: ParallelDims, cfg: dict, pp_rank: int) -> dict[str, float]:
     """Payload bytes per collective and mesh axis in one accounted step, for the layouts whose
-    traffic is modelled exactly on CPU (gloo): DDP, FSDP (ZeRO 2 and 3) and HSDP, TP with or
+    traffic is modelled exactly on CPU (gloo): DDP, FSDP (ZeRO 2 and 3, any precision) and HSDP, TP with or
     without SP, and single-stage pipelines. Keys as in the accounting ('dp_shard/all_gather_bytes'); empty when
     the layout is not modelled. gloo specifics: FSDP2 reduces gradients with an all-reduce (gloo
     has no reduce-scatter); the gradient norm all-reduces one fp32 scalar per sharded parameter
@@ -172,9 +172,11 @@ def predict_collectives(args: ModelArgs, dims: ParallelDims, cfg: dict, pp_rank:
         return {"dp_replicate/all_reduce_bytes": total}
     if p["zero_stage"] in (2, 3) and only("dp_shard", "dp_replicate") and dims.dp_shard > 1:
         # ZeRO-2 gathers every unit once per micro-batch; ZeRO-3 again in backward, except the
-        # last block, which stays gathered from its forward to its backward. HSDP then all-reduces
-        # each micro-batch's gradient shard (FSDP2's padded chunks) over the replicas.
-        gathered = total if p["zero_stage"] == 2 else 2 * total - layer
+        # last block, which stays gathered from its forward to its backward. Under bf16 and fp16
+        # the parameters are gathered in that dtype (2 bytes) and the gradients reduced in fp32.
+        # HSDP then all-reduces each micro-batch's gradient shard (FSDP2's padded chunks) over
+        # the replicas.
+        gathered = (total if p["zero_stage"] == 2 else 2 * total - layer) * gather_bytes(t["precision"]) / 4
         out = {"dp_shard/all_gather_bytes": m * gathered,
                "dp_shard/all_reduce_bytes": m * total + 4 * len(shapes)}
         if dims.dp_replicate > 1:
@@ -199,6 +201,11 @@ def predict_collectives(args: ModelArgs, dims: ParallelDims, cfg: dict, pp_rank:
         first, last = pp_rank == 0, pp_rank == dims.pp - 1
         return {"pp/all_reduce_bytes": 4.0, "pp/send_bytes": m * activation * ((not last) + (not first))}
     return {}
+
+
+def gather_bytes(precision: str) -> int:
+    """Bytes per parameter element that FSDP all-gathers: the training dtype's."""
+    return 2 if precision in ("bf16", "fp16") else 4
 
 
 @dataclass

@@ -18,8 +18,8 @@ from torch.amp.grad_scaler import _MultiDeviceReplicator
 from torch.distributed.tensor import DTensor
 
 from gridtrain.config import TrainConfig
+from gridtrain.parallel.apply import COMPUTE_DTYPES
 
-AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class ShardAwareGradScaler(torch.amp.GradScaler):
@@ -58,9 +58,9 @@ class Precision:
             growth_interval=cfg.loss_scale_growth_interval, enabled=self.mode == "fp16")
 
     def autocast(self) -> ContextManager:
-        if self.mode not in AUTOCAST_DTYPES:
+        if self.mode not in COMPUTE_DTYPES:
             return contextlib.nullcontext()
-        return torch.autocast(self.device_type, dtype=AUTOCAST_DTYPES[self.mode])
+        return torch.autocast(self.device_type, dtype=COMPUTE_DTYPES[self.mode])
 
     @property
     def loss_scale(self) -> float:

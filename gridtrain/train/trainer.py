@@ -1,8 +1,11 @@
 """The training loop: data, model, optimizer, precision, accumulation, validation, checkpoints.
 
 One optimizer step reads the global batch [step * B, (step + 1) * B) of the deterministic sample
-order, in `accum` micro-batches of `micro_batch` sequences; each micro-batch's loss is divided
-by `accum`, so the accumulated gradient is the gradient of the mean loss over the global batch.
+order; each data-parallel rank reads its slice in `accum` micro-batches of `micro_batch`
+sequences. Each micro-batch's loss is divided by the number of micro-batches in the whole global
+batch (accum x data-parallel degree) and data parallelism sums the gradients, so the gradient is
+that of the mean loss over the global batch, and every micro-batch's backward runs at the scale
+one process gives it: in fp16 the same values overflow whatever the layout.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ class Trainer:
         self.global_batch = cfg.global_batch_seqs
         self.local_batch = self.global_batch // self.dims.dp
         self.accum = self.local_batch // t.micro_batch
+        self.micro_batches = self.accum * self.dims.dp  # in the global batch
         self.tokens_per_step = self.global_batch * cfg.data.seq_len
         full = build_model(self.args, t.seed, self.device)
         counts = count_parameters(full)
@@ -188,16 +192,17 @@ class Trainer:
     # -- one step ----------------------------------------------------------------------------
 
     def pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Loss of one pipeline micro-batch (the schedule averages the gradients over them)."""
-        return self.precision.scaler.scale(loss_fn(logits, targets))
+        """Loss of one pipeline micro-batch, divided by the micro-batches of the global batch and
+        scaled for fp16 (what its backward starts from)."""
+        return self.precision.scaler.scale(loss_fn(logits, targets) / self.micro_batches)
 
     def local_batch_range(self) -> int:
         """First global sample index of this data-parallel rank's slice of the current step."""
         return self.step * self.global_batch + self.coords["dp"] * self.local_batch
 
     def forward_backward(self) -> torch.Tensor:
-        """Forward and backward over this rank's slice; returns the mean loss over its samples
-        (zero on pipeline ranks without the last stage)."""
+        """Forward and backward over this rank's slice; returns its share of the global batch's
+        mean loss (zero on pipeline ranks without the last stage)."""
         mb, first = self.cfg.train.micro_batch, self.local_batch_range()
         self.precision.begin_step()
         if self.pmodel.schedule is not None:
@@ -208,7 +213,7 @@ class Trainer:
                                           losses=losses, return_outputs=False)
             if not losses:
                 return torch.zeros((), device=self.device)
-            return sum(scalar(l).detach() for l in losses) / (len(losses) * self.precision.loss_scale)
+            return sum(scalar(l).detach() for l in losses) / self.precision.loss_scale
         loss_sum = torch.zeros((), device=self.device)
         for micro in range(self.accum):
             set_gradient_sync(self.model, micro == self.accum - 1)
@@ -216,7 +221,7 @@ class Trainer:
             with loss_context(self.dims.tp):
                 with self.precision.autocast():
                     logits = self.model(inputs.to(self.device))
-                loss = loss_fn(logits, targets.to(self.device)) / self.accum
+                loss = loss_fn(logits, targets.to(self.device)) / self.micro_batches
                 self.precision.backward(loss)
             loss_sum += scalar(loss).detach()
         return loss_sum
@@ -294,14 +299,13 @@ class Trainer:
         return record
 
     def reduce_loss(self, loss: torch.Tensor) -> float:
-        """The global batch's mean loss: averaged over data-parallel ranks, taken from the last
-        pipeline stage."""
+        """The global batch's mean loss: the ranks' shares summed over data parallelism, taken
+        from the last pipeline stage."""
         if self.world.distributed:
             if self.dims.pp > 1:
                 dist.all_reduce(loss, group=self.group("pp"))
             if self.dims.dp > 1:
                 dist.all_reduce(loss, group=self.mesh["dp"].get_group())
-                loss = loss / self.dims.dp
         return loss.item()
 
     @torch.no_grad()
@@ -337,7 +341,8 @@ class Trainer:
         self.pmodel.schedule.eval(inputs, target=targets, losses=losses)
         if not losses:
             return None
-        return sum(scalar(l) for l in losses) / (len(losses) * self.precision.loss_scale)
+        # Each is scaled and divided by the training step's micro-batch count (pipeline_loss).
+        return sum(scalar(l) for l in losses) * self.micro_batches / (len(losses) * self.precision.loss_scale)
 
     # -- the run -----------------------------------------------------------------------------
 

@@ -1,0 +1,92 @@
+"""The full parity sweep: every layout of the parity matrix at world sizes 1 to 8, each run that
+`validate` accepts compared with one process (losses, gradient norms with clipping active,
+gathered weights), every other one listed with validate's reason.
+
+    python bench/parity_sweep.py [--results FILE] [--pairwise] [--only SUBSTRING] [--chunk 24]
+
+Verdicts go to FILE (JSON lines, default runs/parity/results.jsonl) as they come, so a stopped
+sweep resumes where it stopped; delete the file to start over. The default corpus (the Python
+standard library) is prepared once in the usual cache. At the end it prints the counts by status
+and world size, the largest deviations that passed, per precision, and every failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from gridtrain.parity.matrix import AXES, all_cases, pairwise  # noqa: E402
+from gridtrain.parity.sweep import References, run_cases, summarize  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", type=Path, default=Path("runs/parity/results.jsonl"))
+    parser.add_argument("--pairwise", action="store_true", help="only the pairwise subset CI runs")
+    parser.add_argument("--only", default="", help="only cases whose name contains this")
+    parser.add_argument("--chunk", type=int, default=24, help="cases per torchrun launch")
+    parser.add_argument("--corpus", type=Path, default=None, help="default: the Python standard library")
+    args = parser.parse_args()
+
+    cases = all_cases()
+    if args.pairwise:
+        cases = pairwise(cases)
+    cases = [c for c in cases if args.only in c.name]
+    args.results.parent.mkdir(parents=True, exist_ok=True)
+    work = args.results.parent / "work"
+    work.mkdir(exist_ok=True)
+    corpus = args.corpus.resolve() if args.corpus else _stdlib()
+    refs = References(corpus, Path("~/.cache/gridtrain").expanduser(), work)
+    start, count = time.time(), [0]
+    runnable = sum(c.accepted for c in cases)
+
+    def progress(rec: dict) -> None:
+        if rec["status"] == "refused":
+            return
+        count[0] += 1
+        mark = "" if rec["status"] == "passed" else f"  {rec['status'].upper()}: {rec['problems'][:2]}"
+        print(f"[{count[0]}/{runnable} {time.time() - start:6.0f} s] {rec['name']}{mark}", flush=True)
+
+    verdicts = run_cases(cases, refs, args.results, args.chunk, progress)
+    verdicts = {c.name: verdicts[c.name] for c in cases}
+    print(report(verdicts))
+
+
+def _stdlib() -> Path:
+    import sysconfig
+
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def report(verdicts: dict[str, dict]) -> str:
+    table = summarize(verdicts)
+    worlds = sorted({w for row in table.values() for w in row})
+    lines = [f"axes: {', '.join(f'{a} ({len(c)})' for a, c in AXES.items())}; {len(verdicts)} combinations",
+             "", "| status | " + " | ".join(f"world {w}" for w in worlds) + " | all |",
+             "|---|" + "---|" * (len(worlds) + 1)]
+    for status in ("passed", "failed", "crashed", "refused"):
+        row = table.get(status, {})
+        lines.append(f"| {status} | " + " | ".join(str(row.get(w, 0)) for w in worlds) + f" | {sum(row.values())} |")
+    lines += ["", "largest deviations among passed cases:"]
+    for precision in AXES["precision"]:
+        passed = [v for v in verdicts.values() if v["status"] == "passed" and v["precision"] == precision]
+        if passed:
+            worst = {k: max(v[k] for v in passed) for k in ("loss_rel", "grad_norm_rel", "update_rel", "max_abs")}
+            lines.append(f"  {precision}: " + ", ".join(f"{k} {v:.2e}" for k, v in worst.items()))
+    bad = [v for v in verdicts.values() if v["status"] in ("failed", "crashed")]
+    lines += ["", f"{len(bad)} failed or crashed:"] + [f"  {v['name']}: {v['problems'][:3]}" for v in bad]
+    refused: dict[str, int] = {}
+    for v in verdicts.values():
+        if v["status"] == "refused":
+            reason = v["problems"][0].split(":")[0]
+            refused[reason] = refused.get(reason, 0) + 1
+    lines += ["", "refused, by reason:"] + [f"  {n:5d}  {r}" for r, n in sorted(refused.items(), key=lambda x: -x[1])]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""Is a parallel run the same training as one process? Per-step losses, per-step gradient norms
+(taken before clipping, with clipping active) and the gathered weights, against the one-process
+run of the same configuration, within tolerances derived from the precision.
+
+fp32. A layout only changes the order of floating-point sums: losses and gradient norms within
+1e-5 relative, every weight element within 1e-5 (absolute and relative).
+
+bf16 and fp16. A layout may round differently: tensor parallelism rounds each rank's partial sum
+before the all-reduce, FSDP gathers parameters in the training dtype. Each such rounding moves a
+value by at most the unit roundoff u (2^-8 for bf16, 2^-11 for fp16). The bounds, in units of u:
+- loss: the mean over N tokens of per-token perturbations of relative size u, independent from
+  token to token: relative standard deviation u / sqrt(N); bound 4 u / sqrt(N).
+- gradient norm: a rounding of the parameters moves every gradient by up to u, coherently; bound u.
+- weights, per tensor: the relative error of the tensor's update over the run,
+  ||(W - W0) - (W_ref - W0)|| / ||W_ref - W0||. Each step's update follows gradients that differ
+  by a few roundings of u (one per matmul on the backward path), amplified where a sum over the
+  tokens cancels (the norm weights' gradients): bound 16 u per step. And every element within
+  Adam's largest possible step difference, 2 x sum_t lr_t R_t, where R_t bounds
+  |m_hat / sqrt(v_hat)| at step t (Cauchy-Schwarz over the moment sums; about 1 for b1^2 < b2).
+Adam's update is nearly blind to a gradient's scale (m / sqrt(v)), which would hide a wrongly
+scaled or unclipped gradient in the weights; the matrix therefore runs with an epsilon near the
+gradients' RMS (matrix.ADAM_EPS), where it is not. The README ("Parity") gives the largest
+deviations measured over the whole matrix against these bounds, and what a run on other data or
+without the reference's clipping shows.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from gridtrain.parity.run import Result
+
+UNIT_ROUNDOFF = {"fp32": 2.0 ** -24, "bf16": 2.0 ** -8, "fp16": 2.0 ** -11}
+FP32_TOL = 1e-5
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    loss_rtol: float
+    norm_rtol: float
+    weight_tol: float | None  # elementwise, absolute and relative (fp32); None in low precision
+    update_rtol: float | None  # per tensor, relative error of the update (low precision)
+    max_abs: float  # no element further than this (Adam's bound)
+
+
+def adam_ratio_bound(step: int, beta1: float, beta2: float) -> float:
+    """Largest |m_hat / sqrt(v_hat)| at 1-based step t for any gradients: by Cauchy-Schwarz,
+    (1-b1) sqrt(1-b2^t) / ((1-b1^t) sqrt(1-b2)) x sqrt(sum_{j<t} (b1^2/b2)^j)."""
+    series = sum((beta1 ** 2 / beta2) ** j for j in range(step))
+    return ((1 - beta1) * math.sqrt(1 - beta2 ** step) / ((1 - beta1 ** step) * math.sqrt(1 - beta2))
+            * math.sqrt(series))
+
+
+def tolerance(precision: str, tokens_per_step: int, lrs: list[float], beta1: float, beta2: float) -> Tolerance:
+    """The bounds for a run of len(lrs) steps in `precision` (module docstring)."""
+    max_abs = 2 * sum(lr * adam_ratio_bound(t + 1, beta1, beta2) for t, lr in enumerate(lrs))
+    if precision == "fp32":
+        return Tolerance(FP32_TOL, FP32_TOL, FP32_TOL, None, max_abs)
+    u = UNIT_ROUNDOFF[precision]
+    return Tolerance(4 * u / math.sqrt(tokens_per_step), u, None, 16 * u * len(lrs), max_abs)
+
+
+@dataclass
+class Deviation:
+    """How far a run is from the reference: per step, and per weight tensor."""
+
+    losses: list[tuple[float, float]]  # (run, reference) per step
+    grad_norms: list[tuple[float, float]]
+    max_abs: dict[str, float]  # largest element difference
+    beyond: dict[str, int]  # elements beyond the fp32 tolerance
+    update: dict[str, float]  # relative error of the update (`update_error`)
+    numel: dict[str, int]
+    unmatched: list[str]  # weights one side has and the other lacks, or of another shape
+
+    def summary(self) -> dict[str, float]:
+        """The largest deviation of each kind (relative loss and norm, update error, element)."""
+        return {"loss_rel": max(_relative(self.losses), default=0.0),
+                "grad_norm_rel": max(_relative(self.grad_norms), default=0.0),
+                "update_rel": max(self.update.values(), default=0.0),
+                "max_abs": max(self.max_abs.values(), default=0.0),
+                "beyond_fp32_share": sum(self.beyond.values()) / max(1, sum(self.numel.values()))}
+
+
+def _relative(pairs: list[tuple[float, float]]) -> list[float]:
+    return [abs(g - w) / max(abs(w), 1e-30) if math.isfinite(g) else math.inf for g, w in pairs]
+
+
+def deviation(run: Result, ref: Result, initial: dict[str, torch.Tensor]) -> Deviation:
+    dev = Deviation(list(zip(run.losses, ref.losses)), list(zip(run.grad_norms, ref.grad_norms)),
+                    {}, {}, {}, {}, [])
+    if len(run.losses) != len(ref.losses) or len(run.grad_norms) != len(ref.grad_norms):
+        dev.unmatched.append(f"{len(run.losses)} steps where one process has {len(ref.losses)}")
+    for key in sorted(set(ref.weights) | set(run.weights)):
+        got, want = run.weights.get(key), ref.weights.get(key)
+        if got is None or want is None or got.shape != want.shape:
+            dev.unmatched.append(key)
+            continue
+        got, want = got.float(), want.float()
+        diff = (got - want).abs()
+        dev.max_abs[key] = diff.max().item() if diff.numel() else 0.0
+        dev.beyond[key] = int((diff > FP32_TOL + FP32_TOL * want.abs()).sum())
+        dev.update[key] = update_error(got, want, initial[key].float())
+        dev.numel[key] = diff.numel()
+    return dev
+
+
+def problems(dev: Deviation, tol: Tolerance) -> list[str]:
+    """What differs beyond the tolerance (empty: the run is the reference's training)."""
+    out = [f"not in both: {what}" for what in dev.unmatched]
+    for what, pairs, rtol in (("loss", dev.losses, tol.loss_rtol), ("gradient norm", dev.grad_norms, tol.norm_rtol)):
+        for step, ((g, w), rel) in enumerate(zip(pairs, _relative(pairs)), start=1):
+            if not rel <= rtol:  # also catches NaN
+                out.append(f"step {step} {what} {g:.7g} vs {w:.7g} (relative {rel:.2e} > {rtol:.2e})")
+    for key, worst in dev.max_abs.items():
+        if not worst <= tol.max_abs:
+            out.append(f"{key}: an element differs by {worst:.3g} > {tol.max_abs:.3g} (Adam's largest step difference)")
+        if tol.weight_tol is not None and dev.beyond[key]:
+            out.append(f"{key}: {dev.beyond[key]} of {dev.numel[key]} elements differ beyond "
+                       f"{tol.weight_tol:g} (largest {worst:.3g})")
+        if tol.update_rtol is not None and not dev.update[key] <= tol.update_rtol:
+            out.append(f"{key}: the update differs by {dev.update[key]:.3g} of its size > {tol.update_rtol:.3g}")
+    return out
+
+
+def compare(run: Result, ref: Result, initial: dict[str, torch.Tensor], tol: Tolerance) -> list[str]:
+    """`problems` of the run's `deviation` from the reference."""
+    return problems(deviation(run, ref, initial), tol)
+
+
+def update_error(got: torch.Tensor, want: torch.Tensor, start: torch.Tensor) -> float:
+    """||(got - start) - (want - start)|| / ||want - start||: how far the run's update of a tensor
+    is from the reference's, relative to its size (0 where neither moved)."""
+    moved = (want - start).norm().item()
+    gap = (got - want).norm().item()
+    return gap / moved if moved > 0 else (0.0 if gap == 0 else math.inf)

@@ -1,0 +1,162 @@
+"""The parity matrix: every layout gridtrain can be asked for, generated from the choices along
+each axis, and for each one `validate`'s verdict. A layout it accepts is run against one process
+(`gridtrain.parity.compare`); one it refuses is listed with validate's reason.
+
+Axes and choices (degree 2 on each parallel axis, so the world is 1, 2, 4 or 8 processes):
+
+| axis | choices |
+|---|---|
+| dp | none, ddp (ZeRO-0 over 2 replicas), zero1, zero2 and zero3 over 2 ranks, hsdp (2 x 2) |
+| tp | none, tp (2), tp_sp (2, with sequence parallelism) |
+| pp | none, and each schedule over 2 ranks with its virtual stages (1 for gpipe and 1f1b, else 2) |
+| embeddings | untied, tied |
+| precision | fp32, bf16, fp16 |
+| recompute | off, selective, full (train.activation_checkpointing) |
+| accumulation | one micro-batch per step, or several (4, or 2 with 4-way data parallelism) |
+
+The model is the `tiny` preset widened to 4 layers, 8 query and 4 KV heads, so every schedule
+gets at least one layer per stage. Everything here is arithmetic on configurations: no torch.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from gridtrain.checks import validate
+from gridtrain.config import ConfigError, load_config
+from gridtrain.parallel.dims import PP_SCHEDULES, SINGLE_STAGE_SCHEDULES
+
+STEPS = 3
+LR = 2e-3
+GRAD_CLIP = 0.3  # below every gradient norm of these runs (0.5-2.4), so clipping acts on every step
+GLOBAL_BATCH = 8
+# Near the gradients' RMS (about 1e-3 per element here), so that Adam's update depends on the
+# gradient's scale and a wrongly scaled, averaged or clipped gradient shows in the weights.
+ADAM_EPS = 1e-3
+
+DP_CHOICES: dict[str, dict[str, object]] = {
+    "none": {},
+    "ddp": {"parallel.zero_stage": 0, "parallel.dp_replicate": 2, "parallel.dp_shard": 1},
+    "zero1": {"parallel.zero_stage": 1, "parallel.dp_replicate": 2, "parallel.dp_shard": 1},
+    "zero2": {"parallel.zero_stage": 2, "parallel.dp_shard": 2},
+    "zero3": {"parallel.zero_stage": 3, "parallel.dp_shard": 2},
+    "hsdp": {"parallel.zero_stage": 3, "parallel.dp_replicate": 2, "parallel.dp_shard": 2},
+}
+TP_CHOICES: dict[str, dict[str, object]] = {
+    "none": {},
+    "tp": {"parallel.tp": 2},
+    "tp_sp": {"parallel.tp": 2, "parallel.sequence_parallel": True},
+}
+PP_CHOICES: dict[str, dict[str, object]] = {
+    "none": {},
+    **{s: {"parallel.pp": 2, "parallel.pp_schedule": s,
+           "parallel.pp_virtual_stages": 1 if s in SINGLE_STAGE_SCHEDULES else 2} for s in PP_SCHEDULES},
+}
+EMBEDDING_CHOICES = {"untied": {"model.tie_embeddings": False}, "tied": {"model.tie_embeddings": True}}
+PRECISION_CHOICES = {p: {"train.precision": p} for p in ("fp32", "bf16", "fp16")}
+RECOMPUTE_CHOICES = {m: {"train.activation_checkpointing": m} for m in ("off", "selective", "full")}
+ACCUMULATION_CHOICES = ("one", "many")
+
+AXES: dict[str, tuple[str, ...]] = {
+    "dp": tuple(DP_CHOICES), "tp": tuple(TP_CHOICES), "pp": tuple(PP_CHOICES),
+    "embeddings": tuple(EMBEDDING_CHOICES), "precision": tuple(PRECISION_CHOICES),
+    "recompute": tuple(RECOMPUTE_CHOICES), "accumulation": ACCUMULATION_CHOICES,
+}
+
+
+def base_overrides() -> dict[str, object]:
+    """The run every case shares, before its layout: 3 steps of the widened tiny model on the
+    global batch of 8 sequences of 32 tokens, clipping active, no validation or checkpoints."""
+    return {
+        "model.preset": "tiny", "model.n_layers": 4, "model.n_heads": 8, "model.n_kv_heads": 4,
+        "model.ffn_dim": 128, "data.seq_len": 32, "train.global_batch": GLOBAL_BATCH,
+        "train.steps": STEPS, "train.lr": LR, "train.warmup_steps": 1, "train.grad_clip": GRAD_CLIP,
+        "train.eps": ADAM_EPS, "train.val_every": 0, "metrics.tensorboard": False, "metrics.progress": False,
+        "metrics.account_every": 0, "train.collective_timeout_s": 300,
+    }
+
+
+@dataclass(frozen=True)
+class Case:
+    """One point of the matrix: a choice on every axis."""
+
+    choices: tuple[tuple[str, str], ...]  # (axis, choice) in AXES order
+    world: int = 0
+    overrides: dict[str, object] = field(default_factory=dict, compare=False, hash=False)
+    refused: str = ""  # validate's reason, empty when accepted
+
+    @property
+    def name(self) -> str:
+        return ".".join(choice for _, choice in self.choices)
+
+    @property
+    def accepted(self) -> bool:
+        return not self.refused
+
+    def choice(self, axis: str) -> str:
+        return dict(self.choices)[axis]
+
+    def pairs(self) -> set[tuple[tuple[str, str], tuple[str, str]]]:
+        """Every pair of (axis, choice) this case covers."""
+        return set(itertools.combinations(self.choices, 2))
+
+
+def layout_overrides(choices: dict[str, str]) -> dict[str, object]:
+    """The config keys of one choice per axis (without the shared base)."""
+    out: dict[str, object] = {}
+    for table, axis in ((DP_CHOICES, "dp"), (TP_CHOICES, "tp"), (PP_CHOICES, "pp"),
+                        (EMBEDDING_CHOICES, "embeddings"), (PRECISION_CHOICES, "precision"),
+                        (RECOMPUTE_CHOICES, "recompute")):
+        out.update(table[choices[axis]])
+    dp = out.get("parallel.dp_replicate", 1) * out.get("parallel.dp_shard", 1)
+    if "parallel.dp_shard" not in out:
+        out["parallel.dp_shard"] = 1
+    # "one": the whole local batch in one micro-batch; "many": up to 4 micro-batches (enough for
+    # every schedule over 2 pipeline ranks), of one sequence when the local batch is smaller.
+    local = GLOBAL_BATCH // dp
+    out["train.micro_batch"] = local if choices["accumulation"] == "one" else max(1, local // 4)
+    return out
+
+
+def world_of(overrides: dict[str, object]) -> int:
+    return (int(overrides.get("parallel.dp_replicate", 1)) * int(overrides.get("parallel.dp_shard", 1))
+            * int(overrides.get("parallel.tp", 1)) * int(overrides.get("parallel.pp", 1)))
+
+
+def make_case(choices: dict[str, str], max_world: int = 8) -> Case:
+    """The case for one choice per axis, with validate's verdict at its world size."""
+    overrides = layout_overrides(choices)
+    world = world_of(overrides)
+    ordered = tuple((axis, choices[axis]) for axis in AXES)
+    if world > max_world:
+        return Case(ordered, world, overrides, f"needs {world} processes, more than {max_world}")
+    cfg = load_config(None, {**base_overrides(), **overrides})
+    try:
+        validate(cfg, world)
+    except ConfigError as err:
+        return Case(ordered, world, overrides, "; ".join(err.problems))
+    return Case(ordered, world, overrides)
+
+
+def all_cases(max_world: int = 8) -> list[Case]:
+    """Every combination of the axes' choices, each accepted or refused."""
+    return [make_case(dict(zip(AXES, combo)), max_world) for combo in itertools.product(*AXES.values())]
+
+
+def pairwise(cases: list[Case], required: tuple[str, ...] = ()) -> list[Case]:
+    """A deterministic subset of the accepted cases that covers every pair of choices (on two
+    different axes) that any accepted case covers: the `required` cases first, then greedily the
+    case adding the most uncovered pairs per process it starts (ties: smaller world, then name).
+    """
+    accepted = [c for c in cases if c.accepted]
+    by_name = {c.name: c for c in accepted}
+    chosen = [by_name[name] for name in required]
+    uncovered = set().union(*(c.pairs() for c in accepted)) - set().union(set(), *(c.pairs() for c in chosen))
+    pool = sorted((c for c in accepted if c.name not in required), key=lambda c: (c.world, c.name))
+    while uncovered:
+        best = max(pool, key=lambda c: len(c.pairs() & uncovered) / c.world)
+        chosen.append(best)
+        uncovered -= best.pairs()
+        pool.remove(best)
+    return chosen

@@ -1,0 +1,133 @@
+"""Running parity cases: many layouts in one torchrun launch (starting processes dominates the
+time), and the single-process reference each is compared with.
+
+    python -m gridtrain.parity.run SPEC.json OUT_DIR     (under torchrun: the worker)
+
+SPEC.json maps a case name to its config overrides. For each case the worker trains the steps and
+saves, from one rank per pipeline rank (data- and tensor-parallel coordinate 0), the per-step
+losses, the per-step gradient norms (before clipping) and the gathered full weights of the stages
+that rank holds: OUT_DIR/NAME.pp<r>.pt. A case that raises leaves OUT_DIR/NAME.error.txt (rank 0)
+and ends the launch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from gridtrain.config import load_config
+
+
+@dataclass
+class Result:
+    """What a run of a few steps produced, as one process would hold it."""
+
+    losses: list[float]
+    grad_norms: list[float]
+    weights: dict[str, torch.Tensor]
+    lrs: list[float]
+
+
+def run_case(name: str, overrides: dict[str, object], out: Path) -> None:
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from gridtrain.train.trainer import Trainer
+
+    cfg = load_config(None, {**overrides, "run_dir": str(out / name)})
+    trainer = Trainer(cfg)
+    if trainer.world.rank == 0:
+        trainer.write_config()
+    losses, norms, lrs, records = [], [], [], []
+    for _ in range(cfg.train.steps):
+        metrics = trainer.train_step()
+        losses.append(metrics["loss/train"])
+        norms.append(metrics["grad/norm"])
+        lrs.append(metrics["lr"])
+        records.append(json.dumps({"step": trainer.step, **metrics}))
+    if trainer.world.rank == 0:  # what Trainer.run logs, for `gridtrain plan --check`'s step time
+        (out / name / "metrics.jsonl").write_text("\n".join(records) + "\n")
+    weights: dict[str, torch.Tensor] = {}
+    for part in trainer.pmodel.parts:
+        full = get_model_state_dict(part, options=StateDictOptions(full_state_dict=True))
+        weights.update({k: v.detach().cpu().clone() for k, v in full.items()})
+    if trainer.coords["dp"] == 0 and trainer.coords["tp"] == 0:
+        torch.save({"losses": losses, "grad_norms": norms, "lrs": lrs, "weights": weights},
+                   out / f"{name}.pp{trainer.coords['pp']}.pt")
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def worker(spec_path: Path, out: Path) -> None:
+    """Run every case of the spec in this torchrun launch, in order."""
+    import torch.distributed as dist
+
+    spec = json.loads(spec_path.read_text())
+    out.mkdir(parents=True, exist_ok=True)
+    for name, overrides in spec.items():
+        try:
+            run_case(name, overrides, out)
+        except Exception:
+            if int(os.environ.get("RANK", 0)) == 0:
+                (out / f"{name}.error.txt").write_text(traceback.format_exc())
+            raise
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def launch(world: int, spec: dict[str, dict[str, object]], out: Path, timeout_s: float = 3600) -> subprocess.CompletedProcess:
+    """Run the spec's cases in one torchrun launch of `world` processes, one thread each."""
+    out.mkdir(parents=True, exist_ok=True)
+    spec_path = out / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+           "-m", "gridtrain.parity.run", str(spec_path), str(out)]
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # torchrun and every worker it started
+            stdout, stderr = proc.communicate()
+            return subprocess.CompletedProcess(cmd, 124, stdout, f"{stderr}\nlaunch timed out after {timeout_s:.0f} s")
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+def load_result(out: Path, name: str) -> Result | None:
+    """A case's result, merged over its pipeline ranks; None if it wrote none."""
+    files = sorted(out.glob(f"{name}.pp*.pt"))
+    if not files:
+        return None
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        part = torch.load(f, weights_only=True)
+        weights.update(part["weights"])
+    return Result(part["losses"], part["grad_norms"], weights, part["lrs"])
+
+
+def run_reference(overrides: dict[str, object]) -> tuple[Result, dict[str, torch.Tensor]]:
+    """The same run in this process (no process group), and the initial weights."""
+    from gridtrain.train.trainer import Trainer
+
+    cfg = load_config(None, overrides)
+    trainer = Trainer(cfg)
+    initial = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    metrics = [trainer.train_step() for _ in range(cfg.train.steps)]
+    weights = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    return Result([m["loss/train"] for m in metrics], [m["grad/norm"] for m in metrics], weights,
+                  [m["lr"] for m in metrics]), initial
+
+
+if __name__ == "__main__":
+    worker(Path(sys.argv[1]), Path(sys.argv[2]))

@@ -1,0 +1,133 @@
+"""Run cases of the parity matrix against one process and record each verdict.
+
+Cases of one world size share torchrun launches (`chunk` at a time). Each verdict is one line of
+a JSON-lines file, written as soon as it is known, so an interrupted sweep resumes where it
+stopped: 'passed' or 'failed' (with the problems and the largest deviations), 'crashed' (with the
+error), or 'refused' (validate's reason; never run).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable, Iterable
+
+import torch
+
+from gridtrain.parity.compare import deviation, problems, tolerance
+from gridtrain.parity.matrix import GLOBAL_BATCH, Case, base_overrides
+from gridtrain.parity.run import Result, launch, load_result, run_reference
+
+
+class References:
+    """The one-process runs the cases are compared with, one per precision, micro-batch size
+    and embedding choice (activation checkpointing is off in the reference: recomputation must
+    not change the numbers either)."""
+
+    def __init__(self, corpus: Path, cache_dir: Path, work: Path) -> None:
+        self.corpus, self.cache_dir, self.work = corpus, cache_dir, work
+        self._runs: dict[tuple, tuple[Result, dict[str, torch.Tensor]]] = {}
+
+    @staticmethod
+    def key(overrides: dict[str, object]) -> tuple:
+        return (overrides["train.precision"], overrides["train.micro_batch"], overrides["model.tie_embeddings"])
+
+    def get(self, overrides: dict[str, object]) -> tuple[Result, dict[str, torch.Tensor]]:
+        key = self.key(overrides)
+        if key not in self._runs:
+            one = {k: v for k, v in overrides.items()
+                   if not k.startswith("parallel.") and k != "train.activation_checkpointing"}
+            one.update(self.data_overrides(), run_dir=str(self.work / f"reference-{len(self._runs)}"))
+            self._runs[key] = run_reference(one)
+        return self._runs[key]
+
+    def data_overrides(self) -> dict[str, object]:
+        return {"data.corpus": str(self.corpus), "data.cache_dir": str(self.cache_dir)}
+
+
+def case_overrides(case: Case, refs: References) -> dict[str, object]:
+    return {**base_overrides(), **case.overrides, **refs.data_overrides()}
+
+
+def verdict(case: Case, result: Result | None, error: str, refs: References) -> dict[str, object]:
+    """One line of the results: the case's status, problems and largest deviations."""
+    line: dict[str, object] = {"name": case.name, "world": case.world, **dict(case.choices)}
+    if result is None:
+        return {**line, "status": "crashed", "problems": [last_error_line(error)]}
+    overrides = case_overrides(case, refs)
+    ref, initial = refs.get(overrides)
+    tol = tolerance(str(overrides["train.precision"]), GLOBAL_BATCH * int(overrides["data.seq_len"]),
+                    ref.lrs, float(overrides.get("train.beta1", 0.9)), float(overrides.get("train.beta2", 0.95)))
+    dev = deviation(result, ref, initial)
+    found = problems(dev, tol)
+    return {**line, "status": "failed" if found else "passed", "problems": found[:8], **dev.summary()}
+
+
+def last_error_line(text: str) -> str:
+    """The line of a traceback or launcher log that names the error."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    named = [line for line in lines if "Error" in line or "error" in line]
+    return (named or lines or ["no result"])[-1][:500]
+
+
+def read_results(path: Path) -> dict[str, dict]:
+    if not path.exists():
+        return {}
+    return {rec["name"]: rec for rec in map(json.loads, path.read_text().splitlines())}
+
+
+def run_cases(cases: Iterable[Case], refs: References, results: Path, chunk: int = 24,
+              on_verdict: Callable[[dict], None] = lambda rec: None) -> dict[str, dict]:
+    """Run every accepted case not yet in `results` (and record the refused ones); returns all
+    verdicts by name."""
+    cases = list(cases)
+    done = read_results(results)
+    with open(results, "a") as f:
+        def record(rec: dict) -> None:
+            f.write(json.dumps(rec) + "\n")
+            f.flush()
+            done[rec["name"]] = rec
+            on_verdict(rec)
+
+        for case in cases:
+            if not case.accepted and case.name not in done:
+                record({"name": case.name, "world": case.world, **dict(case.choices), "status": "refused",
+                        "problems": [case.refused]})
+        todo = [c for c in cases if c.accepted and c.name not in done]
+        for world in sorted({c.world for c in todo}):
+            group = [c for c in todo if c.world == world]
+            for start in range(0, len(group), chunk):
+                _run_launch(group[start:start + chunk], refs, record)
+    return done
+
+
+def _run_launch(queue: list[Case], refs: References, record: Callable[[dict], None]) -> None:
+    """Run the queue in one launch. A case that fails to run (it raised, or the launch died on
+    it) is recorded as crashed, and the cases after it are launched again."""
+    while queue:
+        out = Path(tempfile.mkdtemp(prefix=f"world{queue[0].world}-", dir=refs.work))
+        proc = launch(queue[0].world, {c.name: case_overrides(c, refs) for c in queue}, out)
+        results = {c.name: load_result(out, c.name) for c in queue}
+        for case in queue:
+            if results[case.name] is not None:
+                record(verdict(case, results[case.name], "", refs))
+        missing = [c for c in queue if results[c.name] is None]
+        if missing:
+            errors = [c for c in missing if (out / f"{c.name}.error.txt").exists()]
+            culprit = errors[0] if errors else missing[0]
+            error = (out / f"{culprit.name}.error.txt").read_text() if errors else proc.stderr[-2000:]
+            record(verdict(culprit, None, error or f"exit status {proc.returncode}", refs))
+            missing.remove(culprit)
+        shutil.rmtree(out, ignore_errors=True)
+        queue = missing
+
+
+def summarize(verdicts: dict[str, dict]) -> dict[str, dict[int, int]]:
+    """status -> world size -> number of cases."""
+    table: dict[str, dict[int, int]] = {}
+    for rec in verdicts.values():
+        row = table.setdefault(rec["status"], {})
+        row[rec["world"]] = row.get(rec["world"], 0) + 1
+    return table

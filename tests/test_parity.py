@@ -1,0 +1,136 @@
+"""The parity matrix (gridtrain/parity): every layout `validate` accepts trains as one process does.
+
+The matrix is generated from the choices along each axis (data, tensor and pipeline parallelism,
+embeddings, precision, recomputation, accumulation); CI runs a deterministic subset that covers
+every pair of choices, plus the layouts that once trained wrong in silence. The full sweep, every
+accepted combination at world sizes 1 to 8, is `python bench/parity_sweep.py` (README, "Parity").
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gridtrain.parity.compare import adam_ratio_bound, tolerance
+from gridtrain.parity.matrix import AXES, all_cases, make_case, pairwise
+from gridtrain.parity.run import launch, load_result
+from gridtrain.parity.sweep import References, case_overrides, run_cases, verdict
+
+# Accepted once and trained wrong with no error: PP 2 x DDP 2 (1F1B), PP 2 x FSDP 2 under both
+# zero-bubble schedules, TP 2 with tied embeddings. Always in the CI subset, in fp32.
+REQUIRED = ("ddp.none.1f1b.untied.fp32.off.many", "zero3.none.zbv.untied.fp32.off.many",
+            "zero3.none.interleaved-zb.untied.fp32.off.many", "none.tp.none.tied.fp32.off.one")
+CASES = all_cases()
+SUBSET = pairwise(CASES, REQUIRED)
+
+
+def test_matrix_is_every_combination_of_the_axes():
+    assert len(CASES) == math.prod(len(choices) for choices in AXES.values()) == 5184
+    assert len({c.name for c in CASES}) == len(CASES)
+    assert {c.world for c in CASES if c.accepted} == {1, 2, 4, 8}
+
+
+@pytest.mark.parametrize("name,reason", [
+    ("none.none.1f1b.tied.fp32.off.many", "model.tie_embeddings cannot be used with parallel.pp > 1"),
+    ("zero1.tp.none.untied.fp32.off.one", "parallel.zero_stage 1 shards a plain optimizer"),
+    ("hsdp.tp.1f1b.untied.fp32.off.many", "needs 16 processes"),
+    ("zero3.none.zbv.untied.fp32.selective.many", "activation_checkpointing 'selective' cannot run"),
+    ("none.none.dualpipev.untied.fp32.off.one", "too few micro-batches for parallel.pp_schedule 'dualpipev'"),
+])
+def test_refused_layouts_carry_validates_reason(name, reason):
+    case = next(c for c in CASES if c.name == name)
+    assert reason in case.refused
+
+
+def test_pairwise_subset_covers_every_pair_of_accepted_choices():
+    possible = set().union(*(c.pairs() for c in CASES if c.accepted))
+    covered = set().union(*(c.pairs() for c in SUBSET))
+    assert covered == possible
+    assert all(c.accepted for c in SUBSET) and [c.name for c in SUBSET[:len(REQUIRED)]] == list(REQUIRED)
+    assert len(SUBSET) < 100  # what CI can afford; the full sweep runs the other 1,900
+
+
+def test_matrix_arithmetic_imports_no_torch():
+    code = "import sys, gridtrain.parity.matrix as m; m.all_cases(); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+@pytest.fixture(scope="module")
+def verdicts(tmp_path_factory: pytest.TempPathFactory, corpus_dir: Path) -> dict[str, dict]:
+    work = tmp_path_factory.mktemp("parity")
+    refs = References(corpus_dir, work / "cache", work)
+    return run_cases(SUBSET, refs, work / "results.jsonl")
+
+
+@pytest.mark.parametrize("name", [c.name for c in SUBSET])
+def test_layout_trains_as_one_process(verdicts, name):
+    rec = verdicts[name]
+    assert rec["status"] == "passed", rec["problems"]
+
+
+def test_subset_really_ran_parallel_layouts(verdicts):
+    """Guard against a harness that silently ran one process: tensor parallelism rounds partial
+    sums in bf16, so its bf16 runs cannot be bit-identical to one process."""
+    tp_bf16 = [v for v in verdicts.values() if v["tp"] != "none" and v["precision"] == "bf16"]
+    assert tp_bf16 and all(v["update_rel"] > 0 for v in tp_bf16)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_parity_check_fails_on_other_data_and_without_clipping(tmp_path_factory, corpus_dir, precision):
+    """The check can fail: FSDP 2 runs on another corpus, and without the reference's gradient
+    clipping, each differ from one process beyond the tolerance (in losses and in the weights'
+    updates); the same layout on the same data does not."""
+    from conftest import write_corpus
+
+    work = tmp_path_factory.mktemp(f"detect-{precision}")
+    refs = References(corpus_dir, work / "cache", work)
+    case = make_case({"dp": "zero3", "tp": "none", "pp": "none", "embeddings": "untied",
+                      "precision": precision, "recompute": "off", "accumulation": "many"})
+    same = case_overrides(case, refs)
+    spec = {"same": same, "other-data": {**same, "data.corpus": str(write_corpus(work / "other", seed=1))},
+            "no-clip": {**same, "train.grad_clip": 0.0}}
+    proc = launch(2, spec, work / "runs")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = {name: verdict(case, load_result(work / "runs", name), "", refs) for name in spec}
+    assert found["same"]["status"] == "passed", found["same"]["problems"]
+    for name in ("other-data", "no-clip"):
+        rec = found[name]
+        assert rec["status"] == "failed", name
+        assert any("loss" in p for p in rec["problems"]), (name, rec["problems"])
+        assert any("update differs" in p or "elements differ" in p for p in rec["problems"]), (name, rec["problems"])
+
+
+def test_adam_ratio_bound_holds_and_is_attained():
+    """|m_hat / sqrt(v_hat)| over random gradient sequences never exceeds the bound, and the
+    Cauchy-Schwarz equality case (g_s proportional to (b1/b2)^(t-s)) reaches it."""
+    b1, b2 = 0.9, 0.95
+    rng = random.Random(0)
+    for t in range(1, 7):
+        bound = adam_ratio_bound(t, b1, b2)
+        for _ in range(2000):
+            g = [rng.gauss(0, 1) * rng.choice((1e-3, 1.0, 1e3)) for _ in range(t)]
+            m = (1 - b1) * sum(b1 ** (t - 1 - s) * g[s] for s in range(t)) / (1 - b1 ** t)
+            v = (1 - b2) * sum(b2 ** (t - 1 - s) * g[s] ** 2 for s in range(t)) / (1 - b2 ** t)
+            assert abs(m) / math.sqrt(v) <= bound * (1 + 1e-12)
+        g = [(b1 / b2) ** (t - 1 - s) for s in range(t)]
+        m = (1 - b1) * sum(b1 ** (t - 1 - s) * g[s] for s in range(t)) / (1 - b1 ** t)
+        v = (1 - b2) * sum(b2 ** (t - 1 - s) * g[s] ** 2 for s in range(t)) / (1 - b2 ** t)
+        assert abs(m) / math.sqrt(v) == pytest.approx(bound, rel=1e-12)
+    assert adam_ratio_bound(1, b1, b2) == pytest.approx(1.0)
+
+
+def test_tolerances_scale_with_the_unit_roundoff():
+    lrs = [1e-3, 1e-3]
+    fp32, bf16, fp16 = (tolerance(p, 256, lrs, 0.9, 0.95) for p in ("fp32", "bf16", "fp16"))
+    assert fp32.loss_rtol == fp32.norm_rtol == fp32.weight_tol == 1e-5 and fp32.update_rtol is None
+    # bf16's unit roundoff is 2^-8: loss 4u/sqrt(256 tokens), norm u, update 16u x 2 steps.
+    assert bf16.loss_rtol == pytest.approx(2 ** -8 / 4) and bf16.norm_rtol == 2 ** -8
+    assert bf16.update_rtol == pytest.approx(2 ** -8 * 32) and bf16.weight_tol is None
+    assert fp16.update_rtol == pytest.approx(bf16.update_rtol / 8)
+    assert bf16.max_abs == pytest.approx(2 * (1e-3 + 1e-3 * adam_ratio_bound(2, 0.9, 0.95)))
