@@ -234,6 +234,11 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top", type=int, default=10, help="layouts to rank")
     p.add_argument("--hbm-usable", type=float, default=0.9, help="share of HBM a layout may plan for")
     p.add_argument("--no-flash", action="store_true", help="attention keeps its s x s scores")
+    p.add_argument("--precision", default="bf16", choices=["fp32", "bf16", "fp16"],
+                   help="training precision (gridtrain's train.precision)")
+    p.add_argument("--convention", default="gridtrain", choices=["gridtrain", "zero", "megatron"],
+                   help="bytes per parameter: gridtrain's runtime (fp32 state, 16-bit compute copies), the "
+                   "ZeRO paper's 2 + 2 + 12, or Megatron-LM's 2 + 4 + 12")
     p.add_argument("--price", type=float, help="$ per GPU-hour (default: the cluster's, $2)")
     p.add_argument("--pue", type=float, default=1.4, help="facility power usage effectiveness")
     p.add_argument("--electricity-price", type=float, default=0.05, help="$ per kWh")

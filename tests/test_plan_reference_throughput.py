@@ -5,7 +5,7 @@ the paper does not print, are the planner's own choice."""
 from __future__ import annotations
 
 import csv
-from dataclasses import astuple
+from dataclasses import astuple, replace
 from pathlib import Path
 
 import pytest
@@ -38,13 +38,29 @@ def test_embedded_table_is_the_csv():
         assert astuple(ours) == want
 
 
-def test_all_ten_rows_within_ten_percent(rows):
+# The calibration as the README prints it: the constants, and the predicted TFLOP/s per GPU of
+# each row (one decimal), worst error 3.9%.
+PINNED = {"matmul": 0.66, "hbm": 0.70, "intra_node": 0.60, "inter_node": 0.80, "layer_overhead_s": 50e-6}
+README_TFLOPS = [139.4, 138.7, 138.1, 131.8, 140.2, 145.5, 150.0, 156.8, 158.6, 159.3]
+
+
+def test_all_ten_rows_within_five_percent_as_the_readme_prints(rows):
     assert len(rows) == 10
-    for r in rows:
-        assert abs(r["error_pct"]) <= 10, r
-    # The constants are physical fractions, not fitted per row.
-    assert 0 < CALIBRATED.matmul < 1 and 0 < CALIBRATED.hbm < 1
-    assert 0 < CALIBRATED.intra_node < 1 and 0 < CALIBRATED.inter_node < 1
+    assert max(abs(r["error_pct"]) for r in rows) <= 5
+    assert [round(r["predicted_tflops_per_gpu"], 1) for r in rows] == README_TFLOPS
+
+
+def test_calibrated_constants_are_pinned():
+    """A constant that moves at all fails here. How much the table itself constrains each (the
+    worst error and the largest change of a row when the constant moves by 5%): the matmul
+    fraction is fixed by the table (5% pushes the worst error past 5%); HBM and NVLink fractions
+    move rows by 1-2%, the inter-node one by 0.2%, the per-layer overhead by 0.01% (these four
+    are physical estimates that Megatron's table cannot pin down, hence pinned here)."""
+    for name, value in PINNED.items():
+        assert getattr(CALIBRATED, name) == value, name
+    for factor in (0.95, 1.05):
+        moved = reference.reference_rows(replace(CALIBRATED, matmul=CALIBRATED.matmul * factor))
+        assert max(abs(r["error_pct"]) for r in moved) > 5, factor
 
 
 def test_chosen_layouts_are_legal(rows):

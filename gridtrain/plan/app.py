@@ -16,7 +16,7 @@ from gridtrain.config import ConfigError, parse_overrides
 from gridtrain.plan import budget, explain, render
 from gridtrain.plan.inputs import (batch_sequences, check_constraints, constraints_label, parse_count,
                                    parse_layout, resolve_cluster, resolve_model)
-from gridtrain.plan.memory import GiB
+from gridtrain.plan.memory import CONVENTIONS, GiB
 from gridtrain.plan.report import Assumptions, build_report, layout_dict
 from gridtrain.plan.search import Candidate, Constraints, PlanError, Problem, SearchResult, degree_options, search
 from gridtrain.plan.shape import param_counts
@@ -53,8 +53,9 @@ def build_problem(args: argparse.Namespace, extra: list[str]) -> tuple[Problem, 
         notes.append(f"no --tokens: the Chinchilla-optimal {tokens:.3g} (20 per parameter)")
     if not 0 < args.hbm_usable <= 1:
         raise PlanError(f"--hbm-usable {args.hbm_usable} must be in (0, 1]")
+    state = CONVENTIONS[args.convention](args.precision)
     problem = Problem(model.shape, cluster, num_gpus, seq_len, seqs, flash_attention=not args.no_flash,
-                      hbm_usable=args.hbm_usable)
+                      hbm_usable=args.hbm_usable, state=state, act_bytes=4 if args.precision == "fp32" else 2)
     return problem, model.name, tokens, notes
 
 

@@ -1,14 +1,10 @@
 """`gridtrain plan --check RUN_DIR`: the planner's prediction for a finished gridtrain run beside
 what each of its ranks measured (<run_dir>/accounting/rank<r>.jsonl).
 
-The prediction follows gridtrain's runtime conventions exactly: parameters, gradients and AdamW's
-two moments in fp32 (4 bytes each), plus AdamW's step count, one fp32 scalar per parameter tensor;
-tensor parallelism splits column-parallel weights (wq, wk, wv, w1, w3, output) on their rows,
-row-parallel ones (wo, w2) on their columns and the embedding on its vocabulary rows; FSDP (ZeRO 2
-and 3) splits each local tensor's first dimension into dp_shard chunks of ceil(d / N) rows (the
-last chunks may be shorter or empty). One quirk of DTensor is modelled, not assumed away: the
-embedding's gradient under tensor parallelism alone comes back replicated (full size).
-"""
+Model state comes from the planner's own model of a rank (memory.rank_state under gridtrain's
+convention, tensor by tensor in census.py), at each rank's pipeline and data-parallel
+coordinates: what `gridtrain plan` predicts for the same layout. Activations and collectives
+follow gridtrain's runtime as measured (below)."""
 
 from __future__ import annotations
 
@@ -20,86 +16,37 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gridtrain.model.args import ModelArgs, model_args
-from gridtrain.parallel.dims import ParallelDims, stage_layer_counts, stage_ranks
+from gridtrain.parallel.dims import ParallelDims, stage_layer_counts
+from gridtrain.plan.census import fsdp_local, numel, rank_stage_shapes
+from gridtrain.plan.layout import Layout
+from gridtrain.plan.memory import StateBytes, rank_state
+from gridtrain.plan.shape import from_args
 
-COLWISE = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3", "output")
-ROWWISE = ("attention.wo", "feed_forward.w2")
 BUCKETS = ("params", "grads", "optimizer")
+RECOMPUTE_NAMES = {"off": "none", "selective": "selective", "full": "full"}
 
 
-def parameter_shapes(args: ModelArgs, layers: range, first: bool, last: bool) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of the parameters of a stage holding `layers` (global names)."""
-    h, hd, f = args.dim, args.head_dim, args.hidden_dim
-    shapes: dict[str, tuple[int, ...]] = {}
-    if first:
-        shapes["tok_embeddings.weight"] = (args.vocab_size, h)
-    for i in layers:
-        p = f"layers.{i}."
-        shapes.update({
-            p + "attention_norm.weight": (h,), p + "ffn_norm.weight": (h,),
-            p + "attention.wq.weight": (args.n_heads * hd, h), p + "attention.wk.weight": (args.n_kv_heads * hd, h),
-            p + "attention.wv.weight": (args.n_kv_heads * hd, h), p + "attention.wo.weight": (h, args.n_heads * hd),
-            p + "feed_forward.w1.weight": (f, h), p + "feed_forward.w2.weight": (h, f),
-            p + "feed_forward.w3.weight": (f, h)})
-    if last:
-        shapes["norm.weight"] = (h,)
-        if not (args.tie_embeddings and first):
-            shapes["output.weight"] = (args.vocab_size, h)
-    return shapes
+def run_layout(args: ModelArgs, dims: ParallelDims, cfg: dict) -> Layout:
+    """The planner's Layout of a gridtrain run (its config.json record)."""
+    t, p = cfg["train"], cfg["parallel"]
+    seq = cfg["data"]["seq_len"]
+    local = (t["global_batch_tokens"] // seq if t["global_batch_tokens"] else t["global_batch"]) // dims.dp
+    zero = p["zero_stage"] if dims.dp > 1 else 0
+    return Layout(tp=dims.tp, pp=dims.pp, cp=dims.cp, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard,
+                  zero_stage=zero, micro_batch=t["micro_batch"], seq_len=seq,
+                  num_microbatches=local // t["micro_batch"], schedule=p["pp_schedule"],
+                  virtual_stages=p["pp_virtual_stages"] if dims.pp > 1 else 1,
+                  sequence_parallel=p["sequence_parallel"], recompute=RECOMPUTE_NAMES[t["activation_checkpointing"]],
+                  fewer_edge_layers=p["pp_fewer_edge_layers"])
 
 
-def tp_local(name: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
-    if tp == 1 or len(shape) == 1:
-        return shape
-    if name.startswith("tok_embeddings") or any(f"{m}.weight" in name for m in COLWISE):
-        return (shape[0] // tp, *shape[1:])
-    if any(f"{m}.weight" in name for m in ROWWISE):
-        return (shape[0], shape[1] // tp)
-    return shape
-
-
-def fsdp_local(shape: tuple[int, ...], shards: int, index: int) -> tuple[int, ...]:
-    chunk = math.ceil(shape[0] / shards)
-    rows = max(0, min(chunk, shape[0] - index * chunk))
-    return (rows, *shape[1:])
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    return math.prod(shape)
-
-
-def rank_stage_shapes(args: ModelArgs, dims: ParallelDims, parallel: dict, pp_rank: int) -> dict[str, tuple[int, ...]]:
-    virtual, schedule = parallel["pp_virtual_stages"], parallel["pp_schedule"]
-    num_stages = dims.pp * virtual if dims.pp > 1 else 1
-    counts = stage_layer_counts(args.n_layers, num_stages, parallel["pp_fewer_edge_layers"])
-    owners = stage_ranks(dims.pp, virtual, schedule) if dims.pp > 1 else [0]
-    shapes: dict[str, tuple[int, ...]] = {}
-    for stage, owner in enumerate(owners):
-        if owner == pp_rank:
-            start = sum(counts[:stage])
-            shapes.update(parameter_shapes(args, range(start, start + counts[stage]), stage == 0,
-                                           stage == num_stages - 1))
-    return shapes
-
-
-def predict_rank(args: ModelArgs, dims: ParallelDims, parallel: dict, rank: int) -> dict[str, float]:
-    """Predicted bytes per bucket for one rank of the run."""
+def predict_rank(args: ModelArgs, dims: ParallelDims, cfg: dict, rank: int) -> dict[str, float]:
+    """Predicted bytes per bucket for one rank of the run: the planner's rank_state under
+    gridtrain's convention, at this rank's pipeline and data-parallel coordinates."""
     coords = dims.coordinates(rank)
-    zero = parallel["zero_stage"] if dims.world_size > 1 else 0
-    fsdp = zero in (2, 3) and dims.dp > 1
-    params = grads = optimizer = 0
-    for name, shape in rank_stage_shapes(args, dims, parallel, coords["pp"]).items():
-        local = tp_local(name, shape, dims.tp)
-        if fsdp:
-            local = fsdp_local(local, dims.dp_shard, coords["dp_shard"])
-        p = 4 * _numel(local)
-        params += p
-        replicated_grad = dims.tp > 1 and not fsdp and name.startswith("tok_embeddings")
-        grads += 4 * _numel(shape) if replicated_grad else p
-        optimizer += 2 * p + 4
-    if zero == 1 and dims.dp > 1:
-        optimizer = float("nan")  # ZeroRedundancyOptimizer's greedy partition: not modelled
-    return {"params": params, "grads": grads, "optimizer": optimizer}
+    state = rank_state(from_args(args), run_layout(args, dims, cfg), coords["pp"],
+                       StateBytes.gridtrain(cfg["train"]["precision"]), coords["dp"])
+    return {"params": state.weights, "grads": state.gradients, "optimizer": state.optimizer}
 
 
 def activation_bytes_per_microbatch(args: ModelArgs, dims: ParallelDims, seq_len: int, micro_batch: int,
@@ -162,9 +109,11 @@ def predict_collectives(args: ModelArgs, dims: ParallelDims, cfg: dict, pp_rank:
     seq, mb = cfg["data"]["seq_len"], t["micro_batch"]
     local = (t["global_batch_tokens"] // seq if t["global_batch_tokens"] else t["global_batch"]) // dims.dp
     m = local // mb
-    shapes = rank_stage_shapes(args, dims, p, pp_rank)
-    total = 4 * sum(_numel(s) for s in shapes.values())
-    layer = 4 * sum(_numel(s) for n, s in shapes.items() if n.startswith(f"layers.{args.n_layers - 1}."))
+    parts = rank_stage_shapes(from_args(args), dims.pp, p["pp_virtual_stages"], p["pp_schedule"],
+                              p["pp_fewer_edge_layers"], pp_rank)
+    shapes = {name: s for part in parts for name, s in part.items()}
+    total = 4 * sum(numel(s) for s in shapes.values())
+    layer = 4 * sum(numel(s) for n, s in shapes.items() if n.startswith(f"layers.{args.n_layers - 1}."))
     only = lambda *axes: all(getattr(dims, a) == 1 for a in ("tp", "pp", "dp_replicate", "dp_shard", "cp")
                              if a not in axes)
     activation = 4 * mb * seq * args.dim
@@ -180,7 +129,7 @@ def predict_collectives(args: ModelArgs, dims: ParallelDims, cfg: dict, pp_rank:
         out = {"dp_shard/all_gather_bytes": m * gathered,
                "dp_shard/all_reduce_bytes": m * total + 4 * len(shapes)}
         if dims.dp_replicate > 1:
-            shard = 4 * sum(_numel(fsdp_local(s, dims.dp_shard, 0)) for s in shapes.values())
+            shard = 4 * sum(numel(fsdp_local(s, dims.dp_shard, 0)) for s in shapes.values())
             out["dp_replicate/all_reduce_bytes"] = m * shard
         return out
     if only("tp") and dims.tp > 1:
@@ -230,7 +179,7 @@ def check_run(run_dir: Path) -> list[CheckRow]:
     rows = []
     for path in sorted((run_dir / "accounting").glob("rank*.jsonl")):
         measured = json.loads(path.read_text().splitlines()[-1])
-        predicted = predict_rank(args, dims, cfg["parallel"], measured["rank"])
+        predicted = predict_rank(args, dims, cfg, measured["rank"])
         for bucket in BUCKETS:
             rows.append(CheckRow(measured["rank"], bucket, predicted[bucket], measured[f"memory/{bucket}_bytes"]))
         pp_rank = dims.coordinates(measured["rank"])["pp"]
@@ -276,7 +225,7 @@ def check_step_time(run_dir: Path, calibration: dict | None = None) -> tuple[Che
     steps = []
     for rank in range(dims.world_size):
         coords = dims.coordinates(rank)
-        params = predict_rank(args, dims, cfg["parallel"], rank)["params"] / 4
+        params = predict_rank(args, dims, cfg, rank)["params"] / 4
         counts = stage_layer_counts(args.n_layers, dims.pp, cfg["parallel"]["pp_fewer_edge_layers"])
         acts = activation_bytes_per_microbatch(args, dims, cfg["data"]["seq_len"], cfg["train"]["micro_batch"],
                                                cfg["parallel"]["sequence_parallel"], counts[coords["pp"]],

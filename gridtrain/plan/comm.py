@@ -236,7 +236,7 @@ def bytes_per_step(shape: ModelShape, layout: Layout, rank: int = 0, state: Stat
     'dp_replicate' (stages 2/3, HSDP); 'tp' (4 or 6 all-reduces per layer per micro-batch);
     'pp' (activation sends); 'cp' (KV blocks). Axes of degree 1 are left out."""
     params = rank_params(shape, layout, rank, rank_layers(shape, layout)[rank])
-    weights, grads = params * state.weights, params * state.gradients
+    weights, grads = params * state.compute, params * state.gradients
     layers, m = rank_layers(shape, layout)[rank], layout.num_microbatches
     tokens = layout.tokens_per_microbatch
     full = layout.recompute == "full"

@@ -32,6 +32,7 @@ import functools
 from dataclasses import dataclass
 
 from gridtrain.parallel.dims import V_SCHEDULES, stage_layer_counts, stage_ranks
+from gridtrain.plan.census import peak_dp_index, rank_elements
 from gridtrain.plan.layout import RECOMPUTE, Layout
 from gridtrain.plan.shape import ModelShape, norm_params
 
@@ -40,16 +41,23 @@ GiB = 2**30
 
 @dataclass(frozen=True)
 class StateBytes:
-    """Bytes per parameter of each model-state bucket."""
+    """Bytes per parameter of each model-state bucket: a precision convention."""
 
     weights: float = 2
-    """The compute copy (bf16/fp16)."""
+    """The stored weights (the compute copy in the ZeRO paper's convention)."""
     gradients: float = 2
-    """Gradients (4 with fp32 gradient accumulation)."""
+    """Gradients, also the dtype they are reduced in (4 with fp32 gradient accumulation)."""
     master: float = 4
     """fp32 master weights, counted in the optimizer bucket (ZeRO's K)."""
     moments: float = 8
     """Adam's m and v in fp32."""
+    gathered: float | None = None
+    """Bytes per element of the copy FSDP all-gathers and the matmuls read (None: `weights`)."""
+    step_count: float = 0
+    """Bytes of Adam's step count per parameter tensor (torch keeps one fp32 scalar each)."""
+    exact: bool = False
+    """Count tensor by tensor as gridtrain's runtime holds them (census.py): FSDP's rounded-up
+    chunks, ZeRO-1's whole-tensor partition; otherwise every bucket divides evenly."""
 
     @property
     def optimizer(self) -> float:
@@ -59,10 +67,28 @@ class StateBytes:
     def total(self) -> float:
         return self.weights + self.gradients + self.optimizer
 
+    @property
+    def compute(self) -> float:
+        return self.weights if self.gathered is None else self.gathered
+
+    @property
+    def adamw_traffic(self) -> float:
+        """HBM bytes AdamW moves per parameter: read the gradient, read and write the moments,
+        read and write the master copy and write the weights (or, without a separate master copy,
+        read and write the weights)."""
+        weights = 2 * self.master + self.weights if self.master else 2 * self.weights
+        return self.gradients + weights + 2 * self.moments
+
     @classmethod
     def mixed(cls, fp32_master: bool = True, fp32_grads: bool = False) -> StateBytes:
         """Mixed-precision Adam: 2 + 2 + 12 = 16 (ZeRO paper); fp32 gradient accumulation adds 2."""
         return cls(2, 4 if fp32_grads else 2, 4 if fp32_master else 0, 8)
+
+    @classmethod
+    def megatron(cls) -> StateBytes:
+        """Megatron-LM's bf16 training: 16-bit weights, fp32 gradient buffers (bf16 forces fp32
+        gradient accumulation), fp32 master weights and moments: 2 + 4 + 12 = 18."""
+        return cls.mixed(fp32_grads=True)
 
     @classmethod
     def fp32(cls) -> StateBytes:
@@ -70,9 +96,23 @@ class StateBytes:
         return cls(4, 4, 0, 8)
 
     @classmethod
+    def gridtrain(cls, precision: str = "bf16") -> StateBytes:
+        """What gridtrain's runtime holds in every precision: fp32 parameters (the master copy),
+        fp32 gradients and Adam moments, 4 + 4 + 8 = 16 bytes, plus a 4-byte step count per
+        tensor, counted tensor by tensor. bf16 and fp16 only change the compute copy: what
+        autocast casts and FSDP gathers (2 bytes)."""
+        return cls(4, 4, 0, 8, gathered=2 if precision in ("bf16", "fp16") else 4, step_count=4, exact=True)
+
+    @classmethod
     def seed002(cls) -> StateBytes:
         """Seed 002's 2 + 2 + 4 + 4 = 12: no fp32 master copy (not the ZeRO convention)."""
         return cls(2, 2, 0, 8)
+
+
+CONVENTIONS = {"gridtrain": StateBytes.gridtrain, "zero": lambda precision="bf16": StateBytes.mixed(),
+               "megatron": lambda precision="bf16": StateBytes.megatron()}
+"""Precision conventions `gridtrain plan --convention` offers: gridtrain's runtime (the default),
+the ZeRO paper's (Rajbhandari et al. 2020) and Megatron-LM's."""
 
 
 @dataclass(frozen=True)
@@ -94,8 +134,11 @@ def model_state_bytes(num_params: float, zero_stage: int, shard: int,
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3, not {zero_stage}")
     n = shard if zero_stage else 1
+    # gridtrain's ZeRO-2 is FSDP2 without resharding after forward: its weights are sharded at rest
+    # too (the gathered copies count as buffers, gathered_bytes_per_param).
+    sharded_from = 2 if state.exact else 3
     return ModelState(
-        weights=num_params * state.weights / (n if zero_stage >= 3 else 1),
+        weights=num_params * state.weights / (n if zero_stage >= sharded_from else 1),
         gradients=num_params * state.gradients / (n if zero_stage >= 2 else 1),
         optimizer=num_params * state.optimizer / (n if zero_stage >= 1 else 1),
     )
@@ -261,11 +304,38 @@ def rank_params(shape: ModelShape, layout: Layout, rank: int, layers: int) -> fl
     return params
 
 
+def rank_state(shape: ModelShape, layout: Layout, rank: int, state: StateBytes,
+               dp_index: int | None = None) -> ModelState:
+    """Model-state bytes of one rank on pipeline rank `rank`: with an exact convention (gridtrain's
+    runtime), tensor by tensor (census.py) for the data-parallel rank `dp_index`, by default the one
+    that holds the most; otherwise the even split of model_state_bytes."""
+    if state.exact and shape.block == "llama":
+        where = (shape, layout.tp, layout.pp, layout.virtual_stages, layout.schedule, layout.fewer_edge_layers,
+                 layout.zero_stage, layout.dp_replicate, layout.dp_shard, rank)
+        held = rank_elements(*where, peak_dp_index(*where) if dp_index is None else dp_index)
+        return ModelState(held.params * state.weights, held.grads * state.gradients,
+                          held.optimizer * state.optimizer + held.optimizer_tensors * state.step_count)
+    layers = rank_layers(shape, layout)[rank]
+    return model_state_bytes(rank_params(shape, layout, rank, layers), layout.zero_stage,
+                             layout.zero_shard_degree, state)
+
+
+def gathered_bytes_per_param(layout: Layout, state: StateBytes) -> float:
+    """Bytes per parameter of the unsharded copies ZeRO-2 keeps from forward to backward. gridtrain
+    shards a ZeRO-2 model at rest too (FSDP2 without resharding after forward): every block's
+    parameters are gathered once per step in the compute dtype and held until backward. In the
+    ZeRO paper's convention the weights are simply not sharded at stage 2 (model_state_bytes)."""
+    if state.exact and layout.zero_stage == 2 and layout.dp_shard > 1:
+        return state.compute
+    return 0.0
+
+
 def buffer_bytes(shape: ModelShape, layout: Layout, state: StateBytes, act_bytes: int = 2,
                  ddp_bucket_bytes: float = 25 * 2**20) -> float:
     """Communication buffers, a convention rather than a measurement:
-    - ZeRO-3/FSDP: one block's weights all-gathered unsharded plus the next one prefetched, and
-      one block's unsharded gradients before their reduce-scatter; ZeRO-2: the gradients only;
+    - ZeRO-3/FSDP: one block's weights all-gathered unsharded (in the compute dtype) plus the
+      next one prefetched, and one block's unsharded gradients before their reduce-scatter;
+      ZeRO-2: the gradients only;
     - DDP and ZeRO-1: two gradient buckets (one reducing while the next fills; torch's 25 MiB);
     - pipeline: a send and a receive buffer of one activation."""
     t, h = layout.tp, shape.hidden
@@ -273,7 +343,7 @@ def buffer_bytes(shape: ModelShape, layout: Layout, state: StateBytes, act_bytes
     block = 2 * h * h / t + 2 * h * kv_width + (3 if shape.block == "llama" else 2) * h * shape.ffn / t
     out = 0.0
     if layout.zero_stage == 3 and layout.dp_shard > 1:
-        out += 2 * block * state.weights + block * state.gradients
+        out += 2 * block * state.compute + block * state.gradients
     elif layout.zero_stage == 2 and layout.dp_shard > 1:
         out += block * state.gradients
     elif layout.dp > 1:
@@ -310,9 +380,9 @@ def rank_memory(shape: ModelShape, layout: Layout, state: StateBytes = StateByte
         if rank == last:
             all_forwards_first = layout.schedule in ("gpipe", "looped-bfs")
             acts += head * (layout.num_microbatches if all_forwards_first else 1)
-        ms = model_state_bytes(rank_params(shape, layout, rank, layers), layout.zero_stage,
-                               layout.zero_shard_degree, state)
-        out.append(RankMemory(rank, layers, ms.weights, ms.gradients, ms.optimizer, acts, buffers))
+        ms = rank_state(shape, layout, rank, state)
+        gathered = rank_params(shape, layout, rank, layers) * gathered_bytes_per_param(layout, state)
+        out.append(RankMemory(rank, layers, ms.weights, ms.gradients, ms.optimizer, acts, buffers + gathered))
     return out
 
 

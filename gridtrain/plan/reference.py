@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gridtrain.plan import shape, specs
+from gridtrain.plan.memory import StateBytes
 from gridtrain.plan.search import Candidate, Constraints, Problem, search
 from gridtrain.plan.steptime import CALIBRATED, Efficiency
 
@@ -52,11 +53,17 @@ SC21_TABLE1 = (
 )
 
 
+STATE = StateBytes.mixed()
+"""The runs' precision convention, Megatron-LM 2021 with --fp16: fp16 weights and gradients, fp32
+master weights and moments, 2 + 2 + 12 bytes per parameter (the ZeRO paper's count)."""
+
+
 def sc21_problem(row: Sc21Row, eff: Efficiency = CALIBRATED) -> tuple[Problem, Constraints]:
     """The row as a planning problem on Selene, with the paper's fixed choices as constraints."""
     gpt = shape.gpt(row.hidden, row.num_layers, row.num_heads, row.vocab, row.seq_len)
     problem = Problem(gpt, specs.cluster("selene-a100"), row.num_gpus, row.seq_len,
-                      row.global_batch_seqs, flash_attention=False, sequence_parallel=False, eff=eff)
+                      row.global_batch_seqs, flash_attention=False, sequence_parallel=False, eff=eff,
+                      state=STATE)
     fixed = Constraints(tp=row.tp, pp=row.pp, cp=1, zero_stage=0, recompute="full",
                         schedule="interleaved-1f1b")
     return problem, fixed

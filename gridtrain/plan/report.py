@@ -10,7 +10,8 @@ from dataclasses import asdict, dataclass
 
 from gridtrain.plan import budget, reliability
 from gridtrain.plan.layout import Layout
-from gridtrain.plan.memory import GiB
+from gridtrain.parallel.dims import ParallelDims
+from gridtrain.plan.memory import GiB, rank_state
 from gridtrain.plan.search import Candidate, Problem, SearchResult
 from gridtrain.plan.shape import param_counts
 
@@ -73,6 +74,21 @@ def memory_dict(problem: Problem, cand: Candidate) -> dict[str, object]:
             "fits": m.total <= problem.memory_limit}
 
 
+def ranks_list(problem: Problem, layout: Layout) -> list[dict[str, object]]:
+    """Model-state bytes of every rank (global rank order, mesh axes pp, dp_replicate, dp_shard,
+    cp, tp), for worlds of at most 64 ranks: what `gridtrain plan --check` compares with a run."""
+    if problem.num_gpus > 64:
+        return []
+    dims = ParallelDims(layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp, layout.pp, 1, problem.num_gpus)
+    out = []
+    for rank in range(problem.num_gpus):
+        c = dims.coordinates(rank)
+        state = rank_state(problem.shape, layout, c["pp"], problem.state, c["dp"])
+        out.append({"rank": rank, "pp": c["pp"], "dp": c["dp"], "tp": c["tp"], "weights": state.weights,
+                    "gradients": state.gradients, "optimizer": state.optimizer})
+    return out
+
+
 def budget_dict(problem: Problem, cand: Candidate, total_tokens: float, a: Assumptions) -> dict[str, float]:
     """Total compute, days at the predicted throughput, GPU-hours, cost, energy."""
     n, acc = problem.num_gpus, problem.cluster.accelerator
@@ -116,7 +132,8 @@ def problem_dict(problem: Problem, model_name: str) -> dict[str, object]:
             "gpus_per_node": cl.gpus_per_node, "seq_len": problem.seq_len,
             "global_batch_seqs": problem.global_batch_seqs,
             "global_batch_tokens": problem.global_batch_seqs * problem.seq_len,
-            "efficiency": asdict(problem.eff), "flash_attention": problem.flash_attention}
+            "efficiency": asdict(problem.eff), "flash_attention": problem.flash_attention,
+            "state_bytes": asdict(problem.state)}
 
 
 def build_report(problem: Problem, result: SearchResult, chosen: Candidate, model_name: str,
@@ -129,5 +146,5 @@ def build_report(problem: Problem, result: SearchResult, chosen: Candidate, mode
             "chosen": candidate_dict(chosen),
             "units": units_dict(problem, chosen.layout, total_tokens),
             "ranked": [candidate_dict(c) for c in result.ranked],
-            "memory": memory_dict(problem, chosen), "budget": bud,
+            "memory": memory_dict(problem, chosen), "ranks": ranks_list(problem, chosen.layout), "budget": bud,
             "checkpoint": checkpoint_dict(problem, chosen, bud["days"], a)}

@@ -23,8 +23,8 @@ import itertools
 from dataclasses import dataclass, field, replace
 
 from gridtrain.plan.layout import RECOMPUTE, Layout
-from gridtrain.plan.memory import (RankMemory, StateBytes, buffer_bytes, peak_rank, rank_memory, rank_params,
-                                   state_bytes_per_param)
+from gridtrain.plan.memory import (RankMemory, StateBytes, buffer_bytes, gathered_bytes_per_param, peak_rank,
+                                   rank_memory, rank_params, state_bytes_per_param)
 from gridtrain.plan.shape import ModelShape, tp_heads
 from gridtrain.plan.specs import ClusterSpec
 from gridtrain.plan.steptime import CALIBRATED, Efficiency, PipelineTime, StepTime, pipeline_time, step_time
@@ -47,7 +47,8 @@ class Problem:
     flash_attention: bool = True
     sequence_parallel: bool = True
     """Megatron sequence parallelism whenever tp > 1 (it dominates: TP's bytes, less memory)."""
-    state: StateBytes = StateBytes()
+    state: StateBytes = StateBytes.gridtrain()
+    """Bytes per parameter: gridtrain's runtime in bf16 unless another convention is asked for."""
     hbm_usable: float = 0.9
     """Share of HBM a layout may plan for; the CUDA context, NCCL and the caching allocator's
     fragmentation take the rest."""
@@ -261,6 +262,7 @@ class _Core:
         stage, _, shard = zero
         degree = 1 if stage == 0 else (self.layout.dp if stage == 1 else shard)
         per_param = state_bytes_per_param(stage, degree, problem.state)
+        per_param += gathered_bytes_per_param(replace(self.layout, zero_stage=stage, dp_shard=shard), problem.state)
         return max(p * per_param + a for p, a in self.probes) + self.buffers[_buffer_class(zero)]
 
 

@@ -69,9 +69,6 @@ HBM_PASSES = 4
 write and read."""
 RECOMPUTE_PASSES = 2
 """Extra passes over what recomputation rebuilds: written and read once more."""
-ADAMW_BYTES_EXTRA = 2 * 4 + 2 * 8
-"""AdamW traffic per parameter beyond reading the gradient and writing the 16-bit weight: fp32
-master read and written, both fp32 moments read and written."""
 
 
 @dataclass(frozen=True)
@@ -289,7 +286,7 @@ def dp_time(shape: ModelShape, layout: Layout, cluster: ClusterSpec, eff: Effici
     if layout.dp * layout.cp == 1:
         return 0.0, 0.0
     params = rank_params(shape, layout, pt.critical_rank, pt.layers)
-    weights, grads = params * state.weights, params * state.gradients
+    weights, grads = params * state.compute, params * state.gradients
     m, chunks = layout.num_microbatches, max(pt.layers, 1)
     backward = pt.micro_s * pt.layer.backward_share
     forward = pt.micro_s - backward
@@ -313,7 +310,7 @@ def optimizer_seconds(shape: ModelShape, layout: Layout, cluster: ClusterSpec, e
                       rank: int, layers: int, state: StateBytes = StateBytes()) -> float:
     """AdamW over the parameters this rank updates (1/shard of its stage's under ZeRO >= 1)."""
     params = rank_params(shape, layout, rank, layers) / layout.zero_shard_degree
-    traffic = params * (state.gradients + state.weights + ADAMW_BYTES_EXTRA)
+    traffic = params * state.adamw_traffic
     return traffic / (cluster.accelerator.hbm_gb_per_s * GB * eff.hbm)
 
 

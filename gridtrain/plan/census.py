@@ -1,0 +1,155 @@
+"""What one rank of a gridtrain run holds, tensor by tensor: the parameters of its pipeline stages
+(global names, in the order the model registers them), split by tensor parallelism, sharded by
+FSDP or partitioned by ZeRO-1, as element counts per memory bucket.
+
+The rules are the runtime's (gridtrain/parallel):
+- tensor parallelism splits column-parallel weights (wq, wk, wv, w1, w3, output) on their rows,
+  row-parallel ones (wo, w2) on their columns and the embedding on its vocabulary rows; norms are
+  replicated. One quirk of DTensor is kept, not assumed away: under tensor parallelism without
+  FSDP, the embedding's gradient comes back replicated (full size);
+- FSDP (ZeRO 2 and 3) splits each local tensor's first dimension into dp_shard chunks of
+  ceil(d / N) rows; rank i holds chunk i (the last chunks may be shorter or empty);
+- ZeRO-1 (torch's ZeroRedundancyOptimizer) gives each whole tensor's optimizer state to one
+  data-parallel rank: within each parameter group (decayed matrices, then the rest), largest
+  tensor first, to the rank with the fewest elements so far;
+- AdamW keeps two moments of each parameter's local size and one step count per tensor.
+Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+from gridtrain.parallel.dims import stage_layer_counts, stage_ranks
+from gridtrain.plan.shape import ModelShape
+
+Shape = tuple[int, ...]
+COLWISE = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3", "output")
+ROWWISE = ("attention.wo", "feed_forward.w2")
+
+
+def stage_shapes(shape: ModelShape, layers: range, first: bool, last: bool) -> dict[str, Shape]:
+    """Name -> shape of the parameters of a stage holding `layers`, in registration order: the
+    embedding (first stage), each block (attention norm, wq, wk, wv, wo, MLP norm, w1, w2, w3),
+    final norm and head (last stage; a tied head is the embedding, not a second tensor)."""
+    h, f, kv = shape.hidden, shape.ffn, shape.kv_width
+    out: dict[str, Shape] = {}
+    if first:
+        out["tok_embeddings.weight"] = (shape.vocab, h)
+    for i in layers:
+        p = f"layers.{i}."
+        out.update({
+            p + "attention_norm.weight": (h,), p + "attention.wq.weight": (shape.num_heads * shape.head_dim, h),
+            p + "attention.wk.weight": (kv, h), p + "attention.wv.weight": (kv, h),
+            p + "attention.wo.weight": (h, shape.num_heads * shape.head_dim), p + "ffn_norm.weight": (h,),
+            p + "feed_forward.w1.weight": (f, h), p + "feed_forward.w2.weight": (h, f),
+            p + "feed_forward.w3.weight": (f, h)})
+    if last:
+        out["norm.weight"] = (h,)
+        if not (shape.tie_embeddings and first):
+            out["output.weight"] = (shape.vocab, h)
+    return out
+
+
+def rank_stage_shapes(shape: ModelShape, pp: int, virtual: int, schedule: str, fewer_edge_layers: int,
+                      pp_rank: int) -> list[dict[str, Shape]]:
+    """The parameter shapes of each stage pipeline rank `pp_rank` runs (one model part each)."""
+    num_stages = pp * virtual if pp > 1 else 1
+    counts = stage_layer_counts(shape.num_layers, num_stages, fewer_edge_layers)
+    owners = stage_ranks(pp, virtual, schedule) if pp > 1 else [0]
+    parts = []
+    for stage, owner in enumerate(owners):
+        if owner == pp_rank:
+            start = sum(counts[:stage])
+            parts.append(stage_shapes(shape, range(start, start + counts[stage]), stage == 0, stage == num_stages - 1))
+    return parts
+
+
+def tp_local(name: str, shape: Shape, tp: int) -> Shape:
+    if tp == 1 or len(shape) == 1:
+        return shape
+    if name.startswith("tok_embeddings") or any(f"{m}.weight" in name for m in COLWISE):
+        return (shape[0] // tp, *shape[1:])
+    if any(f"{m}.weight" in name for m in ROWWISE):
+        return (shape[0], shape[1] // tp)
+    return shape
+
+
+def fsdp_local(shape: Shape, shards: int, index: int) -> Shape:
+    chunk = math.ceil(shape[0] / shards)
+    rows = max(0, min(chunk, shape[0] - index * chunk))
+    return (rows, *shape[1:])
+
+
+def numel(shape: Shape) -> int:
+    return math.prod(shape)
+
+
+@functools.lru_cache(maxsize=1024)
+def zero1_shares(part: tuple[tuple[str, Shape], ...], dp: int) -> tuple[tuple[int, int], ...]:
+    """(elements, tensors) whose optimizer state each data-parallel rank keeps under ZeRO-1:
+    ZeroRedundancyOptimizer's greedy partition over gridtrain's two parameter groups (decayed
+    matrices, then norms and the embedding), largest tensor first (ties in registration order),
+    each to the rank with the fewest elements so far (the first such rank)."""
+    decayed = [(n, s) for n, s in part if len(s) >= 2 and not n.startswith("tok_embeddings")]
+    rest = [(n, s) for n, s in part if not (len(s) >= 2 and not n.startswith("tok_embeddings"))]
+    sizes, counts = [0] * dp, [0] * dp
+    for group in (decayed, rest):
+        for _, s in sorted(group, key=lambda item: numel(item[1]), reverse=True):
+            rank = sizes.index(min(sizes))
+            sizes[rank] += numel(s)
+            counts[rank] += 1
+    return tuple(zip(sizes, counts))
+
+
+@dataclass(frozen=True)
+class Elements:
+    """Elements one rank keeps per bucket (the optimizer's as parameter elements, each with two
+    moments), and the parameter tensors whose optimizer state it keeps (one step count each)."""
+
+    params: int
+    grads: int
+    optimizer: int
+    optimizer_tensors: int
+
+
+@functools.lru_cache(maxsize=4096)
+def rank_elements(shape: ModelShape, tp: int, pp: int, virtual: int, schedule: str, fewer_edge_layers: int,
+                  zero_stage: int, dp_replicate: int, dp_shard: int, pp_rank: int, dp_index: int) -> Elements:
+    """The elements rank (pp_rank, dp_index) holds; dp_index counts over dp_replicate x dp_shard
+    (its position in dp_shard is dp_index % dp_shard)."""
+    dp = dp_replicate * dp_shard
+    fsdp = zero_stage in (2, 3) and dp > 1
+    params = grads = optimizer = tensors = 0
+    for part in rank_stage_shapes(shape, pp, virtual, schedule, fewer_edge_layers, pp_rank):
+        local = {n: tp_local(n, s, tp) for n, s in part.items()}
+        if fsdp:
+            local = {n: fsdp_local(s, dp_shard, dp_index % dp_shard) for n, s in local.items()}
+        for name, s in local.items():
+            params += numel(s)
+            replicated_grad = tp > 1 and not fsdp and name.startswith("tok_embeddings")
+            grads += numel(part[name]) if replicated_grad else numel(s)
+        if zero_stage == 1 and dp > 1:
+            held, count = zero1_shares(tuple(local.items()), dp)[dp_index]
+        else:
+            held, count = sum(numel(s) for s in local.values()), len(local)
+        optimizer += held
+        tensors += count
+    return Elements(params, grads, optimizer, tensors)
+
+
+def peak_dp_index(shape: ModelShape, tp: int, pp: int, virtual: int, schedule: str, fewer_edge_layers: int,
+                  zero_stage: int, dp_replicate: int, dp_shard: int, pp_rank: int) -> int:
+    """The data-parallel index that holds the most: 0 under FSDP (the first chunks are the
+    longest) and without sharding; under ZeRO-1 the rank the partition gave most to."""
+    dp = dp_replicate * dp_shard
+    if zero_stage != 1 or dp == 1:
+        return 0
+    parts = rank_stage_shapes(shape, pp, virtual, schedule, fewer_edge_layers, pp_rank)
+    held = [0] * dp
+    for part in parts:
+        shares = zero1_shares(tuple((n, tp_local(n, s, tp)) for n, s in part.items()), dp)
+        held = [h + e for h, (e, _) in zip(held, shares)]
+    return held.index(max(held))
