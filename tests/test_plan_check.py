@@ -1,6 +1,7 @@
-"""`gridtrain plan` and `gridtrain plan --check` as one model of a rank: for runs of the small
-model on 2 ranks, the plan of the run's layout (`plan --json`) and the check of the run predict
-the same bytes per memory bucket on every rank, and those are the bytes each rank measured."""
+"""`gridtrain plan` and `gridtrain plan --check` as one model of a rank, on runs of the small model
+on 2 ranks: the plan of the run's layout (`plan --json`) and the check of the run predict the same
+state bytes per bucket on every rank, those each rank measured; and the check predicts the
+activations each rank saved, for every precision, recomputation mode and pipeline schedule."""
 
 from __future__ import annotations
 
@@ -24,6 +25,18 @@ LAYOUTS = {  # run overrides, and the same layout for `gridtrain plan --layout`
     "pp": ({"parallel.pp": 2}, "tp=1,pp=2,dp=1,schedule=1f1b,v=1"),
 }
 PRECISIONS = ("fp32", "bf16")
+SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "looped-bfs": 2, "interleaved-zb": 2, "zbv": 2,
+             "dualpipev": 2}
+SPLIT_BACKWARD = ("interleaved-zb", "zbv", "dualpipev")  # refuse selective recomputation
+ACTIVATION_LAYOUTS = {
+    "fsdp": {"parallel.zero_stage": 3}, "tp": {"parallel.tp": 2},
+    "tp_sp": {"parallel.tp": 2, "parallel.sequence_parallel": True},
+    **{f"pp_{s}": {"parallel.pp": 2, "parallel.pp_schedule": s, "parallel.pp_virtual_stages": v}
+       for s, v in SCHEDULES.items()},
+}
+ACTIVATION_CASES = [(name, prec, mode) for name in ACTIVATION_LAYOUTS for prec in PRECISIONS
+                    for mode in ("off", "selective", "full")
+                    if not (mode == "selective" and name[3:] in SPLIT_BACKWARD)]
 
 
 def small_run(out: Path, corpus: Path) -> dict[str, object]:
@@ -39,6 +52,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory, corpus_dir: Path) -> Path:
     base = small_run(out, corpus_dir)
     spec = {f"{name}-{prec}": {**base, **overrides, "train.precision": prec}
             for name, (overrides, _) in LAYOUTS.items() for prec in PRECISIONS}
+    spec.update({f"acts-{name}-{prec}-{mode}": {**base, **ACTIVATION_LAYOUTS[name], "train.precision": prec,
+                                                "train.activation_checkpointing": mode}
+                 for name, prec, mode in ACTIVATION_CASES})
     proc = launch(2, spec, out)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out
@@ -71,3 +87,19 @@ def test_plan_and_check_predict_the_measured_state_bytes(runs, name, precision):
     # The runs differ where they should: ZeRO-1 gives the two ranks different optimizer shares.
     if name == "zero1":
         assert planned[0]["optimizer"] != planned[1]["optimizer"]
+
+
+@pytest.mark.parametrize("name,precision,mode", ACTIVATION_CASES, ids=["-".join(c) for c in ACTIVATION_CASES])
+def test_check_predicts_activations(runs, name, precision, mode):
+    """What each rank saved up to its first backward (the issue's bar is 3%; the census is exact
+    to 0.1%); no bucket left unpredicted."""
+    import math
+
+    from gridtrain.plan.check import check_run
+
+    rows = check_run(runs / f"acts-{name}-{precision}-{mode}")
+    assert all(not math.isnan(r.predicted) for r in rows)
+    acts = [r for r in rows if r.bucket == "activations"]
+    assert len(acts) == 2
+    for row in acts:
+        assert row.measured == pytest.approx(row.predicted, rel=1e-3), (row.rank, row.predicted, row.measured)

@@ -48,35 +48,43 @@ def test_hfu_adds_recomputed_forward():
 
 @pytest.mark.parametrize("tp", [1, 2, 8])
 @pytest.mark.parametrize("sp", [False, True])
-@pytest.mark.parametrize("recompute", ["none", "selective"])
+@pytest.mark.parametrize("recompute", ["none", "attention"])
 def test_census_equals_korthikanti_for_gpt(tp, sp, recompute):
     # The tensor census for a GPT block, eager attention, 16-bit, reproduces Table 2 of
-    # Korthikanti et al.: 34, 10 + 24/t, /t with SP, 5as/h dropped by selective recomputation.
+    # Korthikanti et al.: 34, 10 + 24/t, /t with SP, 5as/h dropped by their selective
+    # recomputation of the attention core (the planner's "attention").
     g = shape.gpt(4096, 1, 32)
     s, b = 2048, 2
     census = memory.layer_activation_bytes(g, s, b, tp, sp and tp > 1, recompute=recompute, flash=False)
-    closed = memory.korthikanti_layer_bytes(s, b, 4096, 32, tp, sp and tp > 1, recompute)
+    closed = memory.korthikanti_layer_bytes(s, b, 4096, 32, tp, sp and tp > 1,
+                                            "selective" if recompute == "attention" else recompute)
     assert census == approx(closed)
 
 
 def test_llama_constants():
     # Llama block, eager attention, 16-bit, no TP: s b h (12 + 4k/a + 8F/h) + 2 a s^2 b; for
-    # Llama 3 70B (k/a = 1/8, F/h = 3.5) that is 40.5 s b h. Flash attention: s b h (14 + ...)
-    # plus a 4-byte log-sum-exp per head and token, no s^2.
+    # Llama 3 70B (k/a = 1/8, F/h = 3.5) that is 40.5 s b h.
     s70 = shape.from_args(llama3_70b())
-    s, b, h, a = 4096, 1, 8192, 64
+    s, b, h, a, kv, f = 4096, 1, 8192, 64, 1024, 28672
     eager = memory.layer_activation_bytes(s70, s, b, flash=False)
     assert eager == s * b * h * 40.5 + 2 * a * s * s * b
+    # Fused attention: gridtrain's measured census (activations.py), bf16: 10h replicated,
+    # 16h + 8 split by SP, 4h + 4kv + 8F + 4a split by TP, per token.
     flash = memory.layer_activation_bytes(s70, s, b, flash=True)
-    assert flash == s * b * h * 42.5 + 4 * a * s * b
-    # TP 8 without SP: 8 replicated + (4 + 4k/a + 8F/h)/t... with one KV head per rank.
-    tp8 = memory.layer_activation_bytes(s70, s, b, tp=8, flash=False)
-    assert tp8 == approx(s * b * (8 * h + (4 * h + 4 * 1024 + 8 * 28672) / 8 + 0) + 2 * a / 8 * s * s * b)
-    # SP divides everything by t; CP divides the sequence; full recomputation keeps the input.
+    assert flash == s * b * (30 * h + 4 * kv + 8 * f + 4 * a + 8)
+    tp8 = memory.layer_activation_bytes(s70, s, b, tp=8)
+    assert tp8 == approx(s * b * (26 * h + 8 + (4 * h + 4 * kv + 8 * f + 4 * a) / 8))
     sp8 = memory.layer_activation_bytes(s70, s, b, tp=8, sequence_parallel=True)
-    assert sp8 == approx(memory.layer_activation_bytes(s70, s, b, tp=8) - 7 / 8 * 8 * s * b * h)
+    assert sp8 == approx(s * b * (10 * h + (16 * h + 8) / 8 + (4 * h + 4 * kv + 8 * f + 4 * a) / 8))
+    # fp32 (4-byte activations): 32h + 8kv + 16F + 4a + 8.
+    assert memory.layer_activation_bytes(s70, s, b, act_bytes=4) == s * b * (32 * h + 8 * kv + 16 * f + 4 * a + 8)
+    # CP divides the sequence; full recomputation keeps the (fp32) block input, split by SP.
     assert memory.layer_activation_bytes(s70, s, b, cp=2) == approx(memory.layer_activation_bytes(s70, s // 2, b))
-    assert memory.layer_activation_bytes(s70, s, b, recompute="full") == 2 * s * b * h
+    assert memory.layer_activation_bytes(s70, s, b, recompute="full") == 4 * s * b * h
+    assert memory.layer_activation_bytes(s70, s, b, tp=8, sequence_parallel=True, recompute="full") == s * b * h / 2
+    # gridtrain's selective keeps every matmul's and attention's output and the block input:
+    # bf16 4h + 4h + 4h + 4kv + 4F + 4a.
+    assert memory.layer_activation_bytes(s70, s, b, recompute="selective") == s * b * (12 * h + 4 * kv + 4 * f + 4 * a)
 
 
 def test_in_flight_matches_simulator():

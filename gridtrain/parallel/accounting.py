@@ -27,6 +27,8 @@ import torch.distributed as dist
 from torch.autograd.graph import saved_tensors_hooks
 from torch.distributed.tensor import DTensor
 
+from gridtrain.parallel.apply import SELECTIVE_SAVE_OBSERVERS
+
 DTYPE_BYTES = {"Float": 4, "BFloat16": 2, "Half": 2, "Double": 8, "Long": 8, "Int": 4, "Short": 2,
                "Char": 1, "Byte": 1, "Bool": 1, "Float8_e4m3fn": 1, "Float8_e5m2": 1}
 
@@ -94,11 +96,19 @@ class SavedActivations:
             self.bytes += key[1]
         return t
 
+    def _selective(self, output: object) -> None:
+        """Outputs that selective checkpointing keeps in its own cache (apply.py)."""
+        for t in output if isinstance(output, (tuple, list)) else (output,):
+            if isinstance(t, torch.Tensor):
+                self._pack(t)
+
     def __enter__(self) -> SavedActivations:
         self._hooks.__enter__()
+        SELECTIVE_SAVE_OBSERVERS.append(self._selective)
         return self
 
     def __exit__(self, *exc: object) -> None:
+        SELECTIVE_SAVE_OBSERVERS.remove(self._selective)
         self._hooks.__exit__(*exc)
 
 

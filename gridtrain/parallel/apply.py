@@ -35,8 +35,19 @@ _SAVE_OPS = {
 }
 
 
+SELECTIVE_SAVE_OBSERVERS: list[Callable[[Any], None]] = []
+"""Called with the outputs selective checkpointing keeps for backward, as the forward makes them
+(the accounting counts them: they are held in checkpointing's own cache, where saved-tensor
+hooks do not see them)."""
+
+
 def _selective_policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:  # noqa: ANN001
-    return CheckpointPolicy.MUST_SAVE if func in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    if func not in _SAVE_OPS:
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    if not ctx.is_recompute:
+        for observe in SELECTIVE_SAVE_OBSERVERS:
+            observe(ctx.op_output)
+    return CheckpointPolicy.MUST_SAVE
 
 
 def _selective_context():  # noqa: ANN202 - a pair of context managers, as checkpoint expects

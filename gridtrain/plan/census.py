@@ -122,24 +122,59 @@ def rank_elements(shape: ModelShape, tp: int, pp: int, virtual: int, schedule: s
     (its position in dp_shard is dp_index % dp_shard)."""
     dp = dp_replicate * dp_shard
     fsdp = zero_stage in (2, 3) and dp > 1
-    params = grads = optimizer = tensors = 0
-    for part in rank_stage_shapes(shape, pp, virtual, schedule, fewer_edge_layers, pp_rank):
-        local = {n: tp_local(n, s, tp) for n, s in part.items()}
-        if fsdp:
-            local = {n: fsdp_local(s, dp_shard, dp_index % dp_shard) for n, s in local.items()}
-        for name, s in local.items():
-            params += numel(s)
-            replicated_grad = tp > 1 and not fsdp and name.startswith("tok_embeddings")
-            grads += numel(part[name]) if replicated_grad else numel(s)
-        if zero_stage == 1 and dp > 1:
-            held, count = zero1_shares(tuple(local.items()), dp)[dp_index]
-        else:
-            held, count = sum(numel(s) for s in local.values()), len(local)
-        optimizer += held
-        tensors += count
-    return Elements(params, grads, optimizer, tensors)
+    shard = (dp_shard, dp_index % dp_shard) if fsdp else None
+    total = Elements(0, 0, 0, 0)
+    num_stages = pp * virtual if pp > 1 else 1
+    counts = stage_layer_counts(shape.num_layers, num_stages, fewer_edge_layers)
+    owners = stage_ranks(pp, virtual, schedule) if pp > 1 else [0]
+    for stage, owner in enumerate(owners):
+        if owner != pp_rank:
+            continue
+        if zero_stage == 1 and dp > 1:  # whole tensors to ranks: count them one by one
+            start = sum(counts[:stage])
+            part = stage_shapes(shape, range(start, start + counts[stage]), stage == 0, stage == num_stages - 1)
+            local = tuple((n, tp_local(n, s, tp)) for n, s in part.items())
+            held, count = zero1_shares(local, dp)[dp_index]
+            n = sum(numel(s) for _, s in local)
+            total = _add(total, Elements(n, sum(_grad(name, part[name], s, tp, False) for name, s in local), held, count))
+            continue
+        # Every block of a stage has the same tensors: count one block and the edges.
+        block = _local_elements(tuple(stage_shapes(shape, range(1), False, False).items()), tp, shard)
+        edges = _local_elements(tuple(stage_shapes(shape, range(0), stage == 0, stage == num_stages - 1).items()),
+                                tp, shard)
+        total = _add(total, _add(_scale(block, counts[stage]), edges))
+    return total
 
 
+@functools.lru_cache(maxsize=1024)
+def _local_elements(part: tuple[tuple[str, Shape], ...], tp: int, shard: tuple[int, int] | None) -> Elements:
+    """Elements of a set of tensors on one rank, every tensor's optimizer state kept there."""
+    params = grads = 0
+    for name, s in part:
+        local = tp_local(name, s, tp)
+        if shard is not None:
+            local = fsdp_local(local, *shard)
+        params += numel(local)
+        grads += _grad(name, s, local, tp, shard is not None)
+    return Elements(params, grads, params, len(part))
+
+
+def _grad(name: str, full: Shape, local: Shape, tp: int, fsdp: bool) -> int:
+    """Elements of a tensor's gradient: its local size, except the embedding's under tensor
+    parallelism without FSDP, which DTensor returns replicated (full size)."""
+    return numel(full) if tp > 1 and not fsdp and name.startswith("tok_embeddings") else numel(local)
+
+
+def _add(a: Elements, b: Elements) -> Elements:
+    return Elements(a.params + b.params, a.grads + b.grads, a.optimizer + b.optimizer,
+                    a.optimizer_tensors + b.optimizer_tensors)
+
+
+def _scale(a: Elements, k: int) -> Elements:
+    return Elements(a.params * k, a.grads * k, a.optimizer * k, a.optimizer_tensors * k)
+
+
+@functools.lru_cache(maxsize=4096)
 def peak_dp_index(shape: ModelShape, tp: int, pp: int, virtual: int, schedule: str, fewer_edge_layers: int,
                   zero_stage: int, dp_replicate: int, dp_shard: int, pp_rank: int) -> int:
     """The data-parallel index that holds the most: 0 under FSDP (the first chunks are the

@@ -17,9 +17,11 @@ from pathlib import Path
 
 from gridtrain.model.args import ModelArgs, model_args
 from gridtrain.parallel.dims import ParallelDims, stage_layer_counts
+from gridtrain.plan.activations import held_bytes, stage_bytes
 from gridtrain.plan.census import fsdp_local, numel, rank_stage_shapes
 from gridtrain.plan.layout import Layout
-from gridtrain.plan.memory import StateBytes, rank_state
+from gridtrain.plan.memory import StateBytes, fsdp_gathers, rank_state
+from gridtrain.plan.pipeline import forwards_held
 from gridtrain.plan.shape import from_args
 
 BUCKETS = ("params", "grads", "optimizer")
@@ -49,53 +51,31 @@ def predict_rank(args: ModelArgs, dims: ParallelDims, cfg: dict, rank: int) -> d
     return {"params": state.weights, "grads": state.gradients, "optimizer": state.optimizer}
 
 
-def activation_bytes_per_microbatch(args: ModelArgs, dims: ParallelDims, seq_len: int, micro_batch: int,
-                                    sequence_parallel: bool, layers: int, last: bool) -> float:
-    """Bytes gridtrain's fp32 Llama block saves for backward, per micro-batch, on one rank: the
-    census of what autograd keeps (measured tensor by tensor, `SavedActivations`), e = 4 bytes:
-    - per layer, unsplit by TP: block input, RMSNorm's normalised input x_hat, the QKV input,
-      the mid-block residual, its x_hat and the MLP input (6 h; with SP the four residual-side
-      tensors are split by t, the two matmul inputs are gathered: 4h/t + 2h);
-    - split by TP: Q, the attention output (the output projection's input, one storage), K and V
-      (2 kv_width), SwiGLU's w1 and w3 outputs, silu output and product (4F): (2h + 2kv + 4F)/t;
-    - RMSNorm's fp32 rsqrt (2 per layer, 4 s b each) and flash attention's log-sum-exp (4 a/t s b);
-    - the last stage: final norm x, x_hat (split by SP), head input h, fp32 log-probabilities
-      over the vocabulary shard (4 s b V/t) and the loss.
-    Token ids and targets are added by the caller (their storage depends on the schedule)."""
-    e, h, t = 4, args.dim, dims.tp
-    sb = seq_len * micro_batch
-    sp = t if sequence_parallel else 1
-    kv = args.n_kv_heads * args.head_dim
-    unsplit = 4 * h / sp + 2 * h if sequence_parallel else 6 * h
-    split = (2 * h + 2 * kv + args.hidden_dim * 4) / t
-    layer = e * sb * (unsplit + split) + 2 * 4 * sb / sp + 4 * (args.n_heads / t) * sb
-    head = e * sb * (2 * h / sp + h) + 4 * sb / sp + 4 * sb * args.vocab_size / t + 4 if last else 0
-    return layers * layer + head
-
-
 def predict_activations(args: ModelArgs, dims: ParallelDims, cfg: dict, pp_rank: int) -> float:
-    """Bytes saved on a rank up to its first backward (what `SavedActivations` measures); NaN
-    where the census does not apply (bf16/fp16, activation checkpointing, other schedules)."""
-    t, p = cfg["train"], cfg["parallel"]
-    if t["precision"] != "fp32" or t["activation_checkpointing"] != "off":
-        return float("nan")
-    if dims.pp > 1 and p["pp_schedule"] not in ("gpipe", "1f1b"):
-        return float("nan")
-    seq, mb = cfg["data"]["seq_len"], t["micro_batch"]
-    local = (t["global_batch_tokens"] // seq if t["global_batch_tokens"] else t["global_batch"]) // dims.dp
-    m = local // mb
-    num_stages = dims.pp
-    counts = stage_layer_counts(args.n_layers, num_stages, p["pp_fewer_edge_layers"])
-    first, last = pp_rank == 0, pp_rank == num_stages - 1
-    if dims.pp == 1:
-        in_flight = 1
-    else:
-        in_flight = m if p["pp_schedule"] == "gpipe" else min(dims.pp - pp_rank, m)
-    per_micro = activation_bytes_per_microbatch(args, dims, seq, mb, p["sequence_parallel"],
-                                                counts[pp_rank], last)
+    """Bytes saved on a rank up to its first backward (what `SavedActivations` measures): the
+    forwards its stages ran by then (pipeline.forwards_held), each saving what activations.py's
+    census says, with the weight casts or norm copies of its precision, and the token ids and
+    targets."""
+    shape, layout = from_args(args), run_layout(args, dims, cfg)
+    v = layout.virtual_stages
+    counts = stage_layer_counts(args.n_layers, dims.pp * v, cfg["parallel"]["pp_fewer_edge_layers"])
+    held = forwards_held(layout.schedule, dims.pp, v, layout.num_microbatches, pp_rank)
+    total = held_bytes(shape, held, counts, layout.micro_batch * layout.seq_len, cfg["train"]["precision"],
+                       layout.recompute, dims.tp, layout.sequence_parallel, fsdp_gathers(layout))
     # A pipeline chunks the whole local batch into views of one storage: ids and targets count whole.
-    ids = 8 * seq * (local if dims.pp > 1 else mb)
-    return in_flight * per_micro + ids * (first + last)
+    ids = 8 * layout.seq_len * (layout.micro_batch * layout.num_microbatches if dims.pp > 1 else layout.micro_batch)
+    return total + ids * ((0 in held) + (len(counts) - 1 in held))
+
+
+def microbatch_activations(args: ModelArgs, dims: ParallelDims, cfg: dict, pp_rank: int) -> float:
+    """Bytes one micro-batch's forward saves through all of a pipeline rank's stages."""
+    shape, layout = from_args(args), run_layout(args, dims, cfg)
+    v = layout.virtual_stages
+    counts = stage_layer_counts(args.n_layers, dims.pp * v, cfg["parallel"]["pp_fewer_edge_layers"])
+    held = forwards_held(layout.schedule, dims.pp, v, layout.num_microbatches, pp_rank)
+    return sum(stage_bytes(shape, counts[s], s == len(counts) - 1, layout.micro_batch * layout.seq_len,
+                           cfg["train"]["precision"], cfg["train"]["activation_checkpointing"], dims.tp,
+                           layout.sequence_parallel) for s in held)
 
 
 def predict_collectives(args: ModelArgs, dims: ParallelDims, cfg: dict, pp_rank: int) -> dict[str, float]:
@@ -226,10 +206,7 @@ def check_step_time(run_dir: Path, calibration: dict | None = None) -> tuple[Che
     for rank in range(dims.world_size):
         coords = dims.coordinates(rank)
         params = predict_rank(args, dims, cfg, rank)["params"] / 4
-        counts = stage_layer_counts(args.n_layers, dims.pp, cfg["parallel"]["pp_fewer_edge_layers"])
-        acts = activation_bytes_per_microbatch(args, dims, cfg["data"]["seq_len"], cfg["train"]["micro_batch"],
-                                               cfg["parallel"]["sequence_parallel"], counts[coords["pp"]],
-                                               coords["pp"] == dims.pp - 1)
+        acts = microbatch_activations(args, dims, cfg, coords["pp"])
         collectives = predict_collectives(args, dims, cfg, coords["pp"])
         steps.append(local_step(args, dims, cfg, machine, coords["pp"], acts, collectives, params, threads))
     slowest = max(steps, key=lambda s: s.compute_s if math.isnan(s.total_s) else s.total_s)

@@ -10,7 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = ("none", "selective", "full", "attention")
+"""Recomputation: none; gridtrain's selective (keeps matmul and attention outputs, recomputes
+norms, RoPE and SwiGLU's elementwise ops); full (whole blocks); and Korthikanti et al.'s
+attention-core recomputation (Megatron-LM's "selective"), which gridtrain's runtime does not run:
+the planner uses it to compare with published runs."""
+RUNTIME_RECOMPUTE = ("none", "selective", "full")
 
 
 @dataclass(frozen=True)
@@ -42,7 +47,7 @@ class Layout:
     sequence_parallel: bool = False
     """Megatron sequence parallelism on the TP group (norm and residual regions split too)."""
     recompute: str = "none"
-    """Activation recomputation: 'none', 'selective' (attention core) or 'full' (whole blocks)."""
+    """Activation recomputation: one of RECOMPUTE."""
     flash_attention: bool = True
     """Fused attention that keeps no s x s scores (FlashAttention, SDPA)."""
     fewer_edge_layers: int = 0

@@ -31,8 +31,10 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from gridtrain.parallel.dims import V_SCHEDULES, stage_layer_counts, stage_ranks
+from gridtrain.parallel.dims import PP_SCHEDULES, V_SCHEDULES, stage_layer_counts, stage_ranks
+from gridtrain.plan.activations import block_bytes_per_token, head_bytes_per_token, held_bytes
 from gridtrain.plan.census import peak_dp_index, rank_elements
+from gridtrain.plan.pipeline import forwards_held
 from gridtrain.plan.layout import RECOMPUTE, Layout
 from gridtrain.plan.shape import ModelShape, norm_params
 
@@ -172,6 +174,12 @@ def kv_heads_per_rank(shape: ModelShape, tp: int) -> int:
     return max(shape.num_kv_heads // tp, 1)
 
 
+def measured_census(shape: ModelShape, flash: bool, recompute: str) -> bool:
+    """Whether activations.py's census (measured on gridtrain's runtime) covers the case:
+    gridtrain's Llama block with fused attention under the runtime's recomputation modes."""
+    return shape.block == "llama" and flash and recompute in ("none", "selective", "full")
+
+
 @functools.lru_cache(maxsize=8192)
 def layer_activation_bytes(shape: ModelShape, seq_len: int, micro_batch: int, tp: int = 1,
                            sequence_parallel: bool = False, cp: int = 1, recompute: str = "none",
@@ -186,6 +194,8 @@ def layer_activation_bytes(shape: ModelShape, seq_len: int, micro_batch: int, tp
     e, h, a = act_bytes, shape.hidden, shape.num_heads
     s, b = seq_len / cp, micro_batch
     flash = flash or cp > 1
+    if measured_census(shape, flash, recompute):
+        return s * b * block_bytes_per_token(shape, "fp32" if e == 4 else "bf16", recompute, tp, sequence_parallel)
     replicated_div = tp if sequence_parallel else 1
     if recompute == "full":
         return e * s * b * h / replicated_div
@@ -198,7 +208,7 @@ def layer_activation_bytes(shape: ModelShape, seq_len: int, micro_batch: int, tp
         mlp = 4 * e * shape.ffn / tp
     sharded = (2 * e * h / tp + 2 * e * kv_width + mlp) * s * b
     heads = a / tp
-    if recompute == "selective":
+    if recompute == "attention":
         core = 0.0
     elif flash:
         core = e * s * b * h / tp + 4 * heads * s * b
@@ -213,6 +223,8 @@ def head_activation_bytes(shape: ModelShape, seq_len: int, micro_batch: int, tp:
     """The last stage's extra per micro-batch: final-norm and head inputs (2e sbh) and the fp32
     log-probabilities the loss keeps, 4 s b V / t (vocab-parallel head; Korthikanti et al. 2022)."""
     s, b = seq_len / cp, micro_batch
+    if measured_census(shape, True, "none"):
+        return s * b * head_bytes_per_token(shape, "fp32" if act_bytes == 4 else "bf16", tp, sequence_parallel) + 4
     inputs = 2 * act_bytes * s * b * shape.hidden / (tp if sequence_parallel else 1)
     return inputs + 4 * s * b * shape.vocab / tp
 
@@ -264,6 +276,12 @@ def rank_layers(shape: ModelShape, layout: Layout) -> list[int]:
     """Transformer blocks on each pipeline rank (a rank sums its virtual stages)."""
     return list(layers_per_rank(shape.num_layers, layout.pp, layout.virtual_stages, layout.schedule,
                                 layout.fewer_edge_layers))
+
+
+@functools.lru_cache(maxsize=4096)
+def stage_counts(num_layers: int, num_stages: int, fewer_edge_layers: int = 0) -> list[int]:
+    """stage_layer_counts, cached (the search asks for the same few splits often)."""
+    return tuple(stage_layer_counts(num_layers, num_stages, fewer_edge_layers))  # type: ignore[return-value]
 
 
 @functools.lru_cache(maxsize=4096)
@@ -320,12 +338,19 @@ def rank_state(shape: ModelShape, layout: Layout, rank: int, state: StateBytes,
                              layout.zero_shard_degree, state)
 
 
-def gathered_bytes_per_param(layout: Layout, state: StateBytes) -> float:
+def fsdp_gathers(layout: Layout) -> bool:
+    """Whether gridtrain runs the layout's parameters through FSDP2, which gathers them in the
+    compute dtype: ZeRO 2 and 3 over several data-parallel ranks, and ZeRO 0 (replication) once
+    tensor or pipeline parallelism is on (parallel/data.py)."""
+    return layout.dp > 1 and (layout.zero_stage in (2, 3) or (layout.zero_stage == 0 and (layout.tp > 1 or layout.pp > 1)))
+
+
+def gathered_bytes_per_param(zero_stage: int, dp_shard: int, state: StateBytes) -> float:
     """Bytes per parameter of the unsharded copies ZeRO-2 keeps from forward to backward. gridtrain
     shards a ZeRO-2 model at rest too (FSDP2 without resharding after forward): every block's
     parameters are gathered once per step in the compute dtype and held until backward. In the
     ZeRO paper's convention the weights are simply not sharded at stage 2 (model_state_bytes)."""
-    if state.exact and layout.zero_stage == 2 and layout.dp_shard > 1:
+    if state.exact and zero_stage == 2 and dp_shard > 1:
         return state.compute
     return 0.0
 
@@ -357,7 +382,20 @@ def buffer_bytes(shape: ModelShape, layout: Layout, state: StateBytes, act_bytes
 def rank_memory(shape: ModelShape, layout: Layout, state: StateBytes = StateBytes(),
                 act_bytes: int = 2, ranks: tuple[int, ...] | None = None) -> list[RankMemory]:
     """Peak bytes per bucket on each pipeline rank (only on `ranks` when given)."""
-    counts = rank_layers(shape, layout)
+    buffers = buffer_bytes(shape, layout, state, act_bytes)
+    gathered = gathered_bytes_per_param(layout.zero_stage, layout.dp_shard, state)
+    out = []
+    for rank, layers, acts in probe_activations(shape, layout, act_bytes, ranks):
+        ms = rank_state(shape, layout, rank, state)
+        extra = rank_params(shape, layout, rank, layers) * gathered
+        out.append(RankMemory(rank, layers, ms.weights, ms.gradients, ms.optimizer, acts, buffers + extra))
+    return out
+
+
+def probe_activations(shape: ModelShape, layout: Layout, act_bytes: int = 2,
+                      ranks: tuple[int, ...] | None = None) -> list[tuple[int, int, float]]:
+    """(pipeline rank, its layers, its activations at the peak) for each pipeline rank (or those
+    in `ranks`), full recomputation's working block included."""
     per_layer = layer_activation_bytes(
         shape, layout.seq_len, layout.micro_batch, layout.tp, layout.sequence_parallel,
         layout.cp, layout.recompute, layout.flash_attention, act_bytes)
@@ -369,21 +407,39 @@ def rank_memory(shape: ModelShape, layout: Layout, state: StateBytes = StateByte
     head = head_activation_bytes(shape, layout.seq_len, layout.micro_batch, layout.tp,
                                  layout.sequence_parallel, layout.cp, act_bytes)
     _, last = edge_ranks(layout)
-    buffers = buffer_bytes(shape, layout, state, act_bytes)
-    out = []
-    for rank, layers in enumerate(counts):
-        if ranks is not None and rank not in ranks:
-            continue
-        held = in_flight(layout.schedule, layout.pp, rank, layout.num_microbatches,
-                         layout.virtual_stages)
-        acts = layers * per_layer * held + working
-        if rank == last:
-            all_forwards_first = layout.schedule in ("gpipe", "looped-bfs")
-            acts += head * (layout.num_microbatches if all_forwards_first else 1)
-        ms = rank_state(shape, layout, rank, state)
-        gathered = rank_params(shape, layout, rank, layers) * gathered_bytes_per_param(layout, state)
-        out.append(RankMemory(rank, layers, ms.weights, ms.gradients, ms.optimizer, acts, buffers + gathered))
-    return out
+    return [(rank, layers, rank_activations(shape, layout, rank, layers, act_bytes, per_layer, head, last) + working)
+            for rank, layers in enumerate(rank_layers(shape, layout)) if ranks is None or rank in ranks]
+
+
+def rank_activations(shape: ModelShape, layout: Layout, rank: int, layers: int, act_bytes: int,
+                     per_layer: float, head: float, last: int) -> float:
+    """A pipeline rank's activations at its peak (recomputation's working block aside): the
+    measured census on gridtrain's schedules, else `layers` x `per_layer` per micro-batch in
+    flight (in_flight) and the head on the `last` rank."""
+    if measured_census(shape, layout.flash_attention or layout.cp > 1, layout.recompute) and \
+            layout.schedule in PP_SCHEDULES:
+        return census_activations(shape, layout, rank, act_bytes)
+    held = in_flight(layout.schedule, layout.pp, rank, layout.num_microbatches, layout.virtual_stages)
+    acts = layers * per_layer * held
+    if rank == last:
+        all_forwards_first = layout.schedule in ("gpipe", "looped-bfs")
+        acts += head * (layout.num_microbatches if all_forwards_first else 1)
+    return acts
+
+
+@functools.lru_cache(maxsize=8192)
+def census_activations(shape: ModelShape, layout: Layout, rank: int, act_bytes: int) -> float:
+    """A pipeline rank's activations at its peak, as gridtrain saves them: the forwards each of
+    its stages holds then (pipeline.forwards_held on torch's schedules) times what a forward
+    saves (activations.held_bytes), and the token ids and targets of its micro-batches."""
+    v = layout.virtual_stages if layout.pp > 1 else 1
+    counts = stage_counts(shape.num_layers, layout.pp * v, layout.fewer_edge_layers)
+    held = forwards_held(layout.schedule, layout.pp, v, layout.num_microbatches, rank, peak=True)
+    tokens = layout.micro_batch * layout.seq_len / layout.cp
+    acts = held_bytes(shape, held, counts, tokens, "fp32" if act_bytes == 4 else "bf16", layout.recompute,
+                      layout.tp, layout.sequence_parallel, fsdp_gathers(layout))
+    ids = 8 * tokens * (layout.num_microbatches if layout.pp > 1 else 1)
+    return acts + ids * ((0 in held) + (len(counts) - 1 in held))
 
 
 def peak_rank(ranks: list[RankMemory]) -> RankMemory:

@@ -14,6 +14,7 @@ schedules. gridtrain reports the fraction of total time (`bubble_fraction`) and 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -196,3 +197,60 @@ def render(ops: list[Op], pp: int, virtual: int = 1) -> str:
     lines = [f"rank {r:>2} |{''.join(row)}|" for r, row in enumerate(rows)]
     legend = "digits: forward of micro-batch j; letters: its backward (a = 0); '.': idle"
     return "\n".join(lines + [legend])
+
+
+# ---- what each rank holds: torch 2.13's schedules, measured ----
+
+def _interleaved_forwards(count: int, group: int, virtual: int) -> dict[int, int]:
+    """Per chunk, how many of the first `count` forward steps of Megatron's interleaved order
+    (groups of `group` micro-batches through chunk 0, then chunk 1, ...) it ran."""
+    out = dict.fromkeys(range(virtual), 0)
+    for k in range(count):
+        out[(k // group) % virtual] += 1
+    return out
+
+
+@functools.lru_cache(maxsize=8192)
+def forwards_held(schedule: str, pp: int, virtual: int, m: int, rank: int, peak: bool = False) -> dict[int, int]:
+    """Micro-batch forwards whose activations pipeline rank `rank` holds, per stage index it runs:
+    at its first backward (what the accounting measures), or at the step's peak. Counted on
+    torch 2.13's schedules (every schedule at pp 2 and 4, m from pp to 4 pp); F, B and W are a
+    chunk's forward, full (or input) backward and weight backward:
+    - gpipe, looped-bfs: every forward first, m per stage;
+    - 1f1b: pp - rank;
+    - interleaved-1f1b: 2 (pp - rank - 1) + (v - 1) g + 1 forward steps in the interleaved order,
+      g the micro-batches of a round (pp when pp divides m); the turn is the peak;
+    - interleaved-zb: (v - 1) g + pp - rank steps at the turn; W passes deferred, pp per chunk at the peak;
+    - zbv: 2 pp - 1 - rank on its first stage, rank + 1 on its second, the turn is the peak;
+    - dualpipev: max(2 pp - 1 - rank, pp + 1) and rank + 1 at the turn, 2 pp - rank on the first at the peak.
+    Every count is capped at m. (Cached: callers must not change the dict.)"""
+    if pp == 1:
+        return {0: 1}
+    v = virtual if schedule not in ("gpipe", "1f1b") else 1
+    stages = [s for s in range(pp * v) if _owner(s, pp, v, schedule) == rank]
+    if schedule in ("gpipe", "looped-bfs"):
+        counts = [m] * v
+    elif schedule == "1f1b":
+        counts = [pp - rank]
+    elif schedule in ("interleaved-1f1b", "interleaved-zb"):
+        group = m // max(1, m // pp)
+        if schedule == "interleaved-1f1b":
+            steps = 2 * (pp - rank - 1) + (v - 1) * group + 1
+        else:
+            steps = (v - 1) * group + pp - rank
+        counts = [pp] * v if schedule == "interleaved-zb" and peak else list(
+            _interleaved_forwards(min(steps, m * v), group, v).values())
+    elif schedule == "zbv":
+        counts = [2 * pp - 1 - rank, rank + 1]
+    elif schedule == "dualpipev":
+        counts = [2 * pp - rank if peak else max(2 * pp - 1 - rank, pp + 1), rank + 1]
+    else:
+        raise ValueError(f"unknown pipeline schedule {schedule!r}; choose one of {SCHEDULES}")
+    return {stage: min(count, m) for stage, count in zip(stages, counts)}
+
+
+def _owner(stage: int, pp: int, virtual: int, schedule: str) -> int:
+    """The pipeline rank that runs a stage (parallel.dims.stage_ranks, for one stage)."""
+    if schedule in ("zbv", "dualpipev"):
+        return stage if stage < pp else pp * virtual - 1 - stage
+    return stage % pp

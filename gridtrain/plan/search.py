@@ -22,9 +22,9 @@ import heapq
 import itertools
 from dataclasses import dataclass, field, replace
 
-from gridtrain.plan.layout import RECOMPUTE, Layout
+from gridtrain.plan.layout import RUNTIME_RECOMPUTE, Layout
 from gridtrain.plan.memory import (RankMemory, StateBytes, buffer_bytes, gathered_bytes_per_param, peak_rank,
-                                   rank_memory, rank_params, state_bytes_per_param)
+                                   probe_activations, rank_memory, rank_params, state_bytes_per_param)
 from gridtrain.plan.shape import ModelShape, tp_heads
 from gridtrain.plan.specs import ClusterSpec
 from gridtrain.plan.steptime import CALIBRATED, Efficiency, PipelineTime, StepTime, pipeline_time, step_time
@@ -213,7 +213,8 @@ def degree_options(problem: Problem, c: Constraints) -> list[tuple[int, int, int
 
 def families(problem: Problem, c: Constraints) -> list[Family]:
     """Every valid core, grouped by everything but the micro-batch."""
-    recomputes = [r for r in RECOMPUTE if c.recompute is None or c.recompute == r]
+    recomputes = [r for r in RUNTIME_RECOMPUTE if c.recompute is None or c.recompute == r] or (
+        [c.recompute] if c.recompute else [])
     out = []
     for tp, cp, pp, dp in degree_options(problem, c):
         per_replica = problem.global_batch_seqs // dp
@@ -262,13 +263,16 @@ class _Core:
         stage, _, shard = zero
         degree = 1 if stage == 0 else (self.layout.dp if stage == 1 else shard)
         per_param = state_bytes_per_param(stage, degree, problem.state)
-        per_param += gathered_bytes_per_param(replace(self.layout, zero_stage=stage, dp_shard=shard), problem.state)
+        per_param += gathered_bytes_per_param(stage, shard, problem.state)
         return max(p * per_param + a for p, a in self.probes) + self.buffers[_buffer_class(zero)]
 
 
 def _make_core(problem: Problem, index: int, layout: Layout, zeros: tuple[tuple[int, int, int], ...]) -> _Core:
-    probes = rank_memory(problem.shape, layout, problem.state, problem.act_bytes, (0, layout.pp - 1))
-    pairs = [(rank_params(problem.shape, layout, r.rank, r.layers), r.activations) for r in probes]
+    # Activations depend on the ZeRO variant only through FSDP (16-bit weights arrive gathered, so
+    # autocast saves no casts of them): probe with FSDP when any variant has it, for a lower bound.
+    lean = replace(layout, zero_stage=3, dp_replicate=1, dp_shard=layout.dp) if layout.dp > 1 else layout
+    pairs = [(rank_params(problem.shape, layout, r, layers), acts) for r, layers, acts in
+             probe_activations(problem.shape, lean, problem.act_bytes, (0, layout.pp - 1))]
     buffers = {cls: _buffers(problem, layout.tp, layout.cp, layout.pp, layout.micro_batch, z)
                for cls, z in _class_representatives(zeros).items()}
     return _Core(0.0, index, layout, None, zeros, pairs, buffers)  # type: ignore[arg-type]
