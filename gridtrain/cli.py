@@ -236,6 +236,8 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-flash", action="store_true", help="attention keeps its s x s scores")
     p.add_argument("--precision", default="bf16", choices=["fp32", "bf16", "fp16"],
                    help="training precision (gridtrain's train.precision)")
+    p.add_argument("--any-layout", action="store_true",
+                   help="also rank layouts gridtrain train refuses (context parallelism, ...), labelled")
     p.add_argument("--convention", default="gridtrain", choices=["gridtrain", "zero", "megatron"],
                    help="bytes per parameter: gridtrain's runtime (fp32 state, 16-bit compute copies), the "
                    "ZeRO paper's 2 + 2 + 12, or Megatron-LM's 2 + 4 + 12")

@@ -121,3 +121,45 @@ def test_edge_ranks_and_rank_subsets():
     assert memory.state_bytes_per_param(1, 64) == pytest.approx(4 + 12 / 64)
     assert memory.rank_layers(S405, replace(lay, schedule="interleaved-1f1b", virtual_stages=2)) == list(
         memory.layers_per_rank(126, 16, 2, "interleaved-1f1b"))
+
+
+@pytest.mark.parametrize("argv", [
+    ["--model", "llama3-405b", "--gpu", "h100", "--num-gpus", "16384", "--seq-len", "8192",
+     "--global-batch-tokens", "16M"],
+    ["--model", "llama3-8b", "--gpu", "h100", "--num-gpus", "8"],
+])
+def test_plan_ranks_only_what_train_runs_and_prints_its_command(argv):
+    """Every ranked layout passes gridtrain's own validation, and so does the printed command
+    line for the first, parsed as `gridtrain train` parses it."""
+    import contextlib
+    import io
+    import json
+    import shlex
+
+    from gridtrain.checks import validate
+    from gridtrain.cli import main
+    from gridtrain.config import load_config, parse_overrides
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main(["plan", *argv, "--json"]) == 0
+    report = json.loads(buf.getvalue())
+    assert report["ranked"] and all(c["refused"] == "" for c in report["ranked"])
+    words = shlex.split(report["train_command"])
+    flags = words[words.index("train") + 1:]
+    if words[:2] == ["gridtrain", "train"]:
+        world = int(flags[flags.index("--nproc") + 1])
+        flags = flags[2:]
+    else:
+        world = int(words[words.index("--nnodes") + 1]) * int(words[words.index("--nproc-per-node") + 1])
+    dims = validate(load_config(None, parse_overrides(flags)), world=world)
+    chosen = report["chosen"]["layout"]
+    assert (dims.tp, dims.pp, dims.dp_shard, dims.dp_replicate) == (
+        chosen["tp"], chosen["pp"], chosen["dp_shard"], chosen["dp_replicate"])
+    # With --any-layout the layouts gridtrain refuses are ranked too, each with the reason.
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main(["plan", *argv, "--json", "--any-layout"]) == 0
+    labelled = json.loads(buf.getvalue())["ranked"]
+    assert any(c["refused"] for c in labelled)
+    assert all("not available yet" in c["refused"] for c in labelled if c["layout"]["cp"] > 1)

@@ -18,6 +18,7 @@ from gridtrain.plan.inputs import (batch_sequences, check_constraints, constrain
                                    parse_layout, resolve_cluster, resolve_model)
 from gridtrain.plan.memory import CONVENTIONS, GiB
 from gridtrain.plan.report import Assumptions, build_report, layout_dict
+from gridtrain.plan.runnable import train_command
 from gridtrain.plan.search import Candidate, Constraints, PlanError, Problem, SearchResult, degree_options, search
 from gridtrain.plan.shape import param_counts
 
@@ -54,8 +55,10 @@ def build_problem(args: argparse.Namespace, extra: list[str]) -> tuple[Problem, 
     if not 0 < args.hbm_usable <= 1:
         raise PlanError(f"--hbm-usable {args.hbm_usable} must be in (0, 1]")
     state = CONVENTIONS[args.convention](args.precision)
+    model_keys = None if args.arch == "gpt" else (("model.preset", args.model), *sorted(overrides.items()))
     problem = Problem(model.shape, cluster, num_gpus, seq_len, seqs, flash_attention=not args.no_flash,
-                      hbm_usable=args.hbm_usable, state=state, act_bytes=4 if args.precision == "fp32" else 2)
+                      hbm_usable=args.hbm_usable, state=state, act_bytes=4 if args.precision == "fp32" else 2,
+                      model_keys=model_keys, precision=args.precision, runnable_only=not args.any_layout)
     return problem, model.name, tokens, notes
 
 
@@ -135,6 +138,15 @@ def plan(args: argparse.Namespace, extra: list[str], out: TextIO) -> int:
                               electricity_per_kwh=args.electricity_price, mtbf_gpu_hours=args.mtbf_hours)
     report = build_report(problem, result, chosen, name, tokens, assumptions, seconds)
     report["notes"] = notes + [fit_line(problem, constraints, chosen)]
+    if problem.model_keys is not None:
+        report["train_command"] = train_command(problem.model_keys, problem.global_batch_seqs, problem.precision,
+                                                chosen.layout, problem.cluster.gpus_per_node)
+        if result.refused:
+            report["notes"].append(f"{result.refused} faster or leaner layouts that fit were left out: gridtrain "
+                                   "train refuses them (--any-layout ranks them too, labelled)")
+    else:
+        report["notes"].append("GPT blocks are planned for comparison with published runs; gridtrain trains "
+                               "Llama blocks only, so there is no train command")
     lines = explain.explain(problem, chosen, report) if args.explain or args.json else None
     if args.json:
         report["explain"] = lines
@@ -143,6 +155,8 @@ def plan(args: argparse.Namespace, extra: list[str], out: TextIO) -> int:
     else:
         out.write(render.render_report(report, lines if args.explain else None) + "\n\n")
         out.write(f"chosen layout: --layout {render.layout_label(report['chosen']['layout'])}\n")
+        if "train_command" in report:
+            out.write(f"train it: {report['train_command']}\n")
         out.write("".join(f"note: {n}\n" for n in report["notes"]))
     return 0
 

@@ -12,6 +12,7 @@ from gridtrain.plan import budget, reliability
 from gridtrain.plan.layout import Layout
 from gridtrain.parallel.dims import ParallelDims
 from gridtrain.plan.memory import GiB, rank_state
+from gridtrain.plan.runnable import refusal
 from gridtrain.plan.search import Candidate, Problem, SearchResult
 from gridtrain.plan.shape import param_counts
 
@@ -52,6 +53,13 @@ def candidate_dict(cand: Candidate) -> dict[str, object]:
             "model_tflops_per_gpu": st.model_tflops_per_gpu,
             "hardware_tflops_per_gpu": st.hardware_tflops_per_gpu,
             "peak_rank": cand.memory.rank, "peak_GiB": cand.memory.total / GiB}
+
+
+def runs(problem: Problem, cand: Candidate) -> str:
+    """'' when `gridtrain train` runs the layout, else why not."""
+    if problem.model_keys is None:
+        return "gridtrain trains Llama blocks only"
+    return refusal(problem.model_keys, problem.global_batch_seqs, problem.precision, cand.layout)
 
 
 def units_dict(problem: Problem, layout: Layout, total_tokens: float) -> dict[str, object]:
@@ -145,6 +153,6 @@ def build_report(problem: Problem, result: SearchResult, chosen: Candidate, mode
                        "seconds": search_s},
             "chosen": candidate_dict(chosen),
             "units": units_dict(problem, chosen.layout, total_tokens),
-            "ranked": [candidate_dict(c) for c in result.ranked],
+            "ranked": [candidate_dict(c) | {"refused": runs(problem, c)} for c in result.ranked],
             "memory": memory_dict(problem, chosen), "ranks": ranks_list(problem, chosen.layout), "budget": bud,
             "checkpoint": checkpoint_dict(problem, chosen, bud["days"], a)}

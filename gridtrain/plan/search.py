@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 from gridtrain.plan.layout import RUNTIME_RECOMPUTE, Layout
 from gridtrain.plan.memory import (RankMemory, StateBytes, buffer_bytes, gathered_bytes_per_param, peak_rank,
                                    probe_activations, rank_memory, rank_params, state_bytes_per_param)
+from gridtrain.plan.runnable import refusal
 from gridtrain.plan.shape import ModelShape, tp_heads
 from gridtrain.plan.specs import ClusterSpec
 from gridtrain.plan.steptime import CALIBRATED, Efficiency, PipelineTime, StepTime, pipeline_time, step_time
@@ -54,6 +55,16 @@ class Problem:
     fragmentation take the rest."""
     act_bytes: int = 2
     eff: Efficiency = CALIBRATED
+    model_keys: tuple[tuple[str, object], ...] | None = None
+    """The model as `gridtrain train` keys (model.preset and overrides): layouts are then checked
+    against the runtime (runnable.refusal); None for shapes gridtrain does not train (GPT blocks)."""
+    precision: str = "bf16"
+    runnable_only: bool = True
+    """With model_keys: rank only layouts `gridtrain train` accepts (else rank all, labelled)."""
+
+    @property
+    def filters_runnable(self) -> bool:
+        return self.model_keys is not None and self.runnable_only
 
     @property
     def memory_limit(self) -> float:
@@ -97,6 +108,8 @@ class SearchResult:
     """Layouts whose step time was computed."""
     leanest: Candidate | None = None
     """When nothing fits: the layout needing the least memory, for the explanation."""
+    refused: int = 0
+    """Layouts that fit and would have ranked but `gridtrain train` refuses (runnable.refusal)."""
 
 
 @functools.lru_cache(maxsize=1024)
@@ -124,6 +137,8 @@ def cp_options(problem: Problem, c: Constraints) -> list[int]:
     (1,024 per rank: below that ring attention's blocks are too small to hide their sends)."""
     opts = [cp for cp in (1, 2, 4, 8, 16, 32, 64)
             if cp == 1 or (problem.seq_len % (2 * cp) == 0 and problem.seq_len // cp >= 1024)]
+    if problem.filters_runnable:  # gridtrain's runtime has no context parallelism yet
+        opts = [1]
     return [cp for cp in opts if c.cp is None or c.cp == cp]
 
 
@@ -313,6 +328,8 @@ def _bounded_cores(problem: Problem, c: Constraints, fams: list[Family]) -> tupl
     leanest, least = None, float("inf")
     for fam in fams:
         zeros = zero_options(fam.dp, c)
+        if problem.filters_runnable and (fam.tp > 1 or fam.pp > 1):  # ZeRO-1 runs without TP and PP only
+            zeros = tuple(z for z in zeros if z[0] != 1)
         for b in fam.micro_batches if zeros else ():
             layout = fam.layout(problem, b)
             core = _make_core(problem, len(out), layout, zeros)
@@ -335,7 +352,7 @@ def search(problem: Problem, constraints: Constraints = Constraints(), top: int 
     enumerated = sum(len(f.micro_batches) * len(zero_options(f.dp, constraints)) for f in fams)
     bounded, leanest = _bounded_cores(problem, constraints, fams)
     best: list[tuple[float, int, Candidate]] = []  # max-heap by step time (negated)
-    evaluated, serial = 0, itertools.count()
+    evaluated, refused, serial = 0, 0, itertools.count()
     for core in bounded:
         if len(best) == top and core.bound_s >= -best[0][0]:
             break
@@ -351,11 +368,15 @@ def search(problem: Problem, constraints: Constraints = Constraints(), top: int 
             peak = exact_memory(problem, layout)
             if peak.total > problem.memory_limit:
                 continue
+            if problem.filters_runnable and refusal(problem.model_keys, problem.global_batch_seqs,
+                                                    problem.precision, layout):
+                refused += 1
+                continue
             heapq.heappush(best, (-st.total_s, -next(serial), Candidate(layout, st, peak)))
             if len(best) > top:
                 heapq.heappop(best)
     ranked = [cand for _, _, cand in sorted(best, key=lambda e: (-e[0], -e[1]))]
-    result = SearchResult(ranked, enumerated, evaluated)
+    result = SearchResult(ranked, enumerated, evaluated, refused=refused)
     if not ranked and leanest is not None:
         result.leanest = evaluate(problem, leanest)
     return result
