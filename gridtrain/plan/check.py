@@ -80,12 +80,26 @@ def microbatch_activations(args: ModelArgs, dims: ParallelDims, cfg: dict, pp_ra
 
 def predict_collectives(args: ModelArgs, dims: ParallelDims, cfg: dict, pp_rank: int) -> dict[str, float]:
     """Payload bytes per collective and mesh axis in one accounted step, for the layouts whose
-    traffic is modelled exactly on CPU (gloo): DDP, FSDP (ZeRO 2 and 3, any precision) and HSDP, TP with or
-    without SP, and single-stage pipelines. Keys as in the accounting ('dp_shard/all_gather_bytes'); empty when
-    the layout is not modelled. gloo specifics: FSDP2 reduces gradients with an all-reduce (gloo
-    has no reduce-scatter); the gradient norm all-reduces one fp32 scalar per sharded parameter
-    tensor (DTensor's per-tensor norms) or one per pipeline (the squared total over 'pp')."""
+    traffic is modelled exactly on CPU (gloo): DDP and ZeRO-1, FSDP (ZeRO 2 and 3, any precision)
+    and HSDP, TP with or without SP, and single-stage pipelines, without recomputation. Keys as in
+    the accounting ('dp_shard/all_gather_bytes'); empty when the layout is not modelled. gloo
+    specifics: FSDP2 reduces gradients with an all-reduce (gloo has no reduce-scatter); the
+    gradient norm all-reduces one fp32 scalar per sharded parameter tensor (DTensor's per-tensor
+    norms) or one per pipeline (the squared total over 'pp'); fp16 agrees on overflows with one
+    fp32 scalar per optimizer over the world (on the axis that spans it, if one does)."""
+    out = _predict_collectives(args, dims, cfg, pp_rank)
+    if out and cfg["train"]["precision"] == "fp16" and dims.world_size > 1:
+        world = next((a for a, n in dims.degrees.items() if n == dims.world_size), "world")
+        parts = len(forwards_held(cfg["parallel"]["pp_schedule"], dims.pp, cfg["parallel"]["pp_virtual_stages"]
+                                  if dims.pp > 1 else 1, 1, pp_rank))
+        out[f"{world}/all_reduce_bytes"] = out.get(f"{world}/all_reduce_bytes", 0.0) + 4.0 * parts
+    return out
+
+
+def _predict_collectives(args: ModelArgs, dims: ParallelDims, cfg: dict, pp_rank: int) -> dict[str, float]:
     t, p = cfg["train"], cfg["parallel"]
+    if t["activation_checkpointing"] != "off":  # recomputation repeats some collectives: not modelled yet
+        return {}
     seq, mb = cfg["data"]["seq_len"], t["micro_batch"]
     local = (t["global_batch_tokens"] // seq if t["global_batch_tokens"] else t["global_batch"]) // dims.dp
     m = local // mb
@@ -97,7 +111,7 @@ def predict_collectives(args: ModelArgs, dims: ParallelDims, cfg: dict, pp_rank:
     only = lambda *axes: all(getattr(dims, a) == 1 for a in ("tp", "pp", "dp_replicate", "dp_shard", "cp")
                              if a not in axes)
     activation = 4 * mb * seq * args.dim
-    if p["zero_stage"] == 0 and only("dp_replicate"):
+    if p["zero_stage"] in (0, 1) and only("dp_replicate"):  # ZeRO-1 broadcasts after the step
         return {"dp_replicate/all_reduce_bytes": total}
     if p["zero_stage"] in (2, 3) and only("dp_shard", "dp_replicate") and dims.dp_shard > 1:
         # ZeRO-2 gathers every unit once per micro-batch; ZeRO-3 again in backward, except the

@@ -12,7 +12,7 @@ from gridtrain.plan import placement
 from gridtrain.plan.flops import flops_per_token, hardware_flops_per_token
 from gridtrain.plan.layout import Layout
 from gridtrain.plan.memory import GiB, layer_activation_bytes, rank_params
-from gridtrain.plan.pipeline import bubble_fraction
+from gridtrain.plan.pipeline import bubble_scale, schedule_bubble, split_cost
 from gridtrain.plan.search import Candidate, Problem
 from gridtrain.plan.shape import matmul_params
 from gridtrain.plan.steptime import (HBM_PASSES, RECOMPUTE_PASSES, grad_levels, layer_hardware_flops_per_token,
@@ -87,8 +87,11 @@ def pipeline_lines(problem: Problem, cand: Candidate) -> list[str]:
              f"{_ms(pt.layer.total_s)}" + (f" + head {_ms(pt.head_s)}" if pt.head_s else "")
              + f" = {_ms(pt.micro_s)}; x m = {m}: {_ms(m * pt.micro_s)}"]
     if p > 1:
-        f = bubble_fraction(p, m, v, layout.schedule)
-        lines.append(f"bubble ({layout.schedule}, p={p}, v={v}, m={m}): fraction f = {f:.4f}; "
+        f, sc = schedule_bubble(layout.schedule, p, m, v), split_cost(layout.schedule)
+        if sc != 1.0:
+            lines.append(f"split backward (F + I + W over F + B, measured): micro-batch x {sc:.3f}")
+        lines.append(f"bubble ({layout.schedule}, p={p}, v={v}, m={m}): (p-1)/v x {bubble_scale(layout.schedule):.2f} "
+                     f"(measured on gridtrain's runtime) over m x {sc:.3f} + that: fraction f = {f:.4f}; "
                      f"f/(1-f) x m x micro-batch = {_ms(st.bubble_s)}")
         lines.append(f"pipeline sends = 2 x m x v x send(b s/cp x h x 2 B / tp) = 2 x {m} x {v} x "
                      f"{_ms(pt.pp_s / (2 * m * v))} = {_ms(st.pp_s)}")

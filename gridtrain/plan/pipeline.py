@@ -254,3 +254,54 @@ def _owner(stage: int, pp: int, virtual: int, schedule: str) -> int:
     if schedule in ("zbv", "dualpipev"):
         return stage if stage < pp else pp * virtual - 1 - stage
     return stage % pp
+
+
+
+# ---- what a schedule costs on gridtrain's runtime: measured (bench/bench_schedules.py) ----
+
+BACKWARD = 1.95
+"""A fused backward over its forward: two matmuls for each of the forward's, measured 1.95 per
+layer on the small model (bench/bench_schedules.py, 1.9-2.0 over 28 runs of its 7 schedules)."""
+SPLIT_INPUT, SPLIT_WEIGHT = 1.27, 0.95
+"""The zero-bubble schedules' split backward (Qi et al. 2023): the input-gradient pass I and the
+weight-gradient pass W over the forward, measured per layer (I 1.22-1.30, W 0.91-1.07). Together
+they cost 14% more than the fused backward (a micro-batch's F + I + W is 9% over F + B): torch's
+stage walks the autograd graph twice and keeps the weight pass's inputs alive between the two."""
+SPLIT_SCHEDULES = ("zb-h1", "interleaved-zb", "zbv", "dualpipev")
+
+BUBBLE_SCALE = {"gpipe": 1.0, "1f1b": 1.0, "interleaved-1f1b": 1.12, "looped-bfs": 1.32,
+                "zb-h1": (1 + SPLIT_INPUT - SPLIT_WEIGHT) / (1 + BACKWARD),
+                "interleaved-zb": 0.82, "zbv": 0.77, "dualpipev": 0.67}
+"""Each schedule's idle time in units of (p-1)/v x a rank's forward and fused backward (v = 1
+for GPipe and 1F1B), over 1F1B's, whose idle time is that unit (Narayanan et al. 2021, sec.
+2.2). Measured on torch 2.13's schedules: bench/bench_schedules.py replays each step's traced
+actions on a core per rank; the mean over PP 2 and PP 4 with 8 micro-batches, two runs each
+(spread about 0.1-0.2). The zero-bubble schedules keep most of 1F1B's bubble (Qi et al. 2023 find
+ZB-V's near zero only when F = B = W and m is large against p); ZB-H1, which gridtrain's runtime
+does not have, is Qi et al.'s (p-1)(F + I - W)."""
+
+
+def bubble_scale(schedule: str) -> float:
+    if schedule not in BUBBLE_SCALE:
+        raise ValueError(f"unknown pipeline schedule {schedule!r}; choose one of {SCHEDULES}")
+    return BUBBLE_SCALE[schedule]
+
+
+def split_cost(schedule: str) -> float:
+    """A micro-batch's forward and backward under the schedule over the fused F + B: (F + I + W) /
+    (F + B) for the split-backward schedules, 1 for the others."""
+    if schedule in SPLIT_SCHEDULES:
+        return (1 + SPLIT_INPUT + SPLIT_WEIGHT) / (1 + BACKWARD)
+    return 1.0
+
+
+def schedule_bubble(schedule: str, pp: int, num_microbatches: int, virtual: int = 1) -> float:
+    """The idle share of a pipeline rank's step under the schedule, as measured: work m x (F + B)
+    x split_cost, idle (p-1)/v x (F + B) x bubble_scale. For GPipe and 1F1B this is
+    bubble_fraction; the zero-bubble schedules keep a bubble (a share of 1F1B's, measured) and pay
+    the split backward's extra cost in every micro-batch."""
+    if pp == 1:
+        return 0.0
+    v = 1 if schedule in ("gpipe", "1f1b") else virtual
+    idle = (pp - 1) / v * bubble_scale(schedule)
+    return idle / (num_microbatches * split_cost(schedule) + idle)

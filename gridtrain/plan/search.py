@@ -152,13 +152,14 @@ def schedule_options(pp: int, num_layers: int, m: int, c: Constraints) -> list[t
     """(schedule, virtual stages) pairs gridtrain's runtime accepts for pp ranks and m micro-batches
     (checks._check_pp): 1F1B needs m >= pp; interleaved schedules run micro-batches in rounds of
     pp; V schedules hold exactly 2 stages per rank. Interleaving factors from 2 to 8. The
-    zero-bubble schedules reach their bubble (pipeline.bubble_fraction) only in steady state, so
-    they are tried with m >= pp (interleaved-zb) and m >= 2 pp (ZB-V: its warm-up fills 2p chunks).
+    zero-bubble schedules are tried with m >= pp (interleaved-zb) and m >= 2 pp (V schedules: their
+    warm-up fills 2p chunks); each is costed as measured (pipeline.schedule_bubble, split_cost).
 
-    Unless the constraints name a schedule, those another dominates are left out: GPipe and
-    looped-BFS (1F1B's and interleaved 1F1B's bubble with more in flight), interleaved 1F1B
-    (interleaved zero-bubble has the same memory and a third of its bubble), DualPipeV (modelled
-    exactly as ZB-V, but needs m >= 2 pp)."""
+    Unless the constraints name a schedule, those another dominates are left out: GPipe (1F1B's
+    bubble with every micro-batch in flight) and looped-BFS (a larger bubble than interleaved
+    1F1B, measured, with every micro-batch in flight). Interleaved 1F1B and interleaved
+    zero-bubble are both tried (a smaller bubble against the split backward's cost), and so are
+    ZB-V and DualPipeV (a smaller bubble against more micro-batches in flight)."""
     if pp == 1:  # no pipeline: a named schedule is moot
         return [("1f1b", 1)] if c.virtual_stages in (None, 1) else []
     named = c.schedule
@@ -168,10 +169,12 @@ def schedule_options(pp: int, num_layers: int, m: int, c: Constraints) -> list[t
         pairs.append((named or "1f1b", 1))
     if m % max(1, m // pp) == 0:
         interleaved = [named] if named in ("interleaved-1f1b", "looped-bfs") else (
-            ["interleaved-zb"] if named in (None, "interleaved-zb") and m >= pp else [])
+            ["interleaved-1f1b"] if named is None else [])
+        if named in (None, "interleaved-zb") and m >= pp:
+            interleaved.append("interleaved-zb")
         pairs += [(s, v) for s in interleaved for v in vs]
     if 2 * pp <= num_layers and m >= 2 * pp and named in (None, "zbv", "dualpipev"):
-        pairs.append((named or "zbv", 2))
+        pairs += [(s, 2) for s in ([named] if named else ["zbv", "dualpipev"])]
     return [(s, v) for s, v in pairs if c.virtual_stages is None or c.virtual_stages == v]
 
 

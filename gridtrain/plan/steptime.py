@@ -16,7 +16,9 @@ One step on the slowest pipeline rank:
 - TP: 4 all-reduces of the (tokens, h) activation per layer, 6 with full recomputation (SP's
   all-gather + reduce-scatter cost the same), on the critical path, no overlap;
 - CP: ring attention's KV passes, hidden behind the attention core's matmuls where they can be;
-- bubble: the schedule's idle share (pipeline.bubble_fraction) of the rank's busy time;
+- bubble: the schedule's idle share of the rank's step as measured on gridtrain's runtime
+  (pipeline.schedule_bubble: 1F1B's (p-1)/v bubble scaled per schedule), and the zero-bubble
+  schedules' split backward costing more per micro-batch (pipeline.split_cost);
 - pipeline sends: forward activation and backward gradient of every micro-batch on every chunk,
   1/tp of the activation per GPU (Megatron's scatter/gather, Narayanan et al. 2021 sec. 4.1);
 - DP: ZeRO 0/1 all-reduce gradients once, in buckets overlapped with the last micro-batch's
@@ -38,7 +40,7 @@ from gridtrain.plan.flops import flops_per_token, hardware_flops_per_token
 from gridtrain.plan.layout import Layout
 from gridtrain.plan.memory import (StateBytes, edge_ranks, kv_heads_per_rank, layer_activation_bytes, layers_per_rank,
                                    rank_params)
-from gridtrain.plan.pipeline import bubble_fraction
+from gridtrain.plan.pipeline import schedule_bubble, split_cost
 from gridtrain.plan.shape import ModelShape, block_params, matmul_params, norm_params
 from gridtrain.plan.specs import ClusterSpec
 
@@ -251,10 +253,11 @@ def pipeline_time(shape: ModelShape, layout: Layout, cluster: ClusterSpec, eff: 
     m, pp, v = layout.num_microbatches, layout.pp, layout.virtual_stages
     pp_s = bubble_s = 0.0
     if pp > 1:
+        micro *= split_cost(layout.schedule)  # zero-bubble schedules' split backward
         act = layout.tokens_per_microbatch / layout.cp * shape.hidden * act_bytes / layout.tp
         send = placement.p2p_time(act, cluster, pp, layout.tp * layout.cp, eff.intra_node, eff.inter_node)
         pp_s = 2 * m * v * send
-        frac = bubble_fraction(pp, m, v, layout.schedule)
+        frac = schedule_bubble(layout.schedule, pp, m, v)
         bubble_s = frac / (1 - frac) * m * micro
     return PipelineTime(micro, lc, critical, counts[critical], head if critical == last else 0.0,
                         pp_s, bubble_s)
