@@ -153,12 +153,20 @@ class CollectiveLog:
     def __init__(self, axis_groups: dict[str, dist.ProcessGroup]) -> None:
         # Several axes may share one group (an axis of size 1 is never asked for): first wins.
         self.axis_of: dict[str, str] = {}
-        self.size_of: dict[str, int] = {}
+        self.axis_size: dict[str, int] = {}
         for axis, group in axis_groups.items():
-            name = group.group_name
-            self.axis_of.setdefault(name, axis)
-            self.size_of.setdefault(name, group.size())
+            self.axis_of.setdefault(group.group_name, axis)
+            self.axis_size.setdefault(axis, group.size())
         self._last_id = -1
+
+    def axis(self, process_group: list[str]) -> str:
+        """The mesh axis of a recorded (name, description) group. Slicing a mesh can create more
+        than one group over the same ranks (DTensor's TP under a pipeline or DDP, FSDP's norms):
+        those carry the description 'mesh_<axis>'; any other group keeps its number."""
+        name, desc = process_group[0], process_group[1] if len(process_group) > 1 else ""
+        if name in self.axis_of:
+            return self.axis_of[name]
+        return desc[len("mesh_"):] if desc.startswith("mesh_") else f"group{name}"
 
     @staticmethod
     def _entries() -> list[dict]:
@@ -176,9 +184,8 @@ class CollectiveLog:
             if e["record_id"] <= self._last_id:
                 continue
             kind = _kind(e["profiling_name"])
-            pg_name = e["process_group"][0]
-            axis = self.axis_of.get(pg_name, f"group{pg_name}")
-            n = self.size_of.get(pg_name, 1)
+            axis = self.axis(e["process_group"])
+            n = self.axis_size.get(axis, 1)
             sizes = e["output_sizes"] if kind == "all_gather" else e["input_sizes"]
             dtypes = e["output_dtypes"] if kind == "all_gather" else e["input_dtypes"]
             elem = DTYPE_BYTES.get(dtypes[0], 4) if dtypes else 4
@@ -195,11 +202,10 @@ class CollectiveLog:
         now, records = time.time_ns(), []
         for e in self._entries()[-count:]:
             kind = _kind(e["profiling_name"])
-            pg_name = e["process_group"][0]
             sizes = e["output_sizes"] if kind == "all_gather" else e["input_sizes"]
             dtypes = e["output_dtypes"] if kind == "all_gather" else e["input_dtypes"]
             records.append({"seq": e.get("p2p_seq_id") if e.get("is_p2p") else e["collective_seq_id"],
-                            "kind": kind, "axis": self.axis_of.get(pg_name, f"group{pg_name}"),
+                            "kind": kind, "axis": self.axis(e["process_group"]),
                             "bytes": _numel(sizes) * (DTYPE_BYTES.get(dtypes[0], 4) if dtypes else 4),
                             "shapes": sizes, "dtype": dtypes[0] if dtypes else None,
                             "age_s": round((now - e["time_created_ns"]) / 1e9, 3),
