@@ -11,6 +11,7 @@ from pathlib import Path
 
 from gridtrain.checks import validate
 from gridtrain.config import ConfigError, all_keys, load_config, parse_overrides
+from gridtrain.rundir import check_run_dir
 
 log = logging.getLogger("gridtrain")
 
@@ -32,13 +33,14 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
         overrides["parallel.nproc"] = str(args.nproc)
     cfg = load_config(args.config, overrides)
     dims = validate(cfg)  # every rank checks again, but nothing starts if this fails
+    check_run_dir(cfg)  # before any rank writes into it
     if cfg.parallel.nproc > 1 and "LOCAL_RANK" not in os.environ:
         return launch(cfg.parallel.nproc, sys.argv[1:] if args.argv is None else args.argv, args.max_restarts)
     if args.max_restarts:
         print("gridtrain: --max-restarts needs --nproc (or torchrun's own --max-restarts)", file=sys.stderr)
         return 2
     # torch and the data stack load only when needed
-    from gridtrain.train.checkpoint import CheckpointSaveError
+    from gridtrain.train.checkpoint import CheckpointSaveError, InvalidCheckpointError
     from gridtrain.train.distributed import shutdown
     from gridtrain.train.resilience import CollectiveTimeout, TrainingDiverged
     from gridtrain.train.trainer import Trainer
@@ -46,7 +48,7 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     try:
         trainer = Trainer(cfg)
         final = trainer.run()
-    except (CollectiveTimeout, TrainingDiverged, CheckpointSaveError) as err:
+    except (CollectiveTimeout, TrainingDiverged, CheckpointSaveError, InvalidCheckpointError) as err:
         rank = os.environ.get("RANK")
         print(f"gridtrain: {'' if rank is None else f'rank {rank}: '}{err}", file=sys.stderr, flush=True)
         shutdown()
@@ -115,7 +117,12 @@ def cmd_data(args: argparse.Namespace, extra: list[str]) -> int:
         tokenizer = build_tokenizer(args.tokenizer, args.source, Path(args.cache_dir).expanduser())
         from gridtrain.data.corpus import default_corpus
 
-        out = prepare(args.source or default_corpus(), tokenizer, Path(args.out), args.val_fraction, args.seed)
+        try:
+            out = prepare(args.source or default_corpus(), tokenizer, Path(args.out), args.val_fraction, args.seed,
+                          overwrite=args.overwrite)
+        except FileExistsError as err:
+            print(f"gridtrain: {err}", file=sys.stderr)
+            return 2
     else:
         out = ensure_prepared(args.source, args.tokenizer, Path(args.cache_dir).expanduser(),
                               args.val_fraction, args.seed)
@@ -277,6 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("source", nargs="?", help="default: the Python standard library's source")
     d.add_argument("--tokenizer", default="byte", help="'byte', 'bpe:N' or a tokenizer.json")
     d.add_argument("--out", help="output directory (default: the cache, as training uses it)")
+    d.add_argument("--overwrite", action="store_true",
+                   help="replace a dataset already prepared in --out (never other files there)")
     d.add_argument("--val-fraction", type=float, default=0.005)
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--cache-dir", default="~/.cache/gridtrain")

@@ -138,3 +138,16 @@ def checkpoint_weights() -> Callable[[Path], dict[str, torch.Tensor]]:
         return state["model"]
 
     return load
+
+
+def cli_train(run_dir: Path, corpus: Path, *extra: str) -> int:
+    """`gridtrain train` in this process on the tiny model: 2 steps of 4 sequences of 32 tokens, a
+    checkpoint at step 2, no validation; `extra` flags last."""
+    from gridtrain.cli import main
+
+    return main(["train", "--model.preset", "tiny", "--data.corpus", str(corpus),
+                 "--data.cache_dir", str(run_dir.parent / "cache"), f"--run_dir={run_dir}",
+                 "--data.seq_len", "32", "--train.micro_batch", "2", "--train.global_batch", "4",
+                 "--train.steps", "2", "--train.warmup_steps", "1", "--train.val_every", "0",
+                 "--train.threads", "1", "--checkpoint.interval", "2", "--metrics.tensorboard", "false",
+                 "--metrics.progress=false", *extra])

@@ -160,13 +160,34 @@ def test_prepare_single_document_and_refusals(tmp_path):
     assert (keep / "notes.txt").read_text() == "mine"
 
 
-def test_prepare_replaces_previous_output(tmp_path, corpus):
+def test_prepare_replaces_previous_output_only_when_asked(tmp_path, corpus):
     root, _ = corpus
     out = prepare(root, ByteTokenizer(), tmp_path / "p", val_fraction=0.1, shard_tokens=100)
     many = len(load_index(out)["splits"]["train"]["shards"])
-    prepare(root, ByteTokenizer(), out, val_fraction=0.1)
+    index = (out / "index.json").read_bytes()
+    with pytest.raises(FileExistsError, match="already holds a prepared dataset: pass --overwrite"):
+        prepare(root, ByteTokenizer(), out, val_fraction=0.1)
+    assert (out / "index.json").read_bytes() == index
+    prepare(root, ByteTokenizer(), out, val_fraction=0.1, overwrite=True)
     assert many > 1 and len(load_index(out)["splits"]["train"]["shards"]) == 1
     assert not (out / "train-00001.bin").exists()
+
+
+def test_prepare_never_deletes_a_users_file_beside_the_shards(tmp_path, corpus, capsys):
+    """The user's NOTES.txt beside a prepared dataset survives a second `data prepare`, with or
+    without --overwrite: both refuse, naming the file."""
+    from gridtrain.cli import main
+
+    root, _ = corpus
+    out = prepare(root, ByteTokenizer(), tmp_path / "p", val_fraction=0.1)
+    (out / "NOTES.txt").write_text("mine")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    for flags in ([], ["--overwrite"]):
+        assert main(["data", "prepare", str(root), "--out", str(out), "--cache-dir", str(tmp_path / "c"), *flags]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("gridtrain: ") and "Traceback" not in err
+        assert ("NOTES.txt" in err) == bool(flags)
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
 def test_token_store_reads_across_shards(tmp_path, corpus):

@@ -286,6 +286,30 @@ def test_resume_is_bit_identical(tmp_path, make_config, precision):
     assert kept == [3, 6]
 
 
+def test_fp16_resume_of_an_fp32_checkpoint_starts_at_the_initial_scale(tmp_path, make_config):
+    """An fp32 checkpoint has no loss scale: resuming it under fp16 starts from loss_scale_init,
+    not from 1 (which underflows fp16 gradients)."""
+    trainer = Trainer(make_config(tmp_path, **{"train.steps": 2}))
+    trainer.train_step()
+    trainer.save()
+    resumed = Trainer(make_config(tmp_path, **{"train.steps": 2, "train.precision": "fp16",
+                                               "train.loss_scale_init": 1024.0, "checkpoint.resume": True}))
+    assert resumed.step == 1
+    assert resumed.precision.loss_scale == 1024.0
+
+
+def test_a_validation_split_smaller_than_a_batch_is_refused(tmp_path, make_config):
+    """It used to validate nothing and log val_loss nan with exit 0."""
+    from gridtrain.config import ConfigError
+
+    held = Trainer(make_config(tmp_path, **{"train.val_every": 5})).data.val.num_samples
+    big = {"train.micro_batch": held + 1, "train.global_batch": held + 1}
+    with pytest.raises(ConfigError, match=rf"validation split holds {held} sequences of 32 tokens, fewer than "
+                                          rf"one validation batch \({held + 1}\): raise data.val_fraction"):
+        Trainer(make_config(tmp_path, **big, **{"train.val_every": 1}))
+    Trainer(make_config(tmp_path, **big, **{"train.val_every": 0}))  # no validation: nothing to refuse
+
+
 def test_resume_refuses_another_global_batch(tmp_path, make_config):
     trainer = Trainer(make_config(tmp_path, **{"train.steps": 2}))
     trainer.train_step()

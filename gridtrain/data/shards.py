@@ -79,13 +79,15 @@ class _ShardWriter:
 
 
 def prepare(source: str | Path, tokenizer: Tokenizer, out_dir: Path, val_fraction: float = 0.005,
-            seed: int = 0, shard_tokens: int = 2**26) -> Path:
+            seed: int = 0, shard_tokens: int = 2**26, overwrite: bool = False) -> Path:
     """Tokenize every document of `source` into train/val shards under `out_dir`.
 
     Document i goes to val when a hash of (seed, i) falls below `val_fraction`, so about that
     fraction of documents (and tokens) is held out; each split gets at least one document (a
     corpus of one document is cut in two instead). The directory is built under a temporary
     name beside `out_dir` and renamed into place, so an interrupted prepare leaves no index.
+    An existing prepared directory is replaced only with `overwrite`, and only when it holds
+    nothing but a prepared dataset (a file gridtrain did not write there is never deleted).
     """
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
@@ -95,6 +97,8 @@ def prepare(source: str | Path, tokenizer: Tokenizer, out_dir: Path, val_fractio
     if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / INDEX_FILE).is_file():
         raise FileExistsError(f"{out_dir} exists and is not a prepared directory; "
                               "refusing to replace it (choose an empty or new out_dir)")
+    if (out_dir / INDEX_FILE).is_file():
+        _check_replaceable(out_dir, overwrite)
     source_path = Path(source).resolve()
     dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 65535 else np.uint32)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -202,6 +206,25 @@ def _build_index(source: Path, tokenizer: Tokenizer, dtype: np.dtype,
         "num_tokens": sum(info["num_tokens"] for info in split_info.values()),
         "num_docs": sum(info["num_docs"] for info in split_info.values()),
     }
+
+
+def _check_replaceable(out_dir: Path, overwrite: bool) -> None:
+    """Refuse to replace a prepared directory unless asked to, or when it holds other files."""
+    if not overwrite:
+        raise FileExistsError(f"{out_dir} already holds a prepared dataset: pass --overwrite to replace it, "
+                              "or choose a new --out")
+    try:
+        shards = load_index(out_dir)["splits"]
+        owned = {INDEX_FILE} | {name for split in shards.values() for shard in split["shards"]
+                                for name in (shard["file"], shard["docs_file"])}
+    except (OSError, ValueError, KeyError, TypeError):
+        owned = {INDEX_FILE}
+    foreign = sorted(str(p.relative_to(out_dir)) for p in out_dir.rglob("*") if p.is_file()
+                     and str(p.relative_to(out_dir)) not in owned)
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise FileExistsError(f"{out_dir} also holds files gridtrain did not write ({shown}); --overwrite "
+                              "would delete them: move them out, or choose a new --out")
 
 
 def _publish(tmp: Path, out_dir: Path) -> None:

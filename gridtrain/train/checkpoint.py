@@ -29,6 +29,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import pickle
 import re
 import shutil
 import warnings
@@ -48,6 +49,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from gridtrain.train.manifest import fsync_dir, verify, write_manifest
+from gridtrain.train.untrusted import SafeReader, UntrustedCheckpointError, check_metadata
 
 log = logging.getLogger(__name__)
 Group = dist.ProcessGroup | None
@@ -411,6 +413,17 @@ class AsyncSaver:
 
 # -- loading -----------------------------------------------------------------------------------
 
+def _untrusted(path: Path) -> str | None:
+    """Why the checkpoint's .metadata is not plain DCP metadata, or None."""
+    try:
+        check_metadata(path)
+    except UntrustedCheckpointError as err:
+        return str(err)
+    except (OSError, EOFError, pickle.UnpicklingError, ValueError, TypeError, AttributeError) as err:
+        return f"its .metadata cannot be read ({type(err).__name__}: {err})"
+    return None
+
+
 def load(path: Path, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
          trainer_state: dict[str, torch.Tensor], group: Group = None) -> dict[str, torch.Tensor]:
     """Load a checkpoint into the model parts and optimizers in place; returns the trainer's
@@ -418,8 +431,9 @@ def load(path: Path, parts: list[nn.Module], optimizers: list[torch.optim.Optimi
 
     Collective: rank 0 verifies `path` against its manifest first and every rank raises
     InvalidCheckpointError if it does not verify. Only DCP reads the files: tensors through
-    torch.load(weights_only=True), and its .metadata with pickle, after its sha256 matched."""
-    reason = verify(path) if _rank() == 0 else None
+    torch.load(weights_only=True), and its .metadata through untrusted.SafeReader, which
+    unpickles DCP's metadata classes and nothing else."""
+    reason = (verify(path) or _untrusted(path)) if _rank() == 0 else None
     if not _agree(reason is None, group):
         detail = reason or "it failed verification on rank 0 (its log names the problem)"
         raise InvalidCheckpointError(
@@ -427,7 +441,7 @@ def load(path: Path, parts: list[nn.Module], optimizers: list[torch.optim.Optimi
             "checkpoint by itself (checkpoint.latest_valid_checkpoint); move this one aside to "
             "inspect it")
     state = _state(parts, optimizers, trainer_state)
-    dcp.load(state, checkpoint_id=path, process_group=group)
+    dcp.load(state, storage_reader=SafeReader(path), process_group=group)
     for part, opt in zip(parts, optimizers):
         set_state_dict(part, opt, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=StateDictOptions(flatten_optimizer_state_dict=True, strict=False))

@@ -9,7 +9,8 @@ Two conventions differ between the codebases:
 - Names. `layers.N.attention.wq.weight` is `model.layers.N.self_attn.q_proj.weight`; w1, w3, w2 are
   gate_proj, up_proj, down_proj; the tied output head is not stored (transformers ties it on load).
 
-Files are safetensors and DCP checkpoints only: nothing here unpickles.
+Files are safetensors and DCP checkpoints only: nothing here unpickles but DCP's .metadata,
+through untrusted.SafeReader (DCP's metadata classes and nothing else).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from gridtrain.model.args import PRESETS, ModelArgs
 from gridtrain.model.llama import Transformer
 from gridtrain.train import checkpoint
 from gridtrain.train.manifest import verify
+from gridtrain.train.untrusted import SafeReader, UntrustedCheckpointError, check_metadata
 from gridtrain.train.optim import build_optimizer, set_lr
 from gridtrain.train.precision import Precision
 from gridtrain.train.build import build_model
@@ -258,14 +260,19 @@ def find_checkpoint(root: Path, step: int | None = None) -> Path:
         path = checkpoint.latest_checkpoint(root)
         if path is None:
             raise InterchangeError(f"no intact checkpoint in {root}: train with --checkpoint.interval N")
-        return path
-    found = dict(checkpoint.list_checkpoints(root))
-    if step not in found:
-        raise InterchangeError(f"no checkpoint of step {step} in {root}; steps there: {sorted(found)}")
-    problem = verify(found[step])
-    if problem:
-        raise InterchangeError(f"checkpoint {found[step]} is not intact: {problem}")
-    return found[step]
+    else:
+        found = dict(checkpoint.list_checkpoints(root))
+        if step not in found:
+            raise InterchangeError(f"no checkpoint of step {step} in {root}; steps there: {sorted(found)}")
+        path = found[step]
+        problem = verify(path)
+        if problem:
+            raise InterchangeError(f"checkpoint {path} is not intact: {problem}")
+    try:
+        check_metadata(path)
+    except UntrustedCheckpointError as err:
+        raise InterchangeError(f"refusing checkpoint {path}: {err}") from None
+    return path
 
 
 def load_model_weights(path: Path, args: ModelArgs) -> dict[str, torch.Tensor]:
@@ -276,7 +283,8 @@ def load_model_weights(path: Path, args: ModelArgs) -> dict[str, torch.Tensor]:
     # A tied head is the embedding: read it once (the checkpoint holds it under both names).
     wanted = {k: v for k, v in model.state_dict().items()
               if not (args.tie_embeddings and k == "output.weight")}
-    dcp.load({"model": wanted}, checkpoint_id=path)  # reads only these keys (DCP's notice: see checkpoint.py)
+    # Reads only these keys (DCP's notice: see checkpoint.py); .metadata through the safe unpickler.
+    dcp.load({"model": wanted}, storage_reader=SafeReader(path))
     return wanted
 
 

@@ -110,13 +110,16 @@ class Precision:
             self.scaler.update()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Tensors only, so checkpoints never need to unpickle Python objects."""
+        """Tensors only, so checkpoints never need to unpickle Python objects. Without a scaler
+        (fp32, bf16) the saved scale is 0: no scale to carry over."""
         state = self.scaler.state_dict() if self.scaler.is_enabled() else {}
-        return {"loss_scale": torch.tensor(float(state.get("scale", 1.0)), dtype=torch.float64),
+        return {"loss_scale": torch.tensor(float(state.get("scale", 0.0)), dtype=torch.float64),
                 "growth_tracker": torch.tensor(int(state.get("_growth_tracker", 0)))}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        if not self.scaler.is_enabled():
+        """Carry fp16's loss scale over a resume; a checkpoint saved without a scaler (fp32,
+        bf16; scale 0) leaves fp16's initial scale (train.loss_scale_init)."""
+        if not self.scaler.is_enabled() or float(state["loss_scale"]) <= 0:
             return
         full = self.scaler.state_dict()
         full.update(scale=float(state["loss_scale"]), _growth_tracker=int(state["growth_tracker"]))

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from gridtrain.checks import validate
-from gridtrain.config import Config
+from gridtrain.config import Config, ConfigError
 from gridtrain.model.stats import count_parameters, flops_per_token
 from gridtrain.parallel.accounting import (CollectiveLog, SavedActivations, flatten_comm, grad_bytes,
                                           optimizer_bytes, param_bytes)
@@ -76,6 +76,7 @@ class Trainer:
         self.pmodel = parallelize(full, cfg, self.dims if self.world.distributed else None, self.mesh,
                                   self.pipeline_loss, self.accum, self.device)
         self.model = self.pmodel.parts[0]
+        self.check_val_split()
         self.optimizers = [build_optimizer(part, t, self.mesh, cfg.parallel.zero_stage, self.dims.dp)
                            for part in self.pmodel.parts]
         self.optimizer = self.optimizers[0]
@@ -100,6 +101,17 @@ class Trainer:
         if self.world.distributed:
             set_timeouts(list(self.axis_groups().values()), t.collective_timeout_s)
             self.board = ProgressBoard(self.world.rank, self.world.world_size)
+
+    def check_val_split(self) -> None:
+        """Validation reads whole batches of micro_batch sequences (times the accumulation under a
+        pipeline): a split smaller than one would validate nothing and report nan."""
+        t = self.cfg.train
+        size = t.micro_batch if self.pmodel.schedule is None else t.micro_batch * self.accum
+        if self.data.val is not None and t.val_every > 0 and self.data.val.num_samples < size:
+            raise ConfigError([
+                f"the validation split holds {self.data.val.num_samples} sequences of {self.cfg.data.seq_len} "
+                f"tokens, fewer than one validation batch ({size}): raise data.val_fraction, lower "
+                "train.micro_batch, or set train.val_every 0"])
 
     def group(self, axis: str) -> dist.ProcessGroup | None:
         """The process group of a mesh axis ('world' for all ranks); None when it has one rank."""

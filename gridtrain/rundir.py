@@ -1,0 +1,77 @@
+"""A run directory belongs to one run: checked before any process starts.
+
+- Training into a directory that already holds a run (its config.json) without `--resume` would
+  start a second run on top of the first (metrics appended, config.json replaced, the old
+  checkpoints kept and later resumed): refused, with the ways forward.
+- `--resume` continues the same run or nothing: the model and the data it was saved with must be
+  the ones given now. A resumed checkpoint with another model would load what fits and drop the
+  rest, and another tokenizer, corpus or sequence length would change what the sample offset
+  means. Each difference is named (saved value, value now).
+
+Torch-free: the launcher checks before torchrun starts a process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+from gridtrain.config import Config, ConfigError
+from gridtrain.model.args import model_args
+
+DATA_KEYS = ("corpus", "tokenizer", "seq_len", "val_fraction")
+"""The data settings a resume must keep: they decide which sample each step reads."""
+
+
+def saved_record(run_dir: Path) -> dict | None:
+    """The run's config.json record, None if the directory holds no run."""
+    path = run_dir / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ConfigError([f"{path} is not readable as a gridtrain run record ({err}); move the directory "
+                           "aside or train into a new --run_dir"]) from None
+
+
+def differences(saved: dict, cfg: Config) -> list[str]:
+    """'key: saved X, now Y' for each model or data setting that differs from the saved run."""
+    out = []
+    model = saved.get("model", {})
+    try:
+        before = model_args(model.get("preset", "small"), **{k: v for k, v in model.items() if k != "preset"})
+    except (KeyError, TypeError) as err:
+        return [f"model: the saved configuration does not describe a model gridtrain knows ({err})"]
+    now = cfg.model.args()
+    for field in dataclasses.fields(now):
+        old, new = getattr(before, field.name), getattr(now, field.name)
+        if old != new:
+            out.append(f"model.{field.name}: saved {old!r}, now {new!r}")
+    data = saved.get("data", {})
+    for key in DATA_KEYS:
+        if key in data and data[key] != getattr(cfg.data, key):
+            out.append(f"data.{key}: saved {data[key]!r}, now {getattr(cfg.data, key)!r}")
+    return out
+
+
+def check_run_dir(cfg: Config) -> None:
+    """Refuse a run that would mix with the one already in `run_dir` (module docstring). Restarts
+    by torchrun resume by design and are not checked again."""
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
+        return
+    run_dir = Path(cfg.run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError([f"run_dir {run_dir} is a file, not a directory: give another --run_dir"])
+    record = saved_record(run_dir)
+    if record is None:
+        return
+    if not cfg.checkpoint.resume:
+        raise ConfigError([f"run_dir {run_dir} already holds a run (its config.json): continue it with "
+                           f"--resume, or train into a new --run_dir (or move {run_dir} aside first)"])
+    diffs = differences(record.get("config", {}), cfg)
+    if diffs:
+        raise ConfigError([f"--resume would continue the run in {run_dir} with another model or data, which "
+                           "it refuses (to train this configuration, give a new --run_dir):", *diffs])
