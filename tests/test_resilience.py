@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import re
@@ -122,8 +123,9 @@ def test_resume_skips_a_corrupted_checkpoint_for_the_previous_one(tmp_path, make
 
 def test_failed_saves_keep_the_earlier_checkpoint_and_follow_the_policy(tmp_path, make_config, monkeypatch, caplog):
     """A disk that fills after step 2's checkpoint: with on_save_error 'continue' the run
-    finishes and logs each failure; with 'stop' it ends with the error. Step 2's checkpoint stays
-    intact and loadable either way, and no half-written directory is left."""
+    trains to the end, logs each failure and, its last save failed too, ends with an error (it
+    once exited 0); with 'stop' it ends at the first failure. Step 2's checkpoint stays intact
+    and loadable either way, and no half-written directory is left."""
     from gridtrain.train.checkpoint import CheckpointSaveError, latest_valid_checkpoint
     from gridtrain.train.trainer import Trainer
 
@@ -131,10 +133,12 @@ def test_failed_saves_keep_the_earlier_checkpoint_and_follow_the_policy(tmp_path
     Trainer(make_config(tmp_path, **base)).run()
     monkeypatch.setenv("GRIDTRAIN_FAULT_SAVE_ERROR", "ENOSPC")
     more = {**base, "train.steps": 4, "checkpoint.resume": True}
-    with caplog.at_level(logging.ERROR):
-        metrics = Trainer(make_config(tmp_path, **more, **{"checkpoint.on_save_error": "continue"})).run()
-    assert metrics["loss/train"] > 0
+    with caplog.at_level(logging.ERROR), pytest.raises(CheckpointSaveError, match="trained to step 4 but its last "
+                                                          "checkpoint could not be saved"):
+        Trainer(make_config(tmp_path, **more, **{"checkpoint.on_save_error": "continue"})).run()
     assert "No space left on device" in caplog.text and "training goes on" in caplog.text
+    trained = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert trained[-2:] == [3, 4]
     with pytest.raises(CheckpointSaveError, match="No space left on device"):
         Trainer(make_config(tmp_path, **more)).run()
     root = tmp_path / "run" / "checkpoints"

@@ -89,6 +89,8 @@ class Trainer:
         self.interval = None if cfg.checkpoint.interval == "auto" else cfg.checkpoint.interval
         ckpt_timeout = datetime.timedelta(seconds=cfg.checkpoint.timeout_s)
         self.ckpt_group = dist.new_group(backend="gloo", timeout=ckpt_timeout) if self.world.distributed else None
+        self.unsaved: Exception | None = None
+        """The last save's error while on_save_error is 'continue' and no save has succeeded since."""
         self.saver = (checkpoint.AsyncSaver(self.ckpt_dir, cfg.checkpoint.keep, self.ckpt_group, ckpt_timeout)
                       if cfg.checkpoint.async_save else None)
         # Across nodes only the failed node counts a restart: every rank must resume if any does.
@@ -162,12 +164,16 @@ class Trainer:
         """Run one save (or commit); on CheckpointSaveError apply checkpoint.on_save_error:
         re-raise, or log it and return None."""
         try:
-            return save()
+            path = save()
         except checkpoint.CheckpointSaveError as err:
             if self.cfg.checkpoint.on_save_error == "stop":
                 raise
             log.error("%s; training goes on (checkpoint.on_save_error = 'continue')", err)
+            self.unsaved = err
             return None
+        if path:
+            self.unsaved = None
+        return path
 
     def commit_written(self) -> None:
         """Commit a background save as soon as every rank has written it (a crash then loses at
@@ -412,6 +418,11 @@ class Trainer:
                 elif self.should(self.interval):
                     self.save()
             self.finish_saves()
+            if self.unsaved is not None:  # on_save_error 'continue', and the last save failed too
+                raise checkpoint.CheckpointSaveError(
+                    f"the run trained to step {self.step} but its last checkpoint could not be saved "
+                    f"({self.unsaved}); the newest saved one is in {self.ckpt_dir}, if any: free the space "
+                    "and run again with --resume")
         except TrainingDiverged:
             self.finish_saves()  # every rank stops here together: keep the last good checkpoint
             raise
