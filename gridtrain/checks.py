@@ -5,6 +5,7 @@ Each problem names the key, the numbers and the fix; all problems are reported t
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from pathlib import Path
@@ -101,15 +102,22 @@ def _check_data(cfg: Config) -> list[str]:
     if d.corpus is not None and not Path(d.corpus).expanduser().exists():
         problems.append(f"data.corpus = '{d.corpus}' does not exist: give a file or directory, "
                         "or leave it unset for the Python standard library")
-    vocab = tokenizer_vocab_size(d.tokenizer)
+    index = Path(d.corpus).expanduser() / "index.json" if d.corpus is not None else None
+    if index is not None and index.is_file():  # a prepared corpus: its own tokens decide, not data.tokenizer
+        try:
+            vocab, source = int(json.loads(index.read_text())["vocab_size"]), f"the prepared corpus {d.corpus}"
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            return problems + [f"data.corpus = '{d.corpus}' has an unreadable index.json ({err}): prepare it "
+                               "again with `gridtrain data prepare`"]
+    else:
+        vocab, source = tokenizer_vocab_size(d.tokenizer), f"data.tokenizer '{d.tokenizer}'"
     if vocab is None:
         problems.append(f"data.tokenizer = '{d.tokenizer}' is not 'byte', 'bpe:N' or an existing "
                         "tokenizer.json")
     elif cfg.model.preset in PRESETS and vocab > cfg.model.args().vocab_size:
         problems.append(
             f"model.vocab_size ({cfg.model.args().vocab_size}) is smaller than the vocabulary of "
-            f"data.tokenizer '{d.tokenizer}' ({vocab}): set model.vocab_size to at least "
-            f"{64 * math.ceil(vocab / 64)}")
+            f"{source} ({vocab}): set model.vocab_size to at least {64 * math.ceil(vocab / 64)}")
     return problems
 
 

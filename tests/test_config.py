@@ -1,3 +1,5 @@
+import json
+
 import pytest
 
 from gridtrain.cli import main
@@ -208,3 +210,16 @@ def test_cli_rejects_bad_config_without_training(tmp_path, corpus_dir, capsys, m
 def test_cli_reports_unknown_key(capsys):
     assert main(["train", "--train.step", "3"]) == 2
     assert "did you mean 'train.steps'" in capsys.readouterr().err
+
+
+def test_a_prepared_corpus_larger_than_the_model_vocabulary_is_refused(tmp_path):
+    """The check reads the vocabulary of the data actually used (a prepared corpus's index), not
+    data.tokenizer: such a corpus used to crash mid-run with `IndexError: index out of range`."""
+    prepared = tmp_path / "prepared"
+    prepared.mkdir()
+    (prepared / "index.json").write_text(json.dumps({"vocab_size": 1000}))
+    cfg = load_config(None, {"model.preset": "tiny", "data.corpus": str(prepared)})  # tokenizer: byte
+    with pytest.raises(ConfigError, match=rf"model.vocab_size \(320\) is smaller than the vocabulary of the "
+                                          rf"prepared corpus {prepared} \(1000\): set model.vocab_size to at least 1024"):
+        validate(cfg)
+    validate(load_config(None, {"model.preset": "tiny", "model.vocab_size": "1024", "data.corpus": str(prepared)}))
