@@ -45,6 +45,7 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     from gridtrain.train.resilience import CollectiveTimeout, TrainingDiverged
     from gridtrain.train.trainer import Trainer
 
+    trainer = None
     try:
         trainer = Trainer(cfg)
         final = trainer.run()
@@ -53,6 +54,10 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
         print(f"gridtrain: {'' if rank is None else f'rank {rank}: '}{err}", file=sys.stderr, flush=True)
         shutdown()
         return 1
+    except KeyboardInterrupt:
+        print(f"gridtrain: {interrupted(trainer)}", file=sys.stderr, flush=True)
+        shutdown()
+        return 130
     except BaseException:
         shutdown()
         raise
@@ -61,6 +66,25 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
         print(f"final validation loss {final['loss/val']:.4f} (perplexity {final['loss/val_ppl']:.2f})")
     del dims
     return 0
+
+
+def interrupted(trainer) -> str:
+    """Ctrl-C: commit a checkpoint already written in the background (it used to be lost), then
+    say where the run stands and how to continue it."""
+    if trainer is None:
+        return "interrupted while starting; nothing was trained"
+    from gridtrain.train import checkpoint
+
+    note = ""
+    if trainer.saver and trainer.saver.pending:
+        try:
+            trainer.finish_saves()
+        except (checkpoint.CheckpointSaveError, KeyboardInterrupt) as err:
+            note = f" (the checkpoint being written was abandoned: {err or 'interrupted again'})"
+    saved = checkpoint.list_checkpoints(trainer.ckpt_dir)  # no collective: other ranks may be gone
+    where = f"the newest checkpoint is {saved[-1][1]}" if saved else "no checkpoint was saved"
+    return (f"interrupted after step {trainer.step}{note}; {where}: continue with the same command and "
+            "--resume")
 
 
 def launch(nproc: int, argv: list[str], max_restarts: int = 0) -> int:

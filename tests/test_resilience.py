@@ -193,3 +193,29 @@ def test_async_save_is_committed_once_written_without_waiting_for_the_next(tmp_p
         assert time.monotonic() < deadline
         time.sleep(0.01)
     assert verify(committed) is None and trainer.saver.pending is None
+
+
+def test_ctrl_c_commits_the_checkpoint_being_written_and_says_how_to_resume(tmp_path, corpus_dir, monkeypatch, capsys):
+    """Ctrl-C (KeyboardInterrupt) at step 3, while step 2's checkpoint is still being written in
+    the background: that checkpoint used to be lost (never committed) behind a bare traceback. Now
+    it is committed, and one line says where the run stands; exit status 130."""
+    from conftest import cli_train
+
+    from gridtrain.train.checkpoint import latest_valid_checkpoint
+    from gridtrain.train.trainer import Trainer
+
+    real = Trainer.train_step
+
+    def interrupted_at_step_3(self):
+        if self.step == 2:
+            raise KeyboardInterrupt
+        return real(self)
+
+    monkeypatch.setattr(Trainer, "train_step", interrupted_at_step_3)
+    run_dir = tmp_path / "run"
+    assert cli_train(run_dir, corpus_dir, "--train.steps", "4", "--checkpoint.async_save", "true") == 130
+    err = capsys.readouterr().err
+    step2 = run_dir / "checkpoints" / "step-0000002"
+    assert f"interrupted after step 2; the newest checkpoint is {step2}: continue with the same command and --resume" in err
+    assert "Traceback" not in err
+    assert latest_valid_checkpoint(run_dir / "checkpoints")[0] == step2
