@@ -250,6 +250,9 @@ def _check_resilience(cfg: Config, dims: ParallelDims) -> list[str]:
         problems.append(f"checkpoint.timeout_s = {c.timeout_s} must be > 0")
     if c.mtbf_hours <= 0:
         problems.append(f"checkpoint.mtbf_hours = {c.mtbf_hours} must be > 0")
+    if not 0 <= c.signal_grace_s < math.inf:
+        problems.append(f"checkpoint.signal_grace_s = {c.signal_grace_s} must be a number of seconds >= 0 "
+                        "(0: exit at once on SIGTERM)")
     if t.collective_timeout_s <= 0:
         problems.append(f"train.collective_timeout_s = {t.collective_timeout_s} must be > 0")
     problems += _at_least("train.max_bad_steps", t.max_bad_steps, 1) + _at_least("train.spike_zscore", t.spike_zscore, 0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -43,7 +44,7 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     from gridtrain.train.checkpoint import CheckpointSaveError, InvalidCheckpointError
     from gridtrain.train.distributed import shutdown
     from gridtrain.train.resilience import CollectiveTimeout, TrainingDiverged
-    from gridtrain.train.trainer import Trainer
+    from gridtrain.train.trainer import Stopped, Trainer
 
     trainer = None
     try:
@@ -54,6 +55,11 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
         print(f"gridtrain: {'' if rank is None else f'rank {rank}: '}{err}", file=sys.stderr, flush=True)
         shutdown()
         return 1
+    except Stopped as stopped:
+        if trainer.world.rank == 0:
+            print(f"gridtrain: {stopped}", file=sys.stderr, flush=True)
+        shutdown()
+        return 128 + stopped.signum
     except KeyboardInterrupt:
         print(f"gridtrain: {interrupted(trainer)}", file=sys.stderr, flush=True)
         shutdown()
@@ -102,7 +108,17 @@ def launch(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
            f"--max-restarts={max_restarts}", "-m", "gridtrain", *forwarded]
     log.info("launching %d processes: %s", nproc, " ".join(cmd[2:]))
     # A fresh rendezvous store per attempt: restarted ranks never read a dead attempt's keys.
-    return subprocess.call(cmd, env={**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    with subprocess.Popen(cmd, env={**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}) as proc:
+        # A scheduler's SIGTERM or SIGUSR1 goes on to torchrun as SIGTERM (it has no SIGUSR1
+        # handler), which passes it to every rank: they save and stop (checkpoint.signal_grace_s;
+        # torchrun kills them 30 s later) instead of being orphaned.
+        previous = {sig: signal.signal(sig, lambda signum, frame: proc.send_signal(signal.SIGTERM))
+                    for sig in (signal.SIGTERM, signal.SIGUSR1)}
+        try:
+            return proc.wait()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
 
 def cmd_model(args: argparse.Namespace, extra: list[str]) -> int:

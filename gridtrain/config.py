@@ -157,6 +157,10 @@ class CheckpointConfig:
     async_save: bool = False
     """Write checkpoints in the background while training goes on (committed at the next save
     or the end of the run)."""
+    signal_grace_s: float = 60.0
+    """On SIGTERM or SIGUSR1 (what SLURM, Kubernetes and torchrun send before they stop a job):
+    finish the step, save a checkpoint and exit within this many seconds (past it, the process
+    exits as the signal would have); 0 exits at once without saving."""
 
 
 @dataclass

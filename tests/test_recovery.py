@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -127,3 +128,50 @@ def test_stalled_rank_ends_the_run_within_the_timeout(tmp_path, corpus_dir):
     assert (last["kind"], last["axis"]) == message.groups()
     assert last["timeout_ms"] == 5000
     assert elapsed < 120, elapsed
+
+
+def _run_until_step(cmd: list[str], run_dir: Path, step: int) -> subprocess.Popen:
+    """Start `cmd` and return once its metrics show `step` trained."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    metrics = run_dir / "metrics.jsonl"
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.is_file() and any(json.loads(line).get("step", 0) >= step
+                                     for line in metrics.read_text().splitlines() if line.strip()):
+            return proc
+        time.sleep(0.2)
+    proc.kill()
+    raise AssertionError(f"the run never reached step {step}: {proc.communicate()[1][-3000:]}")
+
+
+@pytest.mark.parametrize("nproc,sig", [(1, signal.SIGTERM), (1, signal.SIGUSR1), (2, signal.SIGTERM)])
+def test_sigterm_finishes_the_step_saves_and_says_how_to_resume(tmp_path, corpus_dir, nproc, sig):
+    """What a scheduler sends before it stops a job: the run used to die at once with no checkpoint
+    (exit 143, nothing kept with checkpoint.interval 1000). Now every rank finishes its step, one
+    checkpoint of that step is saved and verifies, one line says how to resume, and the resumed
+    run goes on from there. Under --nproc the launcher passes the signal on through torchrun."""
+    from gridtrain.train.checkpoint import latest_valid_checkpoint
+
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "gridtrain", "train", "--nproc", str(nproc), "--model.preset", "tiny",
+           "--data.corpus", str(corpus_dir), "--data.cache_dir", str(tmp_path / "cache"), "--data.seq_len", "32",
+           "--train.global_batch", "4", "--train.micro_batch", "2", "--train.steps", "100000",
+           "--train.warmup_steps", "1", "--train.val_every", "0", "--checkpoint.interval", "1000",
+           "--metrics.log_every", "1", "--metrics.tensorboard", "false", "--metrics.progress", "false",
+           "--metrics.account_every", "0", "--run_dir", str(run_dir)]
+    proc = _run_until_step(cmd, run_dir, 2)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    found = re.search(r"stopped by SIG\w+ after step (\d+); checkpoint (\S+) saved: continue with the same "
+                      r"command and --resume", err)
+    assert found, err[-3000:]
+    assert proc.returncode != 0
+    if nproc == 1:
+        assert proc.returncode == 128 + sig and f"stopped by {sig.name}" in err
+        assert "Traceback" not in err
+    step = int(found.group(1))
+    assert latest_valid_checkpoint(run_dir / "checkpoints")[0] == Path(found.group(2)) == \
+        run_dir / "checkpoints" / f"step-{step:07d}"
+    resumed = train(tmp_path, corpus_dir, "run", nproc, "--resume", "--train.steps", str(step + 2))
+    assert f"resumed from {found.group(2)} at step {step}" in resumed.stdout + resumed.stderr

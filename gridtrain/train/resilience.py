@@ -14,6 +14,7 @@ import os
 import signal
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -181,3 +182,38 @@ def auto_interval(save_s: float, step_s: float, mtbf_hours: float) -> tuple[int,
     return steps, (f"checkpoint.interval auto: a save takes {save_s:.3f} s, a step {step_s:.3f} s, the job's "
                    f"MTBF is {mtbf_hours:g} h (checkpoint.mtbf_hours): Daly's interval {daly:.1f} s "
                    f"(Young's {young:.1f} s) = every {steps} steps")
+
+
+class StopSignals:
+    """SIGTERM and SIGUSR1, what SLURM (`--signal`), Kubernetes and torchrun send before they stop
+    a job: while caught (main thread only), a signal is noted in `signum` for the training loop,
+    which saves and stops after its step; a watchdog then exits as the signal would have once
+    `grace_s` has passed (0: at once, without saving)."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self, grace_s: float) -> None:
+        self.grace_s = grace_s
+        self.signum: int | None = None
+        self.previous: dict[int, object] = {}
+
+    def catch(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            self.previous = {sig: signal.getsignal(sig) for sig in self.SIGNALS}
+            for sig in self.SIGNALS:
+                signal.signal(sig, self.handle)
+
+    def release(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+        self.previous = {}
+
+    def handle(self, signum: int, frame: object) -> None:
+        if self.signum is not None:
+            return
+        self.signum = signum
+        if self.grace_s <= 0:
+            os._exit(128 + signum)
+        watchdog = threading.Timer(self.grace_s, os._exit, args=(128 + signum,))
+        watchdog.daemon = True
+        watchdog.start()

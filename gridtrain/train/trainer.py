@@ -16,6 +16,7 @@ import json
 import logging
 import math
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Callable
@@ -41,10 +42,18 @@ from gridtrain.train.metrics import MetricsWriter
 from gridtrain.train.optim import build_optimizer, lr_at, set_lr
 from gridtrain.train.units import units_table
 from gridtrain.train.precision import Precision
-from gridtrain.train.resilience import (Guard, ProgressBoard, TrainingDiverged, auto_interval, collective_failure, inject_fault,
+from gridtrain.train.resilience import (Guard, ProgressBoard, StopSignals, TrainingDiverged, auto_interval, collective_failure, inject_fault,
                                         is_comm_failure, restart_count, set_timeouts)
 
 log = logging.getLogger("gridtrain")
+
+
+class Stopped(Exception):
+    """The run saved and stopped on a signal (SIGTERM, SIGUSR1); `signum` gives the exit status."""
+
+    def __init__(self, signum: int, message: str) -> None:
+        super().__init__(message)
+        self.signum = signum
 
 
 class Trainer:
@@ -89,6 +98,7 @@ class Trainer:
         self.interval = None if cfg.checkpoint.interval == "auto" else cfg.checkpoint.interval
         ckpt_timeout = datetime.timedelta(seconds=cfg.checkpoint.timeout_s)
         self.ckpt_group = dist.new_group(backend="gloo", timeout=ckpt_timeout) if self.world.distributed else None
+        self.signals = StopSignals(cfg.checkpoint.signal_grace_s)
         self.unsaved: Exception | None = None
         """The last save's error while on_save_error is 'continue' and no save has succeeded since."""
         self.saver = (checkpoint.AsyncSaver(self.ckpt_dir, cfg.checkpoint.keep, self.ckpt_group, ckpt_timeout)
@@ -401,6 +411,7 @@ class Trainer:
             if writer:
                 writer.write(0, val)
         doing = "during start-up"
+        self.signals.catch()
         try:
             while self.step < cfg.train.steps:
                 doing = f"at step {self.step + 1}"
@@ -412,6 +423,8 @@ class Trainer:
                     writer.write(self.step, metrics, echo=self.should(cfg.metrics.log_every) or "loss/val" in metrics)
                     writer.advance(metrics["loss/train"])
                 doing = f"while saving the checkpoint of step {self.step}"
+                if any_rank(self.signals.signum is not None):
+                    self.stop()
                 self.commit_written()
                 if self.interval is None:
                     self.choose_interval(metrics["time/step_s"])
@@ -433,9 +446,19 @@ class Trainer:
                                          self.board, self.comm_log, Path(cfg.run_dir), doing) from err
             raise
         finally:
+            self.signals.release()
             if writer:
                 writer.close()
         return metrics
+
+    def stop(self) -> None:
+        """A rank received SIGTERM or SIGUSR1: every rank saves this step's checkpoint and stops."""
+        signum = self.signals.signum or signal.SIGTERM
+        self.save()
+        self.finish_saves()
+        raise Stopped(signum, f"stopped by {signal.Signals(signum).name} after step {self.step}; "
+                      f"checkpoint {checkpoint.step_dir(self.ckpt_dir, self.step)} saved: continue with "
+                      "the same command and --resume")
 
     def choose_interval(self, step_s: float) -> None:
         """checkpoint.interval = "auto": time a real save now and space the next ones by Daly's
