@@ -352,10 +352,15 @@ def main(argv: list[str] | None = None) -> int:
     if extra and args.command not in ("train", "model", "plan"):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
-        return args.func(args, extra)
+        code = args.func(args, extra)
+        sys.stdout.flush()  # inside the try: a closed pipe shows up here
+        return code
     except ConfigError as e:
         print(f"gridtrain: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `gridtrain ... | head` closed the pipe: nothing more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

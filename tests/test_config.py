@@ -223,3 +223,17 @@ def test_a_prepared_corpus_larger_than_the_model_vocabulary_is_refused(tmp_path)
                                           rf"prepared corpus {prepared} \(1000\): set model.vocab_size to at least 1024"):
         validate(cfg)
     validate(load_config(None, {"model.preset": "tiny", "model.vocab_size": "1024", "data.corpus": str(prepared)}))
+
+
+def test_help_config_into_a_closed_pipe_is_quiet():
+    """`gridtrain train --help-config | head -1` printed a BrokenPipeError traceback."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(f"{sys.executable} -m gridtrain train --help-config | head -1", shell=True,
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(root)}, timeout=120)
+    assert proc.stdout.startswith("--") and proc.stdout.count("\n") == 1
+    assert proc.stderr == "", proc.stderr
