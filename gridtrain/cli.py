@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 from gridtrain.checks import validate
 from gridtrain.config import ConfigError, all_keys, load_config, parse_overrides
@@ -129,6 +131,10 @@ def cmd_model(args: argparse.Namespace, extra: list[str]) -> int:
         for name, fn in PRESETS.items():
             print(f"{name:<14} {fn.__doc__.splitlines()[0]}")
         return 0
+    if args.preset not in PRESETS:
+        print(f"gridtrain: unknown model preset {args.preset!r}; choose one of {', '.join(PRESETS)} "
+              "(gridtrain model --list)", file=sys.stderr)
+        return 2
     overrides = {k.split(".", 1)[1]: v for k, v in parse_overrides(extra).items()}
     cfg = load_config(None, {f"model.{k}": v for k, v in overrides.items()} | {"model.preset": args.preset})
     margs = cfg.model.args()
@@ -252,13 +258,28 @@ def add_interchange_parsers(sub: argparse._SubParsersAction) -> None:
                        "(model.safetensors, config.json)")
     p.add_argument("run_dir")
     p.add_argument("out", help="output directory (must not exist, or be empty)")
-    p.add_argument("--step", type=int, help="the checkpoint of this step (default: the newest)")
+    p.add_argument("--step", type=number(int, 0), help="the checkpoint of this step (default: the newest)")
     p.set_defaults(func=cmd_export)
     p = sub.add_parser("import", help="turn a Hugging Face Llama directory (safetensors) into a run "
                        "with a step-0 checkpoint and imported.toml")
     p.add_argument("hf_dir")
     p.add_argument("run_dir", help="the new run directory (must not exist, or be empty)")
     p.set_defaults(func=cmd_import)
+
+
+def number(kind: type, low: float, high: float = math.inf, low_open: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite `kind` (int or float) in [low, high] ((low, high] if low_open),
+    or argparse's one-line error naming the value and the range."""
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'a whole number' if kind is int else 'a number'}") from None
+        if not (math.isfinite(value) and (value > low if low_open else value >= low) and value <= high):
+            bound = f"> {low:g}" if low_open else f">= {low:g}"
+            raise argparse.ArgumentTypeError(f"{text} must be {bound}" + (f" and <= {high:g}" if high < math.inf else ""))
+        return value
+    return parse
 
 
 def add_plan_parser(sub: argparse._SubParsersAction) -> None:
@@ -278,8 +299,8 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tokens", help="training tokens, e.g. 15.6T (default: Chinchilla, 20 per parameter)")
     p.add_argument("--layout", help="fix some choices: tp=8,pp=16,cp=1,dp=128,zero=1,mb=1,recompute=full,"
                    "schedule=interleaved-1f1b,v=2 (the search fills in the rest)")
-    p.add_argument("--top", type=int, default=10, help="layouts to rank")
-    p.add_argument("--hbm-usable", type=float, default=0.9, help="share of HBM a layout may plan for")
+    p.add_argument("--top", type=number(int, 1), default=10, help="layouts to rank")
+    p.add_argument("--hbm-usable", type=number(float, 0, 1, low_open=True), default=0.9, help="share of HBM a layout may plan for")
     p.add_argument("--no-flash", action="store_true", help="attention keeps its s x s scores")
     p.add_argument("--precision", default="bf16", choices=["fp32", "bf16", "fp16"],
                    help="training precision (gridtrain's train.precision)")
@@ -288,10 +309,10 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--convention", default="gridtrain", choices=["gridtrain", "zero", "megatron"],
                    help="bytes per parameter: gridtrain's runtime (fp32 state, 16-bit compute copies), the "
                    "ZeRO paper's 2 + 2 + 12, or Megatron-LM's 2 + 4 + 12")
-    p.add_argument("--price", type=float, help="$ per GPU-hour (default: the cluster's, $2)")
-    p.add_argument("--pue", type=float, default=1.4, help="facility power usage effectiveness")
-    p.add_argument("--electricity-price", type=float, default=0.05, help="$ per kWh")
-    p.add_argument("--mtbf-hours", type=float, default=50_000, help="mean time between failures of one GPU, hours")
+    p.add_argument("--price", type=number(float, 0), help="$ per GPU-hour (default: the cluster's, $2)")
+    p.add_argument("--pue", type=number(float, 1), default=1.4, help="facility power usage effectiveness")
+    p.add_argument("--electricity-price", type=number(float, 0), default=0.05, help="$ per kWh")
+    p.add_argument("--mtbf-hours", type=number(float, 0, low_open=True), default=50_000, help="mean time between failures of one GPU, hours")
     p.add_argument("--check", metavar="RUN_DIR", help="the prediction for a finished gridtrain run beside "
                    "what its ranks measured (memory per bucket)")
     p.add_argument("--json", action="store_true", help="emit the whole plan as JSON")
@@ -301,22 +322,29 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_plan)
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with its errors on one line (no usage block): what is wrong and where help is."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gridtrain", description=__doc__)
+    parser = Parser(prog="gridtrain", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("train", help="train a model; --section.key VALUE overrides any config key")
     p.add_argument("--config", help="a TOML file (see configs/)")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
     p.add_argument("--help-config", action="store_true", help="list every config key with its meaning")
-    p.add_argument("--nproc", type=int, help="start this many local processes through torchrun")
-    p.add_argument("--max-restarts", type=int, default=0,
+    p.add_argument("--nproc", type=number(int, 1), help="start this many local processes through torchrun")
+    p.add_argument("--max-restarts", type=number(int, 0), default=0,
                    help="with --nproc: torchrun restarts the run up to this many times after a failure, "
                         "each time resuming from the newest intact checkpoint")
     p.set_defaults(func=cmd_train, argv=None)
     p = sub.add_parser("model", help="parameter count and FLOPs per token of a model preset")
     p.add_argument("preset", nargs="?")
     p.add_argument("--list", action="store_true", help="list the presets")
-    p.add_argument("--seq-len", type=int, help="sequence length for the FLOPs (default: the context)")
+    p.add_argument("--seq-len", type=number(int, 1), help="sequence length for the FLOPs (default: the context)")
     p.set_defaults(func=cmd_model)
     p = sub.add_parser("data", help="prepare token shards from text")
     dsub = p.add_subparsers(dest="data_command", required=True)
@@ -326,13 +354,13 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--out", help="output directory (default: the cache, as training uses it)")
     d.add_argument("--overwrite", action="store_true",
                    help="replace a dataset already prepared in --out (never other files there)")
-    d.add_argument("--val-fraction", type=float, default=0.005)
-    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--val-fraction", type=number(float, 0, 0.5, low_open=True), default=0.005)
+    d.add_argument("--seed", type=number(int, 0), default=0)
     d.add_argument("--cache-dir", default="~/.cache/gridtrain")
     d.set_defaults(func=cmd_data)
     p = sub.add_parser("calibrate", help="measure this CPU's peak matmul FLOP/s (for MFU)")
-    p.add_argument("--threads", type=int)
-    p.add_argument("--seconds", type=float, default=2.0, help="time per precision")
+    p.add_argument("--threads", type=number(int, 1, os.cpu_count() or 1))
+    p.add_argument("--seconds", type=number(float, 0, 600, low_open=True), default=2.0, help="time per precision")
     p.set_defaults(func=cmd_calibrate)
     add_plan_parser(sub)
     p = sub.add_parser("plot", help="PNG of a run's loss and throughput curves")

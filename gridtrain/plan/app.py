@@ -15,7 +15,7 @@ from typing import TextIO
 from gridtrain.config import ConfigError, parse_overrides
 from gridtrain.plan import budget, explain, render
 from gridtrain.plan.inputs import (batch_sequences, check_constraints, constraints_label, parse_count,
-                                   parse_layout, resolve_cluster, resolve_model)
+                                   parse_layout, parse_whole, resolve_cluster, resolve_model)
 from gridtrain.plan.memory import CONVENTIONS, GiB
 from gridtrain.plan.report import Assumptions, build_report, layout_dict
 from gridtrain.plan.runnable import train_command
@@ -37,16 +37,16 @@ def build_problem(args: argparse.Namespace, extra: list[str]) -> tuple[Problem, 
     if args.price is not None:
         cluster = replace(cluster, price_per_gpu_hour=args.price)
     notes: list[str] = []
-    seq_len = int(parse_count(args.seq_len, "--seq-len")) if args.seq_len else model.max_seq_len
+    seq_len = parse_whole(args.seq_len, "--seq-len") if args.seq_len else model.max_seq_len
     if args.global_batch:
-        seqs = int(parse_count(args.global_batch, "--global-batch"))
+        seqs = parse_whole(args.global_batch, "--global-batch")
     elif args.global_batch_tokens:
         seqs, note = batch_sequences(args.global_batch_tokens, seq_len)
         notes += [note] if note else []
     else:
         seqs = max(1, DEFAULT_BATCH_TOKENS // seq_len)
         notes.append(f"no batch given: {seqs:,} sequences x {seq_len:,} = {seqs * seq_len:,} tokens per step")
-    num_gpus = int(parse_count(args.num_gpus, "--num-gpus"))
+    num_gpus = parse_whole(args.num_gpus, "--num-gpus")
     if args.tokens:
         tokens = parse_count(args.tokens, "--tokens")
     else:

@@ -36,9 +36,17 @@ def parse_count(text: str, what: str) -> float:
     except ValueError:
         raise PlanError(f"{what} = {text!r} is not a count: write e.g. 16384, 16M or 15.6T "
                         "(K = 1e3, M = 1e6, B = 1e9, T = 1e12)") from None
-    if value <= 0 or math.isnan(value):
-        raise PlanError(f"{what} = {text!r} must be positive")
+    if value <= 0 or not math.isfinite(value):
+        raise PlanError(f"{what} = {text!r} must be a positive finite count")
     return value
+
+
+def parse_whole(text: str, what: str) -> int:
+    """parse_count for things that come whole (GPUs, sequences): 1.5 GPUs is an error, not 1."""
+    value = parse_count(text, what)
+    if value != int(value):
+        raise PlanError(f"{what} = {text!r} is {value:g}, not a whole number")
+    return int(value)
 
 
 def batch_sequences(text: str, seq_len: int) -> tuple[int, str | None]:
