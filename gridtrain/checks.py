@@ -273,6 +273,8 @@ def validate(cfg: Config, world: int | None = None) -> ParallelDims:
     problems += _check_batch(cfg, max(dims.dp, 1)) + _check_train(cfg) + _check_data(cfg)
     problems += _check_resilience(cfg, dims)
     problems += _at_least("metrics.log_every", cfg.metrics.log_every, 1)
+    if not str(cfg.run_dir).strip():
+        problems.append("run_dir is empty (it would write into the current directory): give --run_dir DIR")
     if problems:
         raise ConfigError(problems)
     return dims

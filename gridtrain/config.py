@@ -372,8 +372,13 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     cfg = Config()
     items: dict[str, Any] = {}
     if path is not None:
-        with open(path, "rb") as f:
-            items.update(_flatten(tomllib.load(f)))
+        try:
+            with open(path, "rb") as f:
+                items.update(_flatten(tomllib.load(f)))
+        except OSError as err:
+            raise ConfigError([f"--config {path}: {err.strerror.lower()}: give a TOML file (see configs/)"]) from None
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError([f"--config {path} is not valid TOML ({err}): fix it (see configs/)"]) from None
     items.update(overrides or {})
     problems = []
     for key, raw in items.items():

@@ -40,6 +40,9 @@ CASES = [
     (["train", "--checkpoint.signal_grace_s", "-1"], "checkpoint.signal_grace_s = -1.0 must be a number of seconds >= 0"),
     (["train", "--checkpoint.signal_grace_s", "inf"], "checkpoint.signal_grace_s = inf must be"),
     (["train", "--train.step", "3"], "train.step"),
+    (["train", "--run_dir", ""], "run_dir is empty (it would write into the current directory)"),
+    (["train", "--config", "missing.toml"], "--config missing.toml: no such file or directory"),
+    (["train", "--config", "."], "--config .: is a directory"),
     # data prepare, calibrate, export
     (["data", "prepare", "--val-fraction", "0"], "--val-fraction: 0 must be > 0 and <= 0.5"),
     (["data", "prepare", "--val-fraction", "0.9"], "--val-fraction: 0.9 must be > 0 and <= 0.5"),
@@ -61,10 +64,19 @@ def run(argv: list[str]) -> int:
 @pytest.mark.parametrize("argv,words", CASES, ids=[" ".join(a) for a, _ in CASES])
 def test_bad_input_gets_one_clear_line(argv, words, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
+    before = sorted(Path(tmp_path).rglob("*"))
     assert run(argv) == 2
     out, err = capsys.readouterr()
     assert words in err, err
     assert "Traceback" not in err and out == ""
     lines = [line for line in err.splitlines() if line.strip()]
     assert lines[0].startswith("gridtrain") and (len(lines) == 1 or lines[0].endswith("invalid configuration:")), err
-    assert list(Path(tmp_path).iterdir()) == []  # nothing written where it ran
+    assert sorted(Path(tmp_path).rglob("*")) == before  # nothing written where it ran
+
+
+def test_a_config_that_is_not_toml_is_named(tmp_path, capsys):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("x = [\n")
+    assert run(["train", "--config", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert f"--config {bad} is not valid TOML" in err and "Traceback" not in err
