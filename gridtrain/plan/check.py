@@ -88,13 +88,19 @@ def predict_collectives(args: ModelArgs, dims: ParallelDims, cfg: dict, pp_rank:
     gradient norm all-reduces one fp32 scalar per sharded parameter tensor (DTensor's per-tensor
     norms) or one per pipeline (the squared total over 'pp'); fp16 agrees on overflows with one
     fp32 scalar per optimizer over the world (on the axis that spans it, if one does)."""
-    out = _predict_collectives(args, dims, cfg, pp_rank) or estimate_collectives(args, dims, cfg, pp_rank)
+    return collectives(args, dims, cfg, pp_rank)[0]
+
+
+def collectives(args: ModelArgs, dims: ParallelDims, cfg: dict, pp_rank: int) -> tuple[dict[str, float], bool]:
+    """(predict_collectives' bytes, whether they are exact rather than estimated)."""
+    exact = _predict_collectives(args, dims, cfg, pp_rank)
+    out = exact or estimate_collectives(args, dims, cfg, pp_rank)
     if out and cfg["train"]["precision"] == "fp16" and dims.world_size > 1:
         world = next((a for a, n in dims.degrees.items() if n == dims.world_size), "world")
         parts = len(forwards_held(cfg["parallel"]["pp_schedule"], dims.pp, cfg["parallel"]["pp_virtual_stages"]
                                   if dims.pp > 1 else 1, 1, pp_rank))
         out[f"{world}/all_reduce_bytes"] = out.get(f"{world}/all_reduce_bytes", 0.0) + 4.0 * parts
-    return out
+    return out, bool(exact)
 
 
 def _predict_collectives(args: ModelArgs, dims: ParallelDims, cfg: dict, pp_rank: int) -> dict[str, float]:
@@ -149,11 +155,6 @@ def _predict_collectives(args: ModelArgs, dims: ParallelDims, cfg: dict, pp_rank
     return {}
 
 
-def is_exact(args: ModelArgs, dims: ParallelDims, cfg: dict, pp_rank: int) -> bool:
-    """Whether the layout's collectives are modelled exactly (predict_collectives), not estimated."""
-    return bool(_predict_collectives(args, dims, cfg, pp_rank))
-
-
 def estimate_collectives(args: ModelArgs, dims: ParallelDims, cfg: dict, pp_rank: int) -> dict[str, float]:
     """Payload bytes per collective and mesh axis for the layouts predict_collectives does not
     model exactly (several parallel axes, or a pipeline with more than one stage per rank or with
@@ -175,10 +176,8 @@ def estimate_collectives(args: ModelArgs, dims: ParallelDims, cfg: dict, pp_rank
     Tensor-parallel traffic is counted at fp32 activations in every precision: under bf16 and
     fp16 part of it moves in 16 bits (measured 25-32% fewer bytes than this estimate)."""
     t, p = cfg["train"], cfg["parallel"]
-    seq, mb = cfg["data"]["seq_len"], t["micro_batch"]
-    local = (t["global_batch_tokens"] // seq if t["global_batch_tokens"] else t["global_batch"]) // dims.dp
-    m, v = local // mb, p["pp_virtual_stages"] if dims.pp > 1 else 1
     layout = run_layout(args, dims, cfg)
+    seq, mb, m, v = layout.seq_len, layout.micro_batch, layout.num_microbatches, layout.virtual_stages
     parts = rank_stage_shapes(from_args(args), dims.pp, v, p["pp_schedule"], p["pp_fewer_edge_layers"], pp_rank)
     shapes = {name: s for part in parts for name, s in part.items()}
     stages = list(forwards_held(layout.schedule, dims.pp, v, m, pp_rank)) if dims.pp > 1 else [0]
@@ -255,9 +254,9 @@ def check_run(run_dir: Path) -> list[CheckRow]:
         pp_rank = dims.coordinates(measured["rank"])["pp"]
         acts = predict_activations(args, dims, cfg, pp_rank)
         rows.append(CheckRow(measured["rank"], "activations", acts, measured["memory/activations_bytes"]))
-        estimated = not is_exact(args, dims, cfg, pp_rank)
-        for key, value in predict_collectives(args, dims, cfg, pp_rank).items():
-            rows.append(CheckRow(measured["rank"], key, value, measured.get(f"comm/{key}", 0.0), estimated))
+        predicted, exact = collectives(args, dims, cfg, pp_rank)
+        for key, value in predicted.items():
+            rows.append(CheckRow(measured["rank"], key, value, measured.get(f"comm/{key}", 0.0), not exact))
     if not rows:
         raise FileNotFoundError(f"{run_dir}/accounting has no rank records: was metrics.account_every 0?")
     return rows
