@@ -79,6 +79,9 @@ def report(verdicts: dict[str, dict]) -> str:
             lines.append(f"  {precision}: " + ", ".join(f"{k} {v:.2e}" for k, v in worst.items()))
     bad = [v for v in verdicts.values() if v["status"] in ("failed", "crashed")]
     lines += ["", f"{len(bad)} failed or crashed:"] + [f"  {v['name']}: {v['problems'][:3]}" for v in bad]
+    retried = [v for v in verdicts.values() if "retried" in v]
+    lines += ["", f"{len(retried)} launches died and were run again alone:"]
+    lines += [f"  {v['name']}: died ({v['retried']}), then {v['status']} alone" for v in retried]
     refused: dict[str, int] = {}
     for v in verdicts.values():
         if v["status"] == "refused":

@@ -134,3 +134,45 @@ def test_tolerances_scale_with_the_unit_roundoff():
     assert bf16.update_rtol == pytest.approx(2 ** -8 * 32) and bf16.weight_tol is None
     assert fp16.update_rtol == pytest.approx(bf16.update_rtol / 8)
     assert bf16.max_abs == pytest.approx(2 * (1e-3 + 1e-3 * adam_ratio_bound(2, 0.9, 0.95)))
+
+
+SEGFAULT = """torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+[0]:
+  time      : 2026-11-20_06:01:02
+  host      : box
+  rank      : 3 (local_rank: 3)
+  exitcode  : -11 (pid: 4242)
+  error_file: <N/A>
+  traceback : Signal 11 (SIGSEGV) received by PID 4242
+"""
+
+
+@pytest.mark.parametrize("deaths, status", [(1, "passed"), (2, "crashed")])
+def test_a_launch_that_dies_is_retried_alone_once_and_says_so(monkeypatch, tmp_path, deaths, status):
+    """A launch that dies with no error of the case's own (a signal, say) runs that case once more
+    alone: once is recorded with the first death beside the verdict, twice is a crash."""
+    import gridtrain.parity.sweep as sweep
+
+    cases = [c for c in CASES if c.accepted and c.world == 2][:3]
+    victim, launches = cases[1].name, []
+
+    def fake_launch(world, spec, out):
+        launches.append(list(spec))
+        dies = victim in spec and sum(victim in names for names in launches) <= deaths
+        for name in spec:
+            if dies and name == victim:
+                break  # the launch died here: nothing from this case or any after it
+            (out / f"{name}.pp0.pt").touch()
+        return subprocess.CompletedProcess([], 1 if dies else 0, "", SEGFAULT if dies else "")
+
+    monkeypatch.setattr(sweep, "launch", fake_launch)
+    monkeypatch.setattr(sweep, "load_result", lambda out, name: "ran" if (out / f"{name}.pp0.pt").exists() else None)
+    monkeypatch.setattr(sweep, "verdict", lambda case, result, error, refs: {
+        "name": case.name, "status": "passed" if result else "crashed", "problems": [] if result else [error]})
+    refs = References(tmp_path, tmp_path, tmp_path)
+    done = run_cases(cases, refs, tmp_path / "results.jsonl")
+
+    assert [done[c.name]["status"] for c in cases] == ["passed", status, "passed"]
+    assert done[victim]["retried"] == "rank      : 3 (local_rank: 3) exitcode  : -11 (pid: 4242) traceback : Signal 11 (SIGSEGV) received by PID 4242"
+    assert launches[1] == [victim]  # alone, before the cases after it
+    assert "retried" not in done[cases[2].name]

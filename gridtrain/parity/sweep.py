@@ -3,12 +3,15 @@
 Cases of one world size share torchrun launches (`chunk` at a time). Each verdict is one line of
 a JSON-lines file, written as soon as it is known, so an interrupted sweep resumes where it
 stopped: 'passed' or 'failed' (with the problems and the largest deviations), 'crashed' (with the
-error), or 'refused' (validate's reason; never run).
+error), or 'refused' (validate's reason; never run). A case whose launch died without an error of
+its own is run once more alone: only a second death makes it 'crashed', and a case that then ran
+keeps the first death in its line (`retried`), so a flaky launch is never hidden.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -66,8 +69,12 @@ def verdict(case: Case, result: Result | None, error: str, refs: References) -> 
 
 
 def last_error_line(text: str) -> str:
-    """The line of a traceback or launcher log that names the error."""
+    """The line of a traceback or launcher log that names the error; for a worker torchrun saw
+    die, its rank, exit code and signal ("rank: 3 ... exitcode: -11 ... Signal 11 (SIGSEGV)")."""
     lines = [line.strip() for line in text.splitlines() if line.strip()]
+    died = [line for line in lines if re.match(r"(rank|exitcode|traceback)\s*:", line)]
+    if died:
+        return " ".join(died[:3])[:500]
     named = [line for line in lines if "Error" in line or "error" in line]
     return (named or lines or ["no result"])[-1][:500]
 
@@ -103,25 +110,38 @@ def run_cases(cases: Iterable[Case], refs: References, results: Path, chunk: int
     return done
 
 
-def _run_launch(queue: list[Case], refs: References, record: Callable[[dict], None]) -> None:
-    """Run the queue in one launch. A case that fails to run (it raised, or the launch died on
-    it) is recorded as crashed, and the cases after it are launched again."""
+def _run_launch(queue: list[Case], refs: References, record: Callable[[dict], None],
+                retried: dict[str, str] | None = None) -> None:
+    """Run the queue in one launch. A case that raised is recorded as crashed; a case the launch
+    died on with no error of its own is first run again alone (see the module's docstring). The
+    cases after it are launched again."""
+    retried = {} if retried is None else retried
     while queue:
         out = Path(tempfile.mkdtemp(prefix=f"world{queue[0].world}-", dir=refs.work))
         proc = launch(queue[0].world, {c.name: case_overrides(c, refs) for c in queue}, out)
         results = {c.name: load_result(out, c.name) for c in queue}
         for case in queue:
             if results[case.name] is not None:
-                record(verdict(case, results[case.name], "", refs))
+                record(_noting_retry(verdict(case, results[case.name], "", refs), retried))
         missing = [c for c in queue if results[c.name] is None]
-        if missing:
-            errors = [c for c in missing if (out / f"{c.name}.error.txt").exists()]
-            culprit = errors[0] if errors else missing[0]
-            error = (out / f"{culprit.name}.error.txt").read_text() if errors else proc.stderr[-2000:]
-            record(verdict(culprit, None, error or f"exit status {proc.returncode}", refs))
-            missing.remove(culprit)
+        if not missing:
+            shutil.rmtree(out, ignore_errors=True)
+            return
+        errors = [c for c in missing if (out / f"{c.name}.error.txt").exists()]
+        culprit = errors[0] if errors else missing[0]
+        error = (out / f"{culprit.name}.error.txt").read_text() if errors else proc.stderr[-4000:]
         shutil.rmtree(out, ignore_errors=True)
+        missing.remove(culprit)
+        if errors or culprit.name in retried:
+            record(_noting_retry(verdict(culprit, None, error or f"exit status {proc.returncode}", refs), retried))
+        else:
+            retried[culprit.name] = last_error_line(error or f"exit status {proc.returncode}")
+            _run_launch([culprit], refs, record, retried)
         queue = missing
+
+
+def _noting_retry(rec: dict, retried: dict[str, str]) -> dict:
+    return {**rec, "retried": retried[rec["name"]]} if rec["name"] in retried else rec
 
 
 def summarize(verdicts: dict[str, dict]) -> dict[str, dict[int, int]]:
