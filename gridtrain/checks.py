@@ -39,6 +39,11 @@ def _check_model(cfg: Config) -> list[str]:
         return [f"model.preset = '{cfg.model.preset}' is unknown; choose one of {', '.join(PRESETS)}"]
     args = cfg.model.args()
     problems = args.validate()
+    if not problems and args.max_seq_len * args.head_dim // 2 * 8 > 2**30:  # complex64 per position and pair
+        gib = args.max_seq_len * args.head_dim // 2 * 8 / 2**30
+        problems.append(f"model.max_seq_len ({args.max_seq_len:,}) would need {gib:,.1f} GiB per process for the "
+                        "rotary table (every position, precomputed): lower it, to data.seq_len "
+                        f"({cfg.data.seq_len}) at least")
     if cfg.data.seq_len > args.max_seq_len:
         problems.append(
             f"data.seq_len ({cfg.data.seq_len}) is longer than the model's context "
@@ -72,7 +77,7 @@ def _check_train(cfg: Config) -> list[str]:
     problems = _at_least("train.steps", t.steps, 1)
     problems += [] if t.lr > 0 else [f"train.lr = {t.lr} must be > 0"]
     problems += _in_range("train.min_lr_ratio", t.min_lr_ratio, 0.0, 1.0)
-    if not 0 <= t.warmup_steps <= max(t.steps, 0):
+    if t.warmup_steps < 0 or (t.steps >= 1 and t.warmup_steps > t.steps):  # steps < 1 is reported alone
         problems.append(f"train.warmup_steps ({t.warmup_steps}) must lie in [0, train.steps "
                         f"({t.steps})]: lower train.warmup_steps or raise train.steps")
     problems += _choice("train.schedule", t.schedule, LR_SCHEDULES)
@@ -90,7 +95,11 @@ def _check_train(cfg: Config) -> list[str]:
     problems += _choice("train.activation_checkpointing", t.activation_checkpointing, AC_MODES)
     problems += _at_least("train.val_every", t.val_every, 0) + _at_least("train.val_batches", t.val_batches, 1)
     if t.threads is not None:
+        cores = os.cpu_count() or 1
         problems += _at_least("train.threads", t.threads, 1)
+        if t.threads > cores:  # more threads than cores only slows a run; 100,000 crash OpenMP
+            problems.append(f"train.threads = {t.threads} is more than this machine's {cores} CPUs: "
+                            f"give at most {cores}")
     return problems
 
 
@@ -110,10 +119,9 @@ def _check_data(cfg: Config) -> list[str]:
             return problems + [f"data.corpus = '{d.corpus}' has an unreadable index.json ({err}): prepare it "
                                "again with `gridtrain data prepare`"]
     else:
-        vocab, source = tokenizer_vocab_size(d.tokenizer), f"data.tokenizer '{d.tokenizer}'"
+        (vocab, bad), source = tokenizer_vocab(d.tokenizer), f"data.tokenizer '{d.tokenizer}'"
     if vocab is None:
-        problems.append(f"data.tokenizer = '{d.tokenizer}' is not 'byte', 'bpe:N' or an existing "
-                        "tokenizer.json")
+        problems.append(bad)
     elif cfg.model.preset in PRESETS and vocab > cfg.model.args().vocab_size:
         problems.append(
             f"model.vocab_size ({cfg.model.args().vocab_size}) is smaller than the vocabulary of "
@@ -121,22 +129,26 @@ def _check_data(cfg: Config) -> list[str]:
     return problems
 
 
-def tokenizer_vocab_size(spec: str) -> int | None:
-    """The vocabulary a tokenizer spec will have, without building it (None if the spec is bad)."""
+def tokenizer_vocab(spec: str, key: str = "data.tokenizer") -> tuple[int | None, str | None]:
+    """The vocabulary a tokenizer spec will have, without building it, or why the spec is bad."""
     if spec == "byte":
-        return 257  # 256 byte values + <eos>
+        return 257, None  # 256 byte values + <eos>
     if spec.startswith("bpe:"):
         n = spec[4:]
-        return int(n) if n.isdigit() and int(n) >= 258 else None
+        if not n.isdigit():
+            return None, f"{key} = '{spec}': N in bpe:N must be a whole number, e.g. bpe:8192"
+        if int(n) < 257:
+            return None, f"{key} = '{spec}': a BPE needs N >= 257 (256 byte symbols + <eos>), e.g. bpe:8192"
+        return int(n), None
     path = Path(spec).expanduser()
-    if path.is_file():
-        from tokenizers import Tokenizer  # only for this path: the file must parse
+    if not path.is_file():
+        return None, f"{key} = '{spec}' is not 'byte', 'bpe:N' or an existing tokenizer.json file"
+    from tokenizers import Tokenizer  # only for this path: the file must parse
 
-        try:
-            return Tokenizer.from_file(str(path)).get_vocab_size()
-        except Exception:  # noqa: BLE001 - any parse failure means the file is not a tokenizer
-            return None
-    return None
+    try:
+        return Tokenizer.from_file(str(path)).get_vocab_size(), None
+    except Exception as err:  # noqa: BLE001 - tokenizers raises a bare Exception
+        return None, f"{key} = '{spec}' is not a tokenizer.json that tokenizers can read ({err})"
 
 
 def world_size(cfg: Config) -> int:
@@ -220,7 +232,14 @@ def _check_pp(cfg: Config, dims: ParallelDims) -> list[str]:
 
 def _check_parallel(cfg: Config, dims: ParallelDims) -> list[str]:
     p = cfg.parallel
+    if p.dp_shard < 1 and p.dp_shard != -1:
+        return [f"parallel.dp_shard = {p.dp_shard} must be >= 1, or -1 to fill the world with what the "
+                "other degrees leave"]
     problems = dims.problems() + _at_least("parallel.nproc", p.nproc, 1)
+    problems += _at_least("parallel.pp_fewer_edge_layers", p.pp_fewer_edge_layers, 0)
+    if p.pp_fewer_edge_layers > 0 and dims.pp * p.pp_virtual_stages == 1:
+        problems.append(f"parallel.pp_fewer_edge_layers = {p.pp_fewer_edge_layers} does nothing with one "
+                        "pipeline stage: set parallel.pp > 1 or leave it 0")
     if p.zero_stage not in (0, 1, 2, 3):
         problems.append(f"parallel.zero_stage = {p.zero_stage} is not one of 0, 1, 2, 3")
     if problems:

@@ -12,9 +12,10 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from gridtrain.checks import validate
+from gridtrain.checks import tokenizer_vocab, validate
 from gridtrain.config import ConfigError, all_keys, load_config, parse_overrides
-from gridtrain.rundir import check_run_dir
+from gridtrain.errors import BadInput, UserError, one_line
+from gridtrain.rundir import check_run_dir, unwritable
 
 log = logging.getLogger("gridtrain")
 
@@ -125,7 +126,7 @@ def launch(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
 
 def cmd_model(args: argparse.Namespace, extra: list[str]) -> int:
     from gridtrain.model.args import PRESETS
-    from gridtrain.model.stats import build_meta, count_parameters, flops_per_token
+    from gridtrain.model.stats import flops_per_token, model_parameters
 
     if args.list or not args.preset:
         for name, fn in PRESETS.items():
@@ -141,7 +142,7 @@ def cmd_model(args: argparse.Namespace, extra: list[str]) -> int:
     problems = margs.validate()
     if problems:
         raise ConfigError(problems)
-    counts = count_parameters(build_meta(margs))
+    counts = model_parameters(margs)
     seq_len = args.seq_len or margs.max_seq_len
     print(f"{args.preset}: dim {margs.dim}, {margs.n_layers} layers, {margs.n_heads} heads, "
           f"{margs.n_kv_heads} KV heads, ffn {margs.hidden_dim}, vocab {margs.vocab_size}")
@@ -159,16 +160,20 @@ def cmd_data(args: argparse.Namespace, extra: list[str]) -> int:
     from gridtrain.data.shards import TokenStore, ensure_prepared, prepare
     from gridtrain.data.tokenizer import build_tokenizer
 
+    bad = tokenizer_vocab(args.tokenizer, "--tokenizer")[1]
+    if args.source and not Path(args.source).exists():
+        bad = f"corpus {args.source} not found: give a text file, a .jsonl file or a directory of text files"
+    for flag, path in (("--out", args.out), ("--cache-dir", args.cache_dir)):
+        why = path and unwritable(Path(path).expanduser())
+        bad = bad or (why and f"{flag} {path}: {why}")
+    if bad:
+        raise BadInput(bad)
     if args.out:
         tokenizer = build_tokenizer(args.tokenizer, args.source, Path(args.cache_dir).expanduser())
         from gridtrain.data.corpus import default_corpus
 
-        try:
-            out = prepare(args.source or default_corpus(), tokenizer, Path(args.out), args.val_fraction, args.seed,
-                          overwrite=args.overwrite)
-        except FileExistsError as err:
-            print(f"gridtrain: {err}", file=sys.stderr)
-            return 2
+        out = prepare(args.source or default_corpus(), tokenizer, Path(args.out), args.val_fraction, args.seed,
+                      overwrite=args.overwrite)
     else:
         out = ensure_prepared(args.source, args.tokenizer, Path(args.cache_dir).expanduser(),
                               args.val_fraction, args.seed)
@@ -331,6 +336,8 @@ class Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="gridtrain", description=__doc__)
+    parser.add_argument("--debug", action="store_true",
+                        help="print the traceback of a failure (anywhere on the command line)")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("train", help="train a model; --section.key VALUE overrides any config key")
     p.add_argument("--config", help="a TOML file (see configs/)")
@@ -373,8 +380,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     setup_logging()
+    given = sys.argv[1:] if argv is None else argv
+    debug = "--debug" in given  # any position; ranks under --nproc get it too
     parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
+    args, extra = parser.parse_known_args([a for a in given if a != "--debug"])
     if argv is not None:
         args.argv = argv
     if extra and args.command not in ("train", "model", "plan"):
@@ -383,12 +392,16 @@ def main(argv: list[str] | None = None) -> int:
         code = args.func(args, extra)
         sys.stdout.flush()  # inside the try: a closed pipe shows up here
         return code
-    except ConfigError as e:
-        print(f"gridtrain: {e}", file=sys.stderr)
-        return 2
     except BrokenPipeError:  # `gridtrain ... | head` closed the pipe: nothing more to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except (UserError, Exception, KeyboardInterrupt) as err:
+        if debug:
+            raise
+        code = 2 if isinstance(err, UserError) else 130 if isinstance(err, KeyboardInterrupt) else 1
+        hint = "" if code != 1 else " (run again with --debug for the traceback)"
+        print(f"gridtrain: {'interrupted' if code == 130 else one_line(err)}{hint}", file=sys.stderr, flush=True)
+        return code
 
 
 if __name__ == "__main__":

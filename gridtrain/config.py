@@ -12,21 +12,26 @@ import ast
 import difflib
 import functools
 import inspect
+import math
 import tomllib
 import typing
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
+from gridtrain.errors import UserError
 from gridtrain.model.args import ModelArgs, model_args
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """An invalid configuration; `problems` lists each broken relation."""
 
     def __init__(self, problems: list[str]) -> None:
         self.problems = problems
-        super().__init__("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
+        if len(problems) == 1:
+            super().__init__(f"invalid configuration: {problems[0]}")
+        else:
+            super().__init__("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
 
 
 @dataclass
@@ -282,9 +287,21 @@ def _unknown_key(key: str) -> str:
     return f"unknown config key '{key}'{hint}"
 
 
+LARGEST_INT = 10**15
+"""No count in a configuration comes near this (tokens per batch, steps, dimensions); past it a
+typo like 1e20 would overflow torch's int64 sizes mid-run instead of being refused."""
+
+BARE_FLAG = "\0flag"
+"""What `parse_overrides` gives `--key` without a value: true for a boolean key, an error for others."""
+
+
 def _convert(key: str, raw: Any, hint: Any) -> Any:
     """Turn a TOML value or command-line string into the field's type."""
     options = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+    if raw == BARE_FLAG:
+        if bool not in options:
+            raise ConfigError([f"--{key} needs a value (--{key} VALUE)"])
+        raw = "true"
     if raw is None or (isinstance(raw, str) and raw.lower() in ("none", "null")):
         if type(None) in typing.get_args(hint):
             return None
@@ -299,6 +316,8 @@ def _convert(key: str, raw: Any, hint: Any) -> Any:
 
 
 def _convert_to(key: str, raw: Any, target: type) -> Any:
+    if target is float and isinstance(raw, float) and not math.isfinite(raw):  # TOML's inf and nan
+        raise ConfigError([f"{key} = {raw!r} must be a finite number"])
     if isinstance(raw, target) and not (target is int and isinstance(raw, bool)):
         return raw
     if target is bool and isinstance(raw, str):
@@ -309,12 +328,18 @@ def _convert_to(key: str, raw: Any, target: type) -> Any:
     elif target is int and isinstance(raw, (str, float)):
         number = _number(raw)
         if number is not None and float(number).is_integer():
+            if abs(number) > LARGEST_INT:
+                raise ConfigError([f"{key} = {raw!r} is too large (at most {LARGEST_INT:.0e})"])
             return int(number)  # accepts 1000, 1_000, 1e3 and 1000.0
     elif target is float and isinstance(raw, (str, int)) and not isinstance(raw, bool):
         try:
-            return float(raw)
+            value = float(raw)
         except ValueError:
             pass
+        else:
+            if math.isfinite(value):
+                return value
+            raise ConfigError([f"{key} = {raw!r} must be a finite number"])
     elif target is str:
         return str(raw)
     raise ConfigError([f"{key} = {raw!r} is not a valid {target.__name__}"])
@@ -361,7 +386,7 @@ def parse_overrides(args: list[str]) -> dict[str, str]:
             if i + 1 < len(args) and not args[i + 1].startswith("--"):
                 value, i = args[i + 1], i + 1
             else:
-                value = "true"  # a bare flag switches a boolean on
+                value = BARE_FLAG  # switches a boolean on; any other key wants a value
         out[key.replace("-", "_")] = value
         i += 1
     return out
@@ -381,6 +406,9 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
             raise ConfigError([f"--config {path} is not valid TOML ({err}): fix it (see configs/)"]) from None
     items.update(overrides or {})
     problems = []
+    if "train.global_batch" in items and items.get("train.global_batch_tokens") not in (None, "none", "None"):
+        problems.append("train.global_batch and train.global_batch_tokens are both given: give one (the "
+                        "batch in sequences, or in tokens)")
     for key, raw in items.items():
         try:
             set_key(cfg, key, raw)

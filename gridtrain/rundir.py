@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import tempfile
 from pathlib import Path
 
 from gridtrain.config import Config, ConfigError
@@ -57,6 +58,22 @@ def differences(saved: dict, cfg: Config) -> list[str]:
     return out
 
 
+def unwritable(path: Path) -> str | None:
+    """Why `path` (a directory, existing or to be made) cannot be written, or None. Tried, not
+    guessed from permission bits (root ignores them; a read-only mount does not show in them): a
+    directory is made and removed in the nearest existing ancestor."""
+    ancestor = path
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        return f"{ancestor} is a file, not a directory"
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".gridtrain-write-test-", dir=ancestor))
+    except OSError as err:
+        return f"{ancestor} cannot be written ({err.strerror})"
+    return None
+
+
 def check_run_dir(cfg: Config) -> None:
     """Refuse a run that would mix with the one already in `run_dir` (module docstring). Restarts
     by torchrun resume by design and are not checked again."""
@@ -65,6 +82,9 @@ def check_run_dir(cfg: Config) -> None:
     run_dir = Path(cfg.run_dir)
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError([f"run_dir {run_dir} is a file, not a directory: give another --run_dir"])
+    why = unwritable(run_dir)
+    if why:
+        raise ConfigError([f"run_dir {run_dir}: {why}: give another --run_dir"])
     record = saved_record(run_dir)
     if record is None:
         return

@@ -1,26 +1,39 @@
 """Bad input, whatever the command: exit status 2, one line on stderr that names the value and
-the fix, no traceback, and nothing written. Table-driven: each case is argv, the words the
-message must hold."""
+the fix, no traceback, and no file changed anywhere (the inputs the case points at included).
+
+Table-driven: each case is argv and words the message must hold. `{d}` in argv stands for a
+folder of inputs: `afile` (a text file), `bad.toml` (not TOML), `notok.json` (not a tokenizer),
+`run` (a run directory: config.json and a metrics.jsonl with a broken line), `hf` (a Hugging
+Face directory with a malformed config.json), `trunc` (one whose safetensors file is cut short).
+Besides the hand-written cases, every configuration key of each type gets the values its type
+refuses (generated from `all_keys`, so a new key is covered the day it is added).
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 
 import pytest
 
 from gridtrain.cli import main
+from gridtrain.config import all_keys
 
-CASES = [
-    # plan
+PLAN = [
     (["plan", "--top", "0"], "--top: 0 must be >= 1"),
     (["plan", "--top", "-1"], "--top: -1 must be >= 1"),
     (["plan", "--top", "x"], "--top: 'x' is not a whole number"),
     (["plan", "--num-gpus", "1.5"], "--num-gpus = '1.5' is 1.5, not a whole number"),
     (["plan", "--num-gpus", "0"], "--num-gpus = '0' must be a positive finite count"),
     (["plan", "--num-gpus", "inf"], "--num-gpus = 'inf' must be a positive finite count"),
+    (["plan", "--num-gpus", "16M"], "more GPUs than this model and batch can keep busy, at most 131,072"),
     (["plan", "--seq-len", "-5"], "--seq-len = '-5' must be a positive finite count"),
+    (["plan", "--seq-len", "1e20"], "--seq-len = '1e20' is too large"),
     (["plan", "--global-batch", "2.5"], "--global-batch = '2.5' is 2.5, not a whole number"),
+    (["plan", "--global-batch", "16", "--global-batch-tokens", "1M"], "--global-batch and --global-batch-tokens are both given"),
     (["plan", "--tokens", "abc"], "--tokens = 'abc' is not a count"),
+    (["plan", "--tokens", "0"], "--tokens = '0' must be a positive finite count"),
     (["plan", "--price", "-2"], "--price: -2 must be >= 0"),
     (["plan", "--pue", "0.5"], "--pue: 0.5 must be >= 1"),
     (["plan", "--electricity-price", "nan"], "--electricity-price: nan must be >= 0"),
@@ -29,29 +42,173 @@ CASES = [
     (["plan", "--hbm-usable", "0"], "--hbm-usable: 0 must be > 0 and <= 1"),
     (["plan", "--hbm-usable", "1.5"], "--hbm-usable: 1.5 must be > 0 and <= 1"),
     (["plan", "--precision", "fp8"], "invalid choice: 'fp8'"),
-    # model
+    (["plan", "--gpu", "nosuch"], "unknown accelerator 'nosuch'"),
+    (["plan", "--cluster", "nosuch"], "unknown cluster 'nosuch'"),
+    (["plan", "--hardware", "{d}/missing.toml"], "No such file or directory"),
+    (["plan", "--hardware", "{d}/bad.toml"], "--hardware {d}/bad.toml"),
+    (["plan", "--layout", "garbage"], "--layout item 'garbage': expected KEY=VALUE"),
+    (["plan", "--layout", "tp=0"], "--layout tp=0 is out of range"),
+    (["plan", "--layout", "tp=8,tp=4"], "--layout gives tp twice"),
+    (["plan", "--layout", "schedule=nosuch"], "--layout schedule=nosuch: choose one of"),
+    (["plan", "--layout", "zero=4"], "(ZeRO stages are 0-3)"),
+    (["plan", "--model", "nosuch"], "unknown model preset 'nosuch'"),
+    (["plan", "--model.n_layers", "0"], "model.n_layers = 0 must be positive"),
+    (["plan", "--model.dim", "x"], "model.dim = 'x' is not a valid int"),
+    (["plan", "--arch", "rnn"], "invalid choice: 'rnn'"),
+    (["plan", "--check", "{d}/missing"], "is not a gridtrain run directory (no config.json)"),
+    (["plan", "--check", "{d}/afile"], "is not a gridtrain run directory (no config.json)"),
+    (["plan", "--bogus"], "gridtrain plan takes model.* keys beyond its own options, not bogus"),
+]
+
+MODEL = [
     (["model", "nosuch"], "unknown model preset 'nosuch'; choose one of"),
     (["model", "llama3-8b", "--seq-len", "-5"], "--seq-len: -5 must be >= 1"),
     (["model", "llama3-8b", "--seq-len", "0"], "--seq-len: 0 must be >= 1"),
-    # train (refused before anything starts)
+    (["model", "llama3-8b", "--model.dim", "0"], "model.dim = 0 must be positive"),
+    (["model", "llama3-8b", "--model.n_heads", "7"], "must be divisible by model.n_heads (7)"),  # two problems
+    (["model", "llama3-8b", "--model.n_layers", "1e20"], "model.n_layers = '1e20' is too large"),
+    (["model", "llama3-8b", "--model.vocab_size", "0"], "model.vocab_size = 0 must be positive"),
+    (["model", "llama3-8b", "--model.rope_theta", "-5"], "model.rope_theta = -5.0 must be positive"),
+    (["model", "llama3-8b", "--model.nosuch", "1"], "unknown config key 'model.nosuch'"),
+]
+
+TRAIN = [
     (["train", "--max-restarts", "-1"], "--max-restarts: -1 must be >= 0"),
     (["train", "--nproc", "0"], "--nproc: 0 must be >= 1"),
-    (["train", "--train.threads", "0"], "train.threads"),
+    (["train", "--nproc", "two"], "--nproc: 'two' is not a whole number"),
+    (["train", "--train.threads", "0"], "train.threads = 0 must be >= 1"),
+    (["train", "--train.threads", "100000"], "train.threads = 100000 is more than this machine's"),
     (["train", "--checkpoint.signal_grace_s", "-1"], "checkpoint.signal_grace_s = -1.0 must be a number of seconds >= 0"),
-    (["train", "--checkpoint.signal_grace_s", "inf"], "checkpoint.signal_grace_s = inf must be"),
-    (["train", "--train.step", "3"], "train.step"),
+    (["train", "--train.step", "3"], "unknown config key 'train.step'; did you mean 'train.steps'?"),
+    (["train", "--train.steps"], "--train.steps needs a value (--train.steps VALUE)"),
+    (["train", "--train.steps", "-5"], "train.steps = -5 must be >= 1"),
+    (["train", "stray"], "unexpected argument 'stray'"),
     (["train", "--run_dir", ""], "run_dir is empty (it would write into the current directory)"),
+    (["train", "--run_dir", "{d}/afile"], "run_dir {d}/afile is a file, not a directory"),
+    (["train", "--run_dir", "{d}/afile/sub"], "{d}/afile is a file, not a directory: give another --run_dir"),
+    (["train", "--run_dir", "/proc/gridtrain-run"], "run_dir /proc/gridtrain-run: /proc cannot be written"),
+    (["train", "--run_dir", "{d}/run"], "already holds a run (its config.json): continue it with --resume"),
     (["train", "--config", "missing.toml"], "--config missing.toml: no such file or directory"),
     (["train", "--config", "."], "--config .: is a directory"),
-    # data prepare, calibrate, export
+    (["train", "--config", "{d}/bad.toml"], "--config {d}/bad.toml is not valid TOML"),
+    (["train", "--train.global_batch", "16", "--train.global_batch_tokens", "4096"],
+     "train.global_batch and train.global_batch_tokens are both given"),
+    (["train", "--train.global_batch", "15"], "train.global_batch (15 sequences) must be divisible by"),
+    (["train", "--train.global_batch_tokens", "1000"], "must be a positive multiple of data.seq_len (256)"),
+    (["train", "--train.micro_batch", "0"], "train.micro_batch = 0 must be >= 1"),
+    (["train", "--model.preset", "nosuch"], "model.preset = 'nosuch' is unknown"),
+    (["train", "--model.max_seq_len", "10000000000"], "GiB per process for the rotary table"),
+    (["train", "--data.seq_len", "100000"], "data.seq_len (100000) is longer than the model's context"),
+    (["train", "--model.vocab_size", "10"], "model.vocab_size (10) is smaller than the vocabulary"),
+    (["train", "--model.dim", "7"], "model.dim (7) must be divisible by model.n_heads (8)"),
+    (["train", "--model.dim", "24", "--model.n_heads", "8"], "head_dim = model.dim / model.n_heads = 24 / 8 = 3 must be even"),
+    (["train", "--parallel.dp_shard", "-2"], "parallel.dp_shard = -2 must be >= 1, or -1 to fill the world"),
+    (["train", "--parallel.tp", "0"], "parallel.tp = 0 must be >= 1"),
+    (["train", "--parallel.tp", "3"], "does not divide it; launch a multiple of 3 processes"),
+    (["train", "--parallel.pp_fewer_edge_layers", "5"], "pp_fewer_edge_layers = 5 does nothing with one pipeline stage"),
+    (["train", "--parallel.zero_stage", "4"], "parallel.zero_stage = 4 is not one of 0, 1, 2, 3"),
+    (["train", "--parallel.pp_schedule", "nosuch"], "parallel.pp_schedule = 'nosuch' is not one of"),
+    (["train", "--parallel.cp", "2"], "parallel.cp = 2: not available yet, set it to 1"),
+    (["train", "--nproc", "2", "--parallel.tp", "2", "--parallel.sequence_parallel", "true", "--data.seq_len", "255"],
+     "parallel.sequence_parallel splits data.seq_len (255)"),
+    (["train", "--train.precision", "fp8"], "train.precision = 'fp8' is not one of fp32, bf16, fp16"),
+    (["train", "--train.activation_checkpointing", "some"], "train.activation_checkpointing = 'some'"),
+    (["train", "--train.warmup_steps", "1000"], "train.warmup_steps (1000) must lie in [0, train.steps (250)]"),
+    (["train", "--train.beta1", "1.5"], "train.beta1 = 1.5 must lie in [0, 1)"),
+    (["train", "--train.grad_clip", "-1"], "train.grad_clip = -1.0 must be >= 0.0"),
+    (["train", "--train.weight_decay", "-1"], "train.weight_decay = -1.0 must be >= 0.0"),
+    (["train", "--train.loss_scale_init", "0"], "train.loss_scale_init = 0.0 must be > 0"),
+    (["train", "--data.val_fraction", "0.7"], "data.val_fraction = 0.7 must lie in (0, 0.5)"),
+    (["train", "--data.tokenizer", "bpe:100"], "a BPE needs N >= 257 (256 byte symbols + <eos>)"),
+    (["train", "--data.tokenizer", "bpe:x"], "N in bpe:N must be a whole number"),
+    (["train", "--data.tokenizer", "{d}/missing.json"], "is not 'byte', 'bpe:N' or an existing tokenizer.json file"),
+    (["train", "--data.tokenizer", "{d}/notok.json"], "is not a tokenizer.json that tokenizers can read"),
+    (["train", "--data.corpus", "{d}/missing"], "data.corpus = '{d}/missing' does not exist"),
+    (["train", "--checkpoint.interval", "banana"], "checkpoint.interval = 'banana' is neither a number of steps nor 'auto'"),
+    (["train", "--checkpoint.keep", "-1"], "checkpoint.keep = -1 must be >= 1"),
+    (["train", "--metrics.log_every", "0"], "metrics.log_every = 0 must be >= 1"),
+    (["train", "--nosuch.key", "1"], "unknown config key 'nosuch.key'"),
+]
+
+OTHERS = [
     (["data", "prepare", "--val-fraction", "0"], "--val-fraction: 0 must be > 0 and <= 0.5"),
     (["data", "prepare", "--val-fraction", "0.9"], "--val-fraction: 0.9 must be > 0 and <= 0.5"),
     (["data", "prepare", "--seed", "-1"], "--seed: -1 must be >= 0"),
+    (["data", "prepare", "{d}/missing", "--out", "{d}/out"], "corpus {d}/missing not found"),
+    (["data", "prepare", "--tokenizer", "bpe:100", "--out", "{d}/out"], "--tokenizer = 'bpe:100': a BPE needs N >= 257"),
+    (["data", "prepare", "--tokenizer", "{d}/missing.json", "--out", "{d}/out"], "an existing tokenizer.json file"),
+    (["data", "prepare", "--tokenizer", "{d}/notok.json", "--out", "{d}/out"], "is not a tokenizer.json that tokenizers can read"),
+    (["data", "prepare", "{d}/afile", "--out", "/proc/gridtrain-data"], "--out /proc/gridtrain-data: /proc cannot be written"),
+    (["data", "prepare", "{d}/afile", "--out", "{d}/afile/x"], "--out {d}/afile/x: {d}/afile is a file, not a directory"),
+    (["data", "prepare", "{d}/afile", "--out", "{d}"], "exists and is not a prepared directory"),
+    (["data", "prepare", "{d}/afile", "--cache-dir", "/proc/gridtrain-cache"], "--cache-dir /proc/gridtrain-cache"),
+    (["data", "nosuch"], "invalid choice: 'nosuch'"),
     (["calibrate", "--seconds", "0"], "--seconds: 0 must be > 0 and <= 600"),
+    (["calibrate", "--seconds", "1e9"], "--seconds: 1e9 must be > 0 and <= 600"),
     (["calibrate", "--threads", "100000"], "--threads: 100000 must be >= 1 and <= "),
+    (["plot", "{d}/missing"], "{d}/missing is not a gridtrain run directory (no metrics.jsonl)"),
+    (["plot", "{d}/afile"], "is not a gridtrain run directory (no metrics.jsonl)"),
+    (["plot", "{d}/run"], "{d}/run/metrics.jsonl:1 is not a metrics record"),
+    (["export", "{d}/missing", "{d}/out"], "is not a gridtrain run directory (no config.json)"),
+    (["export", "{d}/afile", "{d}/out"], "is not a gridtrain run directory (no config.json)"),
     (["export", "run", "out", "--step", "-3"], "--step: -3 must be >= 0"),
+    (["import", "{d}/missing", "{d}/new"], "has no config.json: give a Hugging Face model directory"),
+    (["import", "{d}/hf", "{d}/new"], "{d}/hf/config.json is not readable JSON"),
+    (["import", "{d}/trunc", "{d}/new"], "{d}/trunc/model.safetensors is not a readable safetensors file"),
     (["bogus"], "invalid choice: 'bogus'"),
 ]
+
+BAD_BY_TYPE = {"int": ["abc", "1.5", "1e20"], "float": ["abc", "inf", "nan"], "bool": ["maybe"]}
+WORDS_BY_VALUE = {"abc": "is not a valid", "1.5": "is not a valid int", "1e20": "is too large",
+                  "inf": "must be a finite number", "nan": "must be a finite number", "maybe": "is not a valid bool"}
+
+
+def generated() -> list[tuple[list[str], str]]:
+    """Every key with a value its type refuses: a word for a number, 1.5 for a count, 1e20 (past
+    int64 once multiplied), inf and nan for a float, 'maybe' for a switch."""
+    cases = []
+    for key, (hint, _) in all_keys().items():
+        kind = str(hint).replace("<class '", "").replace("'>", "").replace(" | None", "")
+        for value in BAD_BY_TYPE.get(kind, []):
+            cases.append((["train", f"--{key}", value], f"{key} = '{value}' {WORDS_BY_VALUE[value]}"))
+    return cases
+
+
+CASES = PLAN + MODEL + TRAIN + OTHERS + generated()
+
+
+def test_the_table_is_large_and_covers_every_command():
+    assert len(CASES) >= 150
+    assert {argv[0] for argv, _ in CASES} >= {"plan", "model", "train", "data", "calibrate", "plot", "export", "import"}
+
+
+@pytest.fixture
+def inputs(tmp_path: Path) -> Path:
+    d = tmp_path / "inputs"
+    d.mkdir()
+    (d / "afile").write_text("some text\n" * 20)
+    (d / "bad.toml").write_text("x = [\n")
+    (d / "notok.json").write_text("not json")
+    run = d / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"config": {"model": {"preset": "tiny"}}}))
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss/train": 2.0\n{"step": 2, "loss/train": 1.9}\n')
+    (d / "hf").mkdir()
+    (d / "hf" / "config.json").write_text("{not json")
+    (d / "trunc").mkdir()
+    (d / "trunc" / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
+        "vocab_size": 320, "max_position_embeddings": 64, "rope_theta": 10000.0, "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False}))
+    (d / "trunc" / "model.safetensors").write_bytes(b"\x40\x00\x00\x00\x00\x00\x00\x00{\"a\":")
+    return d
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    """Every path under root with a digest of its content (directories: their name only)."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+            for p in sorted(root.rglob("*"))}
 
 
 def run(argv: list[str]) -> int:
@@ -62,21 +219,53 @@ def run(argv: list[str]) -> int:
 
 
 @pytest.mark.parametrize("argv,words", CASES, ids=[" ".join(a) for a, _ in CASES])
-def test_bad_input_gets_one_clear_line(argv, words, tmp_path, monkeypatch, capsys):
+def test_bad_input_gets_one_clear_line(argv, words, tmp_path, inputs, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    before = sorted(Path(tmp_path).rglob("*"))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # the default cache lives under it
+    argv = [a.replace("{d}", str(inputs)) for a in argv]
+    words = words.replace("{d}", str(inputs))
+    before = snapshot(tmp_path)
     assert run(argv) == 2
     out, err = capsys.readouterr()
     assert words in err, err
     assert "Traceback" not in err and out == ""
     lines = [line for line in err.splitlines() if line.strip()]
-    assert lines[0].startswith("gridtrain") and (len(lines) == 1 or lines[0].endswith("invalid configuration:")), err
-    assert sorted(Path(tmp_path).rglob("*")) == before  # nothing written where it ran
+    assert lines[0].startswith("gridtrain"), err
+    assert len(lines) == 1 or (lines[0].endswith("invalid configuration:")  # or one line per broken relation
+                               and all(line.startswith("  - ") for line in lines[1:])), err
+    assert snapshot(tmp_path) == before  # nothing written, nothing changed, inputs included
 
 
-def test_a_config_that_is_not_toml_is_named(tmp_path, capsys):
-    bad = tmp_path / "bad.toml"
-    bad.write_text("x = [\n")
-    assert run(["train", "--config", str(bad)]) == 2
+def test_a_failure_is_one_line_and_debug_gives_the_traceback(tmp_path, inputs, monkeypatch, capsys):
+    """A failure nobody anticipated (here: plotting into a directory that cannot be written) is
+    one line, exit status 1, and says how to get the traceback; --debug raises it."""
+    run_dir = tmp_path / "ok"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss/train": 2.0, "throughput/tokens_per_s": 9.0}\n')
+    argv = ["plot", str(run_dir), "--out", "/proc/gridtrain.png"]
+    assert run(argv) == 1
     err = capsys.readouterr().err
-    assert f"--config {bad} is not valid TOML" in err and "Traceback" not in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith("gridtrain: ") and err.rstrip().endswith("(run again with --debug for the traceback)")
+    with pytest.raises(OSError):
+        run([*argv, "--debug"])
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--run_dir", "{d}/afile"], "run_dir {d}/afile is a file, not a directory"),
+    (["--run_dir", "{d}/run"], "already holds a run"),
+    (["--parallel.tp", "3"], "launch a multiple of 3 processes"),
+])
+def test_under_nproc_a_bad_configuration_is_said_once_before_any_process(inputs, extra, words):
+    """The launcher checks the configuration and the run directory before torchrun starts a
+    process: one line, from one process, the cause first."""
+    import subprocess
+    import sys
+
+    argv = [a.replace("{d}", str(inputs)) for a in extra]
+    out = subprocess.run([sys.executable, "-m", "gridtrain", "train", "--nproc", "2", *argv],
+                         capture_output=True, text=True, timeout=120, cwd=inputs)
+    assert out.returncode == 2
+    lines = out.stderr.splitlines()
+    assert len(lines) == 1 and words.replace("{d}", str(inputs)) in lines[0], out.stderr
+    assert "launching" not in out.stderr and out.stdout == ""

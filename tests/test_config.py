@@ -4,7 +4,7 @@ import pytest
 
 from gridtrain.cli import main
 from gridtrain.checks import validate
-from gridtrain.config import Config, ConfigError, all_keys, load_config, parse_overrides
+from gridtrain.config import BARE_FLAG, Config, ConfigError, all_keys, load_config, parse_overrides
 
 # (overrides, the key the message must name); each case breaks exactly one relation of the
 # (valid) default configuration.
@@ -140,9 +140,13 @@ def test_parse_overrides_forms():
     args = ["--train.steps=5", "--train.lr", "-1e-3", "--train.compile", "--checkpoint.resume",
             "--metrics.log-every", "3", "--run_dir=a=b"]
     assert parse_overrides(args) == {
-        "train.steps": "5", "train.lr": "-1e-3", "train.compile": "true",
-        "checkpoint.resume": "true", "metrics.log_every": "3", "run_dir": "a=b"}
-    assert parse_overrides(["--train.compile"]) == {"train.compile": "true"}  # bare flag at the end
+        "train.steps": "5", "train.lr": "-1e-3", "train.compile": BARE_FLAG,
+        "checkpoint.resume": BARE_FLAG, "metrics.log_every": "3", "run_dir": "a=b"}
+    assert parse_overrides(["--train.compile"]) == {"train.compile": BARE_FLAG}  # bare flag at the end
+    cfg = load_config(None, parse_overrides(args))
+    assert cfg.train.compile is True and cfg.checkpoint.resume is True
+    with pytest.raises(ConfigError, match=r"^invalid configuration: --train.steps needs a value \(--train.steps VALUE\)$"):
+        load_config(None, parse_overrides(["--train.steps", "--train.compile"]))
     with pytest.raises(ConfigError, match="unexpected argument 'stray'"):
         parse_overrides(["--train.steps", "5", "stray"])
 

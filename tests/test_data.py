@@ -306,3 +306,17 @@ def test_failed_prepare_leaves_nothing(tmp_path, corpus):
     with pytest.raises(ValueError, match="vocab_size 10"):
         prepare(root, TinyTokenizer(), tmp_path / "p")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus"]
+
+
+def test_a_directory_corpus_names_the_files_it_skips(tmp_path, caplog):
+    """Files of other suffixes and files that are not UTF-8 are left out of a directory corpus,
+    and said so, with their number and a few names (they used to vanish without a word)."""
+    (tmp_path / "a.txt").write_text("kept")
+    (tmp_path / "b.png").write_bytes(b"\x89PNG")
+    (tmp_path / "c.bin").write_bytes(b"\x00")
+    (tmp_path / "d.txt").write_bytes(b"\xff\xfe broken")
+    (tmp_path / ".hidden.bin").write_bytes(b"\x00")
+    with caplog.at_level("INFO", logger="gridtrain.data.corpus"):
+        assert list(iter_documents(tmp_path)) == ["kept"]
+    assert f"{tmp_path}: skipped 2 files whose suffix is not a text one (TEXT_SUFFIXES) (e.g. b.png, c.bin); " \
+           "1 files that are not valid UTF-8 (e.g. d.txt)" in caplog.text

@@ -9,7 +9,7 @@ import torch
 import gridtrain.model
 from gridtrain.model.args import ModelArgs, ffn_hidden_dim, model_args
 from gridtrain.model.llama import Attention, Transformer, apply_rope, rope_frequencies
-from gridtrain.model.stats import build_meta, count_parameters, flops_per_token
+from gridtrain.model.stats import build_meta, count_parameters, flops_per_token, model_parameters
 from gridtrain.train.trainer import build_model, loss_fn
 
 CPU = torch.device("cpu")
@@ -277,3 +277,12 @@ def test_model_files_never_import_torch_distributed():
         assert "import distributed" not in text, path
         bad = [m for m in _imported_modules(path) if m.startswith("torch.distributed")]
         assert not bad, (path, bad)
+
+
+@pytest.mark.parametrize("preset, overrides", [("small", {}), ("tiny", {"tie_embeddings": True}),
+                                               ("small", {"n_layers": 7, "n_kv_heads": 2})])
+def test_parameters_from_two_layers_match_the_whole_model(preset, overrides):
+    """`gridtrain model` extrapolates from meta models of one and two layers; every layer built."""
+    args = model_args(preset, **overrides)
+    assert model_parameters(args) == count_parameters(build_meta(args))
+    assert model_parameters(args).total == sum(p.numel() for p in build_meta(args).parameters())

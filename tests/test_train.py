@@ -11,7 +11,7 @@ from gridtrain.config import TrainConfig
 from gridtrain.model.args import model_args
 from gridtrain.parallel.apply import apply_activation_checkpointing
 from gridtrain.train import checkpoint
-from gridtrain.train.metrics import read_metrics
+from gridtrain.train.metrics import format_line, read_metrics
 from gridtrain.train.optim import lr_at
 from gridtrain.train.precision import Precision
 from gridtrain.train.trainer import Trainer, build_model, loss_fn
@@ -506,3 +506,15 @@ def test_cli_model_prints_llama3_8b(capsys):
     out = capsys.readouterr().out
     assert "8.03" in out and "8,030,261,248" in out
     assert "ffn 14336" in out
+
+
+def test_mfu_above_the_peak_points_at_the_calibration():
+    """MFU over 100% means the peak it divides by was measured too low: the line says so."""
+    assert format_line(3, 10, {"mfu_pct": 42.0}).endswith("mfu 42.0%")
+    assert format_line(3, 10, {"mfu_pct": 130.0}).endswith("mfu 130.0% (above the peak: run `gridtrain calibrate` again)")
+
+
+def test_metrics_survive_a_record_cut_short_by_a_kill(tmp_path):
+    """A run killed while writing leaves half a last line: plot and check read the rest."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss/train": 2.0}\n{"step": 2, "loss/tr')
+    assert read_metrics(tmp_path) == [{"step": 1, "loss/train": 2.0}]

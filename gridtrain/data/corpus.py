@@ -8,6 +8,8 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+from gridtrain.errors import BadInput, MissingInput
+
 logger = logging.getLogger(__name__)
 
 TEXT_SUFFIXES = frozenset({
@@ -33,26 +35,39 @@ def iter_documents(source: str | Path) -> Iterator[str]:
     """
     path = Path(source)
     if not path.exists():
-        raise FileNotFoundError(f"corpus not found: {path} (give a text file, a .jsonl file "
+        raise MissingInput(f"corpus not found: {path} (give a text file, a .jsonl file "
                                 "with a 'text' field per line, or a directory of text files)")
     if path.is_file():
         yield from _file_documents(path, strict=True)
         return
-    for file in _walk_text_files(path):
-        yield from _file_documents(file, strict=False)
+    other: list[Path] = []
+    undecodable: list[Path] = []
+    for file in _walk_text_files(path, other):
+        yield from _file_documents(file, strict=False, undecodable=undecodable)
+    if other or undecodable:  # said once, after the walk: nothing is dropped in silence
+        logger.info("%s: skipped %s", path, "; ".join(
+            f"{len(files):,} {why} (e.g. {', '.join(str(f.relative_to(path)) for f in files[:3])})"
+            for why, files in (("files whose suffix is not a text one (TEXT_SUFFIXES)", other),
+                               ("files that are not valid UTF-8", undecodable)) if files))
 
 
-def _walk_text_files(root: Path) -> Iterator[Path]:
+def _walk_text_files(root: Path, other: list[Path]) -> Iterator[Path]:
+    """Text files under `root` in sorted order; the visible files of other suffixes go to `other`."""
     for dirpath, dirnames, filenames in os.walk(root):
         # Pruning and sorting in place steers os.walk itself: deterministic and never descends.
         dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d not in SKIP_DIRS)
         for name in sorted(filenames):
-            if not name.startswith(".") and Path(name).suffix.lower() in TEXT_SUFFIXES:
+            if name.startswith("."):
+                continue
+            if Path(name).suffix.lower() in TEXT_SUFFIXES:
                 yield Path(dirpath) / name
+            else:
+                other.append(Path(dirpath) / name)
 
 
-def _file_documents(path: Path, strict: bool) -> Iterator[str]:
-    """Documents of one file; `strict` raises on undecodable text instead of skipping it."""
+def _file_documents(path: Path, strict: bool, undecodable: list[Path] | None = None) -> Iterator[str]:
+    """Documents of one file; `strict` raises on undecodable text instead of skipping it (and
+    listing it in `undecodable`)."""
     if _is_json_lines(path):
         yield from _json_lines_documents(path)
         return
@@ -60,8 +75,10 @@ def _file_documents(path: Path, strict: bool) -> Iterator[str]:
         text = path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as err:
         if strict:
-            raise ValueError(f"{path} is not valid UTF-8: {err}") from None
+            raise BadInput(f"{path} is not valid UTF-8: {err}") from None
         logger.debug("skipping %s: not valid UTF-8 (%s)", path, err)
+        if undecodable is not None:
+            undecodable.append(path)
         return
     if text:
         yield text
@@ -93,7 +110,7 @@ def _json_lines_documents(path: Path) -> Iterator[str]:
                 if not isinstance(text, str):
                     raise TypeError(f"'text' is a {type(text).__name__}, not a string")
             except (json.JSONDecodeError, KeyError, TypeError) as err:
-                raise ValueError(f"{path}:{line_no}: expected a JSON object with a 'text' field "
+                raise BadInput(f"{path}:{line_no}: expected a JSON object with a 'text' field "
                                  f"({type(err).__name__}: {err})") from None
             if text:
                 yield text

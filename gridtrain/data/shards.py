@@ -25,6 +25,7 @@ import numpy as np
 
 from gridtrain.data.corpus import default_corpus, iter_documents
 from gridtrain.data.tokenizer import Tokenizer, build_tokenizer, encode_batch
+from gridtrain.errors import BadInput, ExistingOutput, MissingInput
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ def prepare(source: str | Path, tokenizer: Tokenizer, out_dir: Path, val_fractio
         raise ValueError(f"shard_tokens must be positive, got {shard_tokens}")
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / INDEX_FILE).is_file():
-        raise FileExistsError(f"{out_dir} exists and is not a prepared directory; "
+        raise ExistingOutput(f"{out_dir} exists and is not a prepared directory; "
                               "refusing to replace it (choose an empty or new out_dir)")
     if (out_dir / INDEX_FILE).is_file():
         _check_replaceable(out_dir, overwrite)
@@ -125,7 +126,7 @@ def _write_splits(source: Path, tokenizer: Tokenizer, out_dir: Path, dtype: np.d
             writers[_assign_split(pending[0], seed, val_fraction)].add_document(pending[1])
         pending = (i, tokens)
     if pending is None:
-        raise ValueError(f"no documents found in {source} (empty files and files with other "
+        raise BadInput(f"no documents found in {source} (empty files and files with other "
                          "suffixes are skipped; see gridtrain.data.corpus.TEXT_SUFFIXES)")
     last, tokens = pending
     if last == 0:
@@ -176,7 +177,7 @@ def _split_single_document(tokens: np.ndarray, writers: dict[str, _ShardWriter],
                            val_fraction: float) -> None:
     body, eos = tokens[:-1], tokens[-1:]
     if len(body) < 2:
-        raise ValueError(f"the corpus is one document of {len(body)} token(s): too short to "
+        raise BadInput(f"the corpus is one document of {len(body)} token(s): too short to "
                          "split into train and val")
     num_val = min(max(1, int(len(body) * val_fraction)), len(body) - 1)
     logger.warning("the corpus is a single document: its last %d of %d tokens become the "
@@ -211,7 +212,7 @@ def _build_index(source: Path, tokenizer: Tokenizer, dtype: np.dtype,
 def _check_replaceable(out_dir: Path, overwrite: bool) -> None:
     """Refuse to replace a prepared directory unless asked to, or when it holds other files."""
     if not overwrite:
-        raise FileExistsError(f"{out_dir} already holds a prepared dataset: pass --overwrite to replace it, "
+        raise ExistingOutput(f"{out_dir} already holds a prepared dataset: pass --overwrite to replace it, "
                               "or choose a new --out")
     try:
         shards = load_index(out_dir)["splits"]
@@ -223,7 +224,7 @@ def _check_replaceable(out_dir: Path, overwrite: bool) -> None:
                      and str(p.relative_to(out_dir)) not in owned)
     if foreign:
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
-        raise FileExistsError(f"{out_dir} also holds files gridtrain did not write ({shown}); --overwrite "
+        raise ExistingOutput(f"{out_dir} also holds files gridtrain did not write ({shown}); --overwrite "
                               "would delete them: move them out, or choose a new --out")
 
 
@@ -253,7 +254,7 @@ def ensure_prepared(source: str | Path | None, tokenizer_spec: str, cache_dir: P
     if (src / INDEX_FILE).is_file():
         return src
     if not src.exists():
-        raise FileNotFoundError(f"corpus not found: {src}")
+        raise MissingInput(f"corpus not found: {src}")
     out_dir = Path(cache_dir) / _cache_name(src, tokenizer_spec, val_fraction, seed)
     if (out_dir / INDEX_FILE).is_file():
         return out_dir
@@ -284,11 +285,11 @@ def load_index(prepared_dir: Path) -> dict[str, Any]:
     """The parsed `index.json` of a prepared directory, checked for a known format version."""
     path = Path(prepared_dir) / INDEX_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"{prepared_dir} is not a prepared data directory (no "
+        raise MissingInput(f"{prepared_dir} is not a prepared data directory (no "
                                 f"{INDEX_FILE}); create one with gridtrain.data.shards.prepare")
     index = json.loads(path.read_text())
     if index.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{path} has format version {index.get('format_version')}, this code "
+        raise BadInput(f"{path} has format version {index.get('format_version')}, this code "
                          f"reads {FORMAT_VERSION}: prepare the corpus again")
     return index
 

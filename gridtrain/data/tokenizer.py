@@ -14,6 +14,8 @@ import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from gridtrain.errors import BadInput, MissingInput
+
 logger = logging.getLogger(__name__)
 
 EOS_TOKEN = "<eos>"
@@ -59,7 +61,7 @@ class BPETokenizer:
     def __init__(self, hf_tokenizer: HFTokenizer) -> None:
         eos_id = hf_tokenizer.token_to_id(EOS_TOKEN)
         if eos_id is None:
-            raise ValueError(f"tokenizer has no {EOS_TOKEN!r} token; gridtrain needs it to "
+            raise BadInput(f"tokenizer has no {EOS_TOKEN!r} token; gridtrain needs it to "
                              "separate documents (add it as a special token)")
         self._tok = hf_tokenizer
         self.vocab_size: int = hf_tokenizer.get_vocab_size(with_added_tokens=True)
@@ -71,8 +73,12 @@ class BPETokenizer:
     def load(cls, path: str | Path) -> BPETokenizer:
         path = Path(path)
         if not path.is_file():
-            raise FileNotFoundError(f"tokenizer file not found: {path}")
-        return cls(HFTokenizer.from_file(str(path)))
+            raise MissingInput(f"tokenizer file not found: {path}")
+        try:
+            hf = HFTokenizer.from_file(str(path))
+        except Exception as err:  # noqa: BLE001 - tokenizers raises a bare Exception
+            raise BadInput(f"{path} is not a tokenizer.json that tokenizers can read ({err})") from None
+        return cls(hf)
 
     @classmethod
     def train(cls, documents: Iterable[str], vocab_size: int,
@@ -80,7 +86,7 @@ class BPETokenizer:
         """Train a byte-level BPE with `<eos>` as its one special token (id 0)."""
         min_vocab = 256 + 1
         if vocab_size < min_vocab:
-            raise ValueError(f"BPE vocab_size {vocab_size} < {min_vocab} "
+            raise BadInput(f"BPE vocab_size {vocab_size} < {min_vocab} "
                              f"(256 byte symbols + <eos>); ask for bpe:{min_vocab} or more")
         hf = HFTokenizer(models.BPE())
         hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -142,7 +148,7 @@ def build_tokenizer(spec: str, corpus: str | Path | None = None,
         return _build_trained_bpe(spec, corpus, cache_dir)
     if spec.endswith(".json") or Path(spec).is_file():
         return BPETokenizer.load(spec)
-    raise ValueError(f"unknown tokenizer spec {spec!r}: expected 'byte', 'bpe:N' (train a BPE "
+    raise BadInput(f"unknown tokenizer spec {spec!r}: expected 'byte', 'bpe:N' (train a BPE "
                      "of vocab N on the corpus) or a path to a tokenizer.json")
 
 
@@ -153,7 +159,7 @@ def _build_trained_bpe(spec: str, corpus: str | Path | None,
     try:
         vocab_size = int(spec.removeprefix("bpe:"))
     except ValueError:
-        raise ValueError(f"bad tokenizer spec {spec!r}: expected 'bpe:N' with N an integer, "
+        raise BadInput(f"bad tokenizer spec {spec!r}: expected 'bpe:N' with N an integer, "
                          "e.g. 'bpe:8192'") from None
     source = Path(corpus).resolve() if corpus is not None else default_corpus()
     if cache_dir is None:

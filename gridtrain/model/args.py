@@ -83,6 +83,8 @@ class ModelArgs:
             )
         if self.ffn_dim is not None and self.ffn_dim <= 0:
             errors.append(f"model.ffn_dim = {self.ffn_dim} must be positive")
+        if not self.rope_theta > 0:
+            errors.append(f"model.rope_theta = {self.rope_theta} must be positive (Llama 3: 500000)")
         return errors
 
 

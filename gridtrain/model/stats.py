@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from gridtrain.model.args import ModelArgs, ParamCounts
@@ -37,6 +39,19 @@ def count_parameters(model: torch.nn.Module) -> ParamCounts:
     return ParamCounts(**parts)
 
 
+def model_parameters(args: ModelArgs) -> ParamCounts:
+    """`count_parameters` of the model `args` describes, from meta models of one and two layers:
+    the blocks are identical, so L layers add L - 1 times the second's count. The same numbers as
+    building all L (tests/test_model.py), in constant time (Llama 3 405B with 100,000 layers
+    took minutes layer by layer)."""
+    if args.n_layers <= 2:
+        return count_parameters(build_meta(args))
+    one = count_parameters(build_meta(dataclasses.replace(args, n_layers=1)))
+    two = count_parameters(build_meta(dataclasses.replace(args, n_layers=2)))
+    return ParamCounts(**{part: getattr(one, part) + (args.n_layers - 1) * (getattr(two, part) - getattr(one, part))
+                          for part in ("embedding", "attention", "mlp", "norms", "output")})
+
+
 def flops_per_token(args: ModelArgs, seq_len: int, counts: ParamCounts | None = None) -> float:
     """Model FLOPs per token of one training step (forward + backward): 6N + 12 L H Q T.
 
@@ -46,6 +61,6 @@ def flops_per_token(args: ModelArgs, seq_len: int, counts: ParamCounts | None = 
     causal halving: PaLM's convention (Chowdhery et al. 2022, appendix B), used by torchtitan.
     Recomputation is not counted: this is model FLOPs (MFU), not hardware FLOPs (HFU).
     """
-    counts = counts or count_parameters(build_meta(args))
+    counts = counts or model_parameters(args)
     n = counts.non_embedding + (counts.embedding if args.tie_embeddings else 0)
     return 6 * n + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len

@@ -73,6 +73,11 @@ class ParallelDims:
                            ("cp", self.cp), ("ep", self.ep)):
             if value < 1:
                 errors.append(f"parallel.{key} = {value} must be >= 1")
+        for key in ("cp", "ep"):
+            if getattr(self, key) > 1:
+                errors.append(f"parallel.{key} = {getattr(self, key)}: not available yet, set it to 1")
+        if errors:
+            return errors
         if self.dp_shard < 1:
             rest = self.dp_replicate * self.cp * self.tp * self.pp
             errors.append(
@@ -80,9 +85,6 @@ class ParallelDims:
                 f"{self.dp_replicate}) * cp({self.cp}) * tp({self.tp}) * pp({self.pp}) = {rest} does not "
                 f"divide it; launch a multiple of {rest} processes or lower the degrees")
             return errors
-        for key in ("cp", "ep"):
-            if getattr(self, key) != 1:
-                errors.append(f"parallel.{key} = {getattr(self, key)}: not available yet, set it to 1")
         product = self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp
         if not errors and product != self.world_size:
             fix = ""

@@ -19,7 +19,8 @@ from gridtrain.plan.inputs import (batch_sequences, check_constraints, constrain
 from gridtrain.plan.memory import CONVENTIONS, GiB
 from gridtrain.plan.report import Assumptions, build_report, layout_dict
 from gridtrain.plan.runnable import train_command
-from gridtrain.plan.search import Candidate, Constraints, PlanError, Problem, SearchResult, degree_options, search
+from gridtrain.plan.search import (Candidate, Constraints, PlanError, Problem, SearchResult, cp_options, degree_options,
+                                   search, tp_options)
 from gridtrain.plan.shape import param_counts
 
 DEFAULT_BATCH_TOKENS = 2**22
@@ -38,6 +39,9 @@ def build_problem(args: argparse.Namespace, extra: list[str]) -> tuple[Problem, 
         cluster = replace(cluster, price_per_gpu_hour=args.price)
     notes: list[str] = []
     seq_len = parse_whole(args.seq_len, "--seq-len") if args.seq_len else model.max_seq_len
+    if args.global_batch and args.global_batch_tokens:
+        raise PlanError("--global-batch and --global-batch-tokens are both given: give one (the batch in "
+                        "sequences, or in tokens)")
     if args.global_batch:
         seqs = parse_whole(args.global_batch, "--global-batch")
     elif args.global_batch_tokens:
@@ -99,6 +103,12 @@ def no_fit_message(problem: Problem, c: Constraints, result: SearchResult) -> st
     """Why nothing fits, and what would."""
     what = f"with {constraints_label(c)} " if c.given() else ""
     head = f"no layout {what}of this model fits on {problem.num_gpus:,} x {problem.cluster.accelerator.name}"
+    most = problem.global_batch_seqs * max(tp_options(problem, c) or [1]) * max(cp_options(problem, c) or [1]) \
+        * problem.shape.num_layers
+    if result.leanest is None and problem.num_gpus > most:
+        return (f"{head}: that is more GPUs than this model and batch can keep busy, at most {most:,} = "
+                f"{problem.global_batch_seqs:,} sequences (dp) x the largest tp x cp x one pipeline stage per "
+                f"layer ({problem.shape.num_layers}): use fewer GPUs or a larger --global-batch")
     if result.leanest is None and not degree_options(problem, c):
         return (f"{head}: no tp x cp x pp x dp = {problem.num_gpus:,} leaves a dp that divides the global "
                 f"batch of {problem.global_batch_seqs:,} sequences: make the batch a multiple of a power of "

@@ -44,6 +44,8 @@ def parse_count(text: str, what: str) -> float:
 def parse_whole(text: str, what: str) -> int:
     """parse_count for things that come whole (GPUs, sequences): 1.5 GPUs is an error, not 1."""
     value = parse_count(text, what)
+    if value > 1e15:
+        raise PlanError(f"{what} = {text!r} is too large (at most 1e15)")
     if value != int(value):
         raise PlanError(f"{what} = {text!r} is {value:g}, not a whole number")
     return int(value)
@@ -81,6 +83,8 @@ def parse_layout(text: str) -> Constraints:
             hint = f" (did you mean {near[0]!r}?)" if near else ""
             raise PlanError(f"--layout item {item!r}: expected KEY=VALUE with KEY one of "
                             f"{', '.join(sorted(set(LAYOUT_KEYS)))}{hint}")
+        if LAYOUT_KEYS[key] in values:
+            raise PlanError(f"--layout gives {LAYOUT_KEYS[key]} twice ({text!r}): give each choice once")
         values[LAYOUT_KEYS[key]] = _layout_value(LAYOUT_KEYS[key], value.strip())
     return Constraints(**values)  # type: ignore[arg-type]
 

@@ -29,6 +29,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 
 from gridtrain.config import CheckpointConfig, ModelConfig, TrainConfig, load_config
+from gridtrain.errors import UserError
 from gridtrain.model.args import PRESETS, ModelArgs
 from gridtrain.model.llama import Transformer
 from gridtrain.train import checkpoint
@@ -59,7 +60,7 @@ _GRIDTRAIN_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
-class InterchangeError(ValueError):
+class InterchangeError(UserError, ValueError):
     """A run or Hugging Face directory that cannot be converted; the message says why and what to do."""
 
 
@@ -312,9 +313,16 @@ def read_hf_dir(hf_dir: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     if not config_path.is_file():
         raise InterchangeError(f"{hf_dir} has no config.json: give a Hugging Face model directory "
                                "(as written by save_pretrained or `gridtrain export`)")
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError) as err:
+        raise InterchangeError(f"{config_path} is not readable JSON ({err})") from None
     index = hf_dir / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+            raise InterchangeError(f"{index} is not a safetensors index with a weight_map ({err!r})") from None
     else:
         files = sorted(p.name for p in hf_dir.glob("*.safetensors"))
     if not files:
@@ -326,8 +334,12 @@ def read_hf_dir(hf_dir: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         raise InterchangeError(f"{index.name} names shards missing from {hf_dir}: {missing}")
     weights: dict[str, torch.Tensor] = {}
     for name in files:
-        weights.update(load_file(hf_dir / name))
-    return json.loads(config_path.read_text()), weights
+        try:
+            weights.update(load_file(hf_dir / name))
+        except Exception as err:  # noqa: BLE001 - safetensors raises its own SafetensorError
+            raise InterchangeError(f"{hf_dir / name} is not a readable safetensors file ({err}); it may be "
+                                   "cut short: copy it again") from None
+    return config, weights
 
 
 def fresh_optimizer(model: torch.nn.Module, train: TrainConfig) -> torch.optim.Optimizer:

@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gridtrain.errors import BadInput, MissingInput
+
 log = logging.getLogger("gridtrain")
 
 
@@ -26,8 +28,9 @@ def format_line(step: int, total: int, m: dict[str, float]) -> str:
         parts.append(f"lr {m['lr']:.2e}")
     if "throughput/tokens_per_s" in m:
         parts.append(f"tok/s {m['throughput/tokens_per_s']:,.0f}")
-    if "mfu_pct" in m:
-        parts.append(f"mfu {m['mfu_pct']:.1f}%")
+    if "mfu_pct" in m:  # above 100% the peak is wrong, not the run: a calibration measured too low
+        flag = " (above the peak: run `gridtrain calibrate` again)" if m["mfu_pct"] > 100 else ""
+        parts.append(f"mfu {m['mfu_pct']:.1f}%{flag}")
     if "memory/peak_GiB" in m:
         parts.append(f"mem {m['memory/peak_GiB']:.2f} GiB")
     if "precision/loss_scale" in m:
@@ -90,9 +93,18 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     """The records of a run's metrics.jsonl; a resumed run's later records replace earlier ones
     for the same step."""
     by_step: dict[tuple[int, bool], dict[str, Any]] = {}
-    with open(run_dir / "metrics.jsonl") as f:
-        for line in f:
-            if line.strip():
-                rec = json.loads(line)
-                by_step[(rec["step"], "loss/val" in rec and "loss/train" not in rec)] = rec
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise MissingInput(f"{run_dir} is not a gridtrain run directory (no metrics.jsonl): give the "
+                           "run_dir of a `gridtrain train` run")
+    lines = path.read_text(errors="replace").splitlines()
+    for number, line in enumerate(lines, 1):
+        try:
+            rec = json.loads(line) if line.strip() else None
+            if rec is not None:
+                by_step[(int(rec["step"]), "loss/val" in rec and "loss/train" not in rec)] = rec
+        except (ValueError, KeyError, TypeError) as err:
+            if number == len(lines):  # a run killed while writing its last record
+                break
+            raise BadInput(f"{path}:{number} is not a metrics record ({err})") from None
     return [by_step[k] for k in sorted(by_step)]

@@ -4,20 +4,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from gridtrain.errors import BadInput
 from gridtrain.train.metrics import read_metrics
 
 
 def plot_run(run_dir: Path, out: Path | None = None) -> Path:
+    records = read_metrics(run_dir)  # first: matplotlib writes its font cache when imported
     import matplotlib
 
     matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
 
-    records = read_metrics(run_dir)
     train = [r for r in records if "loss/train" in r]
     val = [r for r in records if "loss/val" in r]
     if not train and not val:
-        raise ValueError(f"{run_dir}/metrics.jsonl has no loss records to plot")
+        raise BadInput(f"{run_dir}/metrics.jsonl has no loss records to plot")
     fig, (ax_loss, ax_tput) = plt.subplots(1, 2, figsize=(12, 4.5))
     ax_loss.plot([r["step"] for r in train], [r["loss/train"] for r in train], label="train", lw=1)
     ax_loss.plot([r["step"] for r in val], [r["loss/val"] for r in val], "o-", label="validation")
