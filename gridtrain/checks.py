@@ -41,9 +41,9 @@ def _check_model(cfg: Config) -> list[str]:
     problems = args.validate()
     if not problems and args.max_seq_len * args.head_dim // 2 * 8 > 2**30:  # complex64 per position and pair
         gib = args.max_seq_len * args.head_dim // 2 * 8 / 2**30
-        problems.append(f"model.max_seq_len ({args.max_seq_len:,}) would need {gib:,.1f} GiB per process for the "
-                        "rotary table (every position, precomputed): lower it, to data.seq_len "
-                        f"({cfg.data.seq_len}) at least")
+        problems.append(f"the rotary table, model.max_seq_len ({args.max_seq_len:,}) x head_dim / 2 "
+                        f"({args.head_dim // 2:,}) complex numbers, would need {gib:,.1f} GiB per process: lower "
+                        f"max_seq_len (data.seq_len is {cfg.data.seq_len}) or head_dim = model.dim / model.n_heads")
     if cfg.data.seq_len > args.max_seq_len:
         problems.append(
             f"data.seq_len ({cfg.data.seq_len}) is longer than the model's context "

@@ -6,15 +6,15 @@ import argparse
 import logging
 import math
 import os
-import signal
-import subprocess
 import sys
+import traceback
 from pathlib import Path
 from typing import Callable
 
 from gridtrain.checks import tokenizer_vocab, validate
 from gridtrain.config import ConfigError, all_keys, load_config, parse_overrides
 from gridtrain.errors import BadInput, UserError, one_line
+from gridtrain.launch import launch
 from gridtrain.rundir import check_run_dir, unwritable
 
 log = logging.getLogger("gridtrain")
@@ -54,8 +54,7 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
         trainer = Trainer(cfg)
         final = trainer.run()
     except (CollectiveTimeout, TrainingDiverged, CheckpointSaveError, InvalidCheckpointError) as err:
-        rank = os.environ.get("RANK")
-        print(f"gridtrain: {'' if rank is None else f'rank {rank}: '}{err}", file=sys.stderr, flush=True)
+        print(f"gridtrain: {one_line(err, anticipated=True)}", file=sys.stderr, flush=True)
         shutdown()
         return 1
     except Stopped as stopped:
@@ -96,34 +95,6 @@ def interrupted(trainer) -> str:
             "--resume")
 
 
-def launch(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
-    """Start `nproc` local processes through torchrun, each running this same command; torchrun
-    restarts them all up to `max_restarts` times when one fails (each restart resumes)."""
-    forwarded, skip = [], False
-    for arg in argv:  # the launcher's own flags (and the values after them) stay here
-        if skip:
-            skip = False
-        elif arg in ("--nproc", "--max-restarts"):
-            skip = True
-        elif not arg.startswith(("--nproc=", "--max-restarts=")):
-            forwarded.append(arg)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           f"--max-restarts={max_restarts}", "-m", "gridtrain", *forwarded]
-    log.info("launching %d processes: %s", nproc, " ".join(cmd[2:]))
-    # A fresh rendezvous store per attempt: restarted ranks never read a dead attempt's keys.
-    with subprocess.Popen(cmd, env={**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}) as proc:
-        # A scheduler's SIGTERM or SIGUSR1 goes on to torchrun as SIGTERM (it has no SIGUSR1
-        # handler), which passes it to every rank: they save and stop (checkpoint.signal_grace_s;
-        # torchrun kills them 30 s later) instead of being orphaned.
-        previous = {sig: signal.signal(sig, lambda signum, frame: proc.send_signal(signal.SIGTERM))
-                    for sig in (signal.SIGTERM, signal.SIGUSR1)}
-        try:
-            return proc.wait()
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-
-
 def cmd_model(args: argparse.Namespace, extra: list[str]) -> int:
     from gridtrain.model.args import PRESETS
     from gridtrain.model.stats import flops_per_token, model_parameters
@@ -157,18 +128,20 @@ def cmd_model(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_data(args: argparse.Namespace, extra: list[str]) -> int:
-    from gridtrain.data.shards import TokenStore, ensure_prepared, prepare
+    from gridtrain.data.shards import TokenStore, check_output, ensure_prepared, prepare
     from gridtrain.data.tokenizer import build_tokenizer
 
     bad = tokenizer_vocab(args.tokenizer, "--tokenizer")[1]
     if args.source and not Path(args.source).exists():
         bad = f"corpus {args.source} not found: give a text file, a .jsonl file or a directory of text files"
-    for flag, path in (("--out", args.out), ("--cache-dir", args.cache_dir)):
+    cache_used = not args.out or args.tokenizer.startswith("bpe:")  # a trained BPE is cached
+    for flag, path in (("--out", args.out), ("--cache-dir", args.cache_dir if cache_used else None)):
         why = path and unwritable(Path(path).expanduser())
         bad = bad or (why and f"{flag} {path}: {why}")
     if bad:
         raise BadInput(bad)
     if args.out:
+        check_output(Path(args.out), args.overwrite)
         tokenizer = build_tokenizer(args.tokenizer, args.source, Path(args.cache_dir).expanduser())
         from gridtrain.data.corpus import default_corpus
 
@@ -227,6 +200,9 @@ def cmd_plan(args: argparse.Namespace, extra: list[str]) -> int:
 def cmd_plot(args: argparse.Namespace, extra: list[str]) -> int:
     from gridtrain.train.plot import plot_run
 
+    why = args.out and unwritable(Path(args.out).parent)
+    if why:
+        raise BadInput(f"--out {args.out}: {why}")
     out = plot_run(Path(args.run_dir), Path(args.out) if args.out else None)
     print(f"wrote {out}")
     return 0
@@ -397,9 +373,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except (UserError, Exception, KeyboardInterrupt) as err:
         if debug:
-            raise
+            traceback.print_exc()  # and the same line and exit status as without --debug
         code = 2 if isinstance(err, UserError) else 130 if isinstance(err, KeyboardInterrupt) else 1
-        hint = "" if code != 1 else " (run again with --debug for the traceback)"
+        hint = "" if code != 1 or debug else " (run again with --debug for the traceback)"
         print(f"gridtrain: {'interrupted' if code == 130 else one_line(err)}{hint}", file=sys.stderr, flush=True)
         return code
 

@@ -318,6 +318,8 @@ def _convert(key: str, raw: Any, hint: Any) -> Any:
 def _convert_to(key: str, raw: Any, target: type) -> Any:
     if target is float and isinstance(raw, float) and not math.isfinite(raw):  # TOML's inf and nan
         raise ConfigError([f"{key} = {raw!r} must be a finite number"])
+    if target is int and isinstance(raw, int) and not isinstance(raw, bool) and abs(raw) > LARGEST_INT:
+        raise ConfigError([f"{key} = {raw!r} is too large (at most {LARGEST_INT:.0e})"])
     if isinstance(raw, target) and not (target is int and isinstance(raw, bool)):
         return raw
     if target is bool and isinstance(raw, str):
@@ -392,10 +394,15 @@ def parse_overrides(args: list[str]) -> dict[str, str]:
     return out
 
 
+BATCH_FORMS = ("train.global_batch", "train.global_batch_tokens")
+"""The two ways to give the batch (sequences, tokens): one source gives one of them."""
+
+
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
     """Defaults, then the TOML file, then the dotted overrides; unknown keys are rejected."""
     cfg = Config()
     items: dict[str, Any] = {}
+    problems = []
     if path is not None:
         try:
             with open(path, "rb") as f:
@@ -404,11 +411,14 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
             raise ConfigError([f"--config {path}: {err.strerror.lower()}: give a TOML file (see configs/)"]) from None
         except tomllib.TOMLDecodeError as err:
             raise ConfigError([f"--config {path} is not valid TOML ({err}): fix it (see configs/)"]) from None
-    items.update(overrides or {})
-    problems = []
-    if "train.global_batch" in items and items.get("train.global_batch_tokens") not in (None, "none", "None"):
-        problems.append("train.global_batch and train.global_batch_tokens are both given: give one (the "
-                        "batch in sequences, or in tokens)")
+    overrides = overrides or {}
+    for source, given in (("--config", items), ("the command line", overrides)):
+        if all(given.get(key) is not None and str(given[key]).lower() not in ("none", "null") for key in BATCH_FORMS):
+            problems.append(f"train.global_batch and train.global_batch_tokens are both given on {source}: give "
+                            "one (the batch in sequences, or in tokens)")
+    if any(key in overrides for key in BATCH_FORMS):  # the command line's form replaces the file's
+        items = {k: v for k, v in items.items() if k not in BATCH_FORMS}
+    items.update(overrides)
     for key, raw in items.items():
         try:
             set_key(cfg, key, raw)

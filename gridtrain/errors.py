@@ -15,14 +15,14 @@ class UserError(Exception):
     """Bad input; the message says what is wrong, the value and the fix."""
 
 
-def one_line(err: BaseException) -> str:
-    """How `gridtrain` reports an exception: its first line, prefixed with the rank under torchrun
+def one_line(err: BaseException, anticipated: bool = False) -> str:
+    """How `gridtrain` reports an exception: its message, prefixed with the rank under torchrun
     (each rank may fail on its own) and, for a failure nobody anticipated, its type."""
     rank = os.environ.get("RANK")
-    where = "" if rank is None else f"rank {rank}: "
     text = str(err).strip() or type(err).__name__
-    if not isinstance(err, UserError):
-        text = f"{type(err).__name__}: {text}" if str(err).strip() else text
+    where = "" if rank is None or text.startswith(f"rank {rank} ") else f"rank {rank}: "
+    if not (anticipated or isinstance(err, UserError)):  # its first line: the rest comes with --debug
+        text = f"{type(err).__name__}: {text.splitlines()[0]}" if str(err).strip() else text
     return f"{where}{text}"
 
 

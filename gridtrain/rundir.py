@@ -20,7 +20,9 @@ import tempfile
 from pathlib import Path
 
 from gridtrain.config import Config, ConfigError
+from gridtrain.errors import BadInput, MissingInput
 from gridtrain.model.args import model_args
+from gridtrain.parallel.dims import ParallelDims
 
 DATA_KEYS = ("corpus", "tokenizer", "seq_len", "val_fraction")
 """The data settings a resume must keep: they decide which sample each step reads."""
@@ -28,14 +30,31 @@ DATA_KEYS = ("corpus", "tokenizer", "seq_len", "val_fraction")
 
 def saved_record(run_dir: Path) -> dict | None:
     """The run's config.json record, None if the directory holds no run."""
-    path = run_dir / "config.json"
-    if not path.is_file():
+    if not (run_dir / "config.json").is_file():
         return None
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        raise ConfigError([f"{path} is not readable as a gridtrain run record ({err}); move the directory "
-                           "aside or train into a new --run_dir"]) from None
+        return run_record(run_dir)
+    except BadInput as err:
+        raise ConfigError([f"{err}; move the directory aside or train into a new --run_dir"]) from None
+
+
+def run_record(run_dir: Path, with_dims: bool = False) -> dict:
+    """<run_dir>/config.json as the Trainer wrote it (config, and with `with_dims` the layout),
+    checked enough that every command reading it can trust its shape: a damaged or foreign file
+    is one line naming it, not a KeyError three calls later."""
+    path = run_dir / "config.json"
+    if not path.is_file():
+        raise MissingInput(f"{run_dir} is not a gridtrain run directory (no config.json): give the run_dir "
+                           "of a `gridtrain train` run")
+    try:
+        record = json.loads(path.read_text())
+        model = dict(record["config"]["model"])
+        model_args(model.pop("preset", "small"), **model)
+        if with_dims:
+            ParallelDims(**record["dims"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        raise BadInput(f"{path} is not a gridtrain run record ({type(err).__name__}: {err})") from None
+    return record
 
 
 def differences(saved: dict, cfg: Config) -> list[str]:

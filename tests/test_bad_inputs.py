@@ -3,7 +3,8 @@ the fix, no traceback, and no file changed anywhere (the inputs the case points 
 
 Table-driven: each case is argv and words the message must hold. `{d}` in argv stands for a
 folder of inputs: `afile` (a text file), `bad.toml` (not TOML), `notok.json` (not a tokenizer),
-`run` (a run directory: config.json and a metrics.jsonl with a broken line), `hf` (a Hugging
+`run` (a run directory: config.json and a metrics.jsonl with a broken line), `badrun` (its
+config.json a JSON list), `hf` (a Hugging
 Face directory with a malformed config.json), `trunc` (one whose safetensors file is cut short).
 Besides the hand-written cases, every configuration key of each type gets the values its type
 refuses (generated from `all_keys`, so a new key is covered the day it is added).
@@ -30,6 +31,8 @@ PLAN = [
     (["plan", "--num-gpus", "16M"], "more GPUs than this model and batch can keep busy, at most 131,072"),
     (["plan", "--seq-len", "-5"], "--seq-len = '-5' must be a positive finite count"),
     (["plan", "--seq-len", "1e20"], "--seq-len = '1e20' is too large"),
+    (["plan", "--num-gpus", "1e9"], "more GPUs than this model and batch can keep busy"),
+    (["plan", "--global-batch-tokens", "1e20"], "--global-batch-tokens = '1e20' is too large"),
     (["plan", "--global-batch", "2.5"], "--global-batch = '2.5' is 2.5, not a whole number"),
     (["plan", "--global-batch", "16", "--global-batch-tokens", "1M"], "--global-batch and --global-batch-tokens are both given"),
     (["plan", "--tokens", "abc"], "--tokens = 'abc' is not a count"),
@@ -57,6 +60,8 @@ PLAN = [
     (["plan", "--arch", "rnn"], "invalid choice: 'rnn'"),
     (["plan", "--check", "{d}/missing"], "is not a gridtrain run directory (no config.json)"),
     (["plan", "--check", "{d}/afile"], "is not a gridtrain run directory (no config.json)"),
+    (["plan", "--check", "{d}/run"], "{d}/run/config.json is not a gridtrain run record (KeyError: 'dims')"),
+    (["plan", "--check", "{d}/badrun"], "{d}/badrun/config.json is not a gridtrain run record (TypeError"),
     (["plan", "--bogus"], "gridtrain plan takes model.* keys beyond its own options, not bogus"),
 ]
 
@@ -68,6 +73,7 @@ MODEL = [
     (["model", "llama3-8b", "--model.n_heads", "7"], "must be divisible by model.n_heads (7)"),  # two problems
     (["model", "llama3-8b", "--model.n_layers", "1e20"], "model.n_layers = '1e20' is too large"),
     (["model", "llama3-8b", "--model.vocab_size", "0"], "model.vocab_size = 0 must be positive"),
+    (["model", "llama3-8b", "--model.dim", "4096000000"], "model.dim (4,096,000,000) makes a weight of"),
     (["model", "llama3-8b", "--model.rope_theta", "-5"], "model.rope_theta = -5.0 must be positive"),
     (["model", "llama3-8b", "--model.nosuch", "1"], "unknown config key 'model.nosuch'"),
 ]
@@ -88,6 +94,7 @@ TRAIN = [
     (["train", "--run_dir", "{d}/afile/sub"], "{d}/afile is a file, not a directory: give another --run_dir"),
     (["train", "--run_dir", "/proc/gridtrain-run"], "run_dir /proc/gridtrain-run: /proc cannot be written"),
     (["train", "--run_dir", "{d}/run"], "already holds a run (its config.json): continue it with --resume"),
+    (["train", "--run_dir", "{d}/badrun", "--resume"], "{d}/badrun/config.json is not a gridtrain run record"),
     (["train", "--config", "missing.toml"], "--config missing.toml: no such file or directory"),
     (["train", "--config", "."], "--config .: is a directory"),
     (["train", "--config", "{d}/bad.toml"], "--config {d}/bad.toml is not valid TOML"),
@@ -97,7 +104,8 @@ TRAIN = [
     (["train", "--train.global_batch_tokens", "1000"], "must be a positive multiple of data.seq_len (256)"),
     (["train", "--train.micro_batch", "0"], "train.micro_batch = 0 must be >= 1"),
     (["train", "--model.preset", "nosuch"], "model.preset = 'nosuch' is unknown"),
-    (["train", "--model.max_seq_len", "10000000000"], "GiB per process for the rotary table"),
+    (["train", "--model.max_seq_len", "10000000000"], "the rotary table, model.max_seq_len (10,000,000,000) x head_dim"),
+    (["train", "--model.dim", "268435456", "--model.n_heads", "1", "--model.n_kv_heads", "1"], "makes a weight of"),
     (["train", "--data.seq_len", "100000"], "data.seq_len (100000) is longer than the model's context"),
     (["train", "--model.vocab_size", "10"], "model.vocab_size (10) is smaller than the vocabulary"),
     (["train", "--model.dim", "7"], "model.dim (7) must be divisible by model.n_heads (8)"),
@@ -141,7 +149,9 @@ OTHERS = [
     (["data", "prepare", "{d}/afile", "--out", "/proc/gridtrain-data"], "--out /proc/gridtrain-data: /proc cannot be written"),
     (["data", "prepare", "{d}/afile", "--out", "{d}/afile/x"], "--out {d}/afile/x: {d}/afile is a file, not a directory"),
     (["data", "prepare", "{d}/afile", "--out", "{d}"], "exists and is not a prepared directory"),
-    (["data", "prepare", "{d}/afile", "--cache-dir", "/proc/gridtrain-cache"], "--cache-dir /proc/gridtrain-cache"),
+    (["data", "prepare", "{d}/afile", "--tokenizer", "bpe:300", "--out", "{d}"], "exists and is not a prepared directory"),
+    (["data", "prepare", "{d}/afile", "--tokenizer", "bpe:300", "--out", "{d}/o", "--cache-dir", "/proc/gridtrain-cache"],
+     "--cache-dir /proc/gridtrain-cache"),
     (["data", "nosuch"], "invalid choice: 'nosuch'"),
     (["calibrate", "--seconds", "0"], "--seconds: 0 must be > 0 and <= 600"),
     (["calibrate", "--seconds", "1e9"], "--seconds: 1e9 must be > 0 and <= 600"),
@@ -152,6 +162,9 @@ OTHERS = [
     (["export", "{d}/missing", "{d}/out"], "is not a gridtrain run directory (no config.json)"),
     (["export", "{d}/afile", "{d}/out"], "is not a gridtrain run directory (no config.json)"),
     (["export", "run", "out", "--step", "-3"], "--step: -3 must be >= 0"),
+    (["export", "{d}/badrun", "{d}/out"], "{d}/badrun/config.json is not a gridtrain run record"),
+    (["export", "{d}/run", "{d}/out"], "no intact checkpoint in {d}/run/checkpoints"),
+    (["plot", "--out", "/proc/curves.png", "{d}/run"], "--out /proc/curves.png: /proc cannot be written"),
     (["import", "{d}/missing", "{d}/new"], "has no config.json: give a Hugging Face model directory"),
     (["import", "{d}/hf", "{d}/new"], "{d}/hf/config.json is not readable JSON"),
     (["import", "{d}/trunc", "{d}/new"], "{d}/trunc/model.safetensors is not a readable safetensors file"),
@@ -193,6 +206,8 @@ def inputs(tmp_path: Path) -> Path:
     run.mkdir()
     (run / "config.json").write_text(json.dumps({"config": {"model": {"preset": "tiny"}}}))
     (run / "metrics.jsonl").write_text('{"step": 1, "loss/train": 2.0\n{"step": 2, "loss/train": 1.9}\n')
+    (d / "badrun").mkdir()
+    (d / "badrun" / "config.json").write_text("[1, 2]")
     (d / "hf").mkdir()
     (d / "hf" / "config.json").write_text("{not json")
     (d / "trunc").mkdir()
@@ -236,19 +251,26 @@ def test_bad_input_gets_one_clear_line(argv, words, tmp_path, inputs, monkeypatc
     assert snapshot(tmp_path) == before  # nothing written, nothing changed, inputs included
 
 
-def test_a_failure_is_one_line_and_debug_gives_the_traceback(tmp_path, inputs, monkeypatch, capsys):
-    """A failure nobody anticipated (here: plotting into a directory that cannot be written) is
-    one line, exit status 1, and says how to get the traceback; --debug raises it."""
-    run_dir = tmp_path / "ok"
-    run_dir.mkdir()
-    (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss/train": 2.0, "throughput/tokens_per_s": 9.0}\n')
-    argv = ["plot", str(run_dir), "--out", "/proc/gridtrain.png"]
+def test_a_failure_is_one_line_and_debug_gives_the_traceback(tmp_path, monkeypatch, capsys):
+    """A failure nobody anticipated (here: plotting raises deep inside) is one line naming its
+    type, exit status 1, and says how to get the traceback; --debug prints it, same status."""
+    import gridtrain.train.plot
+
+    def broken(run_dir, out):
+        raise RuntimeError("the renderer ran out of fonts\nsecond line")
+
+    monkeypatch.setattr(gridtrain.train.plot, "plot_run", broken)
+    monkeypatch.chdir(tmp_path)
+    argv = ["plot", str(tmp_path)]
     assert run(argv) == 1
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "Traceback" not in err
-    assert err.startswith("gridtrain: ") and err.rstrip().endswith("(run again with --debug for the traceback)")
-    with pytest.raises(OSError):
-        run([*argv, "--debug"])
+    assert err == "gridtrain: RuntimeError: the renderer ran out of fonts (run again with --debug for the traceback)\n"
+    assert run(["--debug", *argv]) == 1  # the same status, with the traceback before the line
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback (most recent call last):") and "second line" in err
+    assert err.endswith("gridtrain: RuntimeError: the renderer ran out of fonts\n")
+    assert run(["train", "--debug", "--train.steps", "0"]) == 2  # bad input: still 2 with --debug
+    assert "ConfigError" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("extra, words", [
@@ -269,3 +291,27 @@ def test_under_nproc_a_bad_configuration_is_said_once_before_any_process(inputs,
     lines = out.stderr.splitlines()
     assert len(lines) == 1 and words.replace("{d}", str(inputs)) in lines[0], out.stderr
     assert "launching" not in out.stderr and out.stdout == ""
+
+
+def test_a_bare_switch_reaches_plan_as_true(capsys):
+    assert run(["plan", "--model", "llama3-8b", "--model.tie_embeddings", "--json"]) == 0
+    out = capsys.readouterr().out
+    assert "\\u0000" not in out and '"tie_embeddings": true' in out.replace("True", "true")
+
+
+def test_the_batch_form_on_the_command_line_replaces_the_files(tmp_path):
+    """configs/default.toml gives train.global_batch; --train.global_batch_tokens replaces it
+    (both on one source is the refusal), and 'none' clears a form."""
+    from gridtrain.config import ConfigError, load_config
+
+    toml = tmp_path / "c.toml"
+    toml.write_text("[train]\nglobal_batch = 16\n")
+    cfg = load_config(toml, {"train.global_batch_tokens": "8192", "data.seq_len": "256"})
+    assert cfg.train.global_batch_tokens == 8192 and cfg.global_batch_seqs == 32
+    assert load_config(None, {"train.global_batch": "8", "train.global_batch_tokens": "null"}).global_batch_seqs == 8
+    toml.write_text("[train]\nglobal_batch = 16\nglobal_batch_tokens = 4096\n")
+    with pytest.raises(ConfigError, match="both given on --config"):
+        load_config(toml)
+    toml.write_text("[train]\nglobal_batch_tokens = 100000000000000000000\n")
+    with pytest.raises(ConfigError, match=r"train.global_batch_tokens = 100000000000000000000 is too large"):
+        load_config(toml)

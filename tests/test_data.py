@@ -309,14 +309,26 @@ def test_failed_prepare_leaves_nothing(tmp_path, corpus):
 
 
 def test_a_directory_corpus_names_the_files_it_skips(tmp_path, caplog):
-    """Files of other suffixes and files that are not UTF-8 are left out of a directory corpus,
-    and said so, with their number and a few names (they used to vanish without a word)."""
-    (tmp_path / "a.txt").write_text("kept")
-    (tmp_path / "b.png").write_bytes(b"\x89PNG")
-    (tmp_path / "c.bin").write_bytes(b"\x00")
-    (tmp_path / "d.txt").write_bytes(b"\xff\xfe broken")
-    (tmp_path / ".hidden.bin").write_bytes(b"\x00")
+    """Files of other suffixes, linked folders and files that are not UTF-8 are left out of a
+    directory corpus, and said so, with their number and a few names (they used to vanish)."""
+    root = tmp_path / "corpus"
+    root.mkdir()
+    (root / "a.txt").write_text("kept")
+    (root / "b.png").write_bytes(b"\x89PNG")
+    (root / "c.bin").write_bytes(b"\x00")
+    (root / "d.txt").write_bytes(b"\xff\xfe broken")
+    (root / ".hidden.bin").write_bytes(b"\x00")
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "e.txt").write_text("in a folder the corpus links to")
+    (root / "linked").symlink_to(tmp_path / "elsewhere")
     with caplog.at_level("INFO", logger="gridtrain.data.corpus"):
-        assert list(iter_documents(tmp_path)) == ["kept"]
-    assert f"{tmp_path}: skipped 2 files whose suffix is not a text one (TEXT_SUFFIXES) (e.g. b.png, c.bin); " \
-           "1 files that are not valid UTF-8 (e.g. d.txt)" in caplog.text
+        assert list(iter_documents(root)) == ["kept"]
+    assert f"{root}: skipped 3 entries not read as text (by suffix, see TEXT_SUFFIXES, or a linked folder) " \
+           "(e.g. linked, b.png, c.bin); 1 entry not valid UTF-8 (e.g. d.txt)" in caplog.text
+
+
+def test_json_lines_that_are_not_utf8_are_named_by_line(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'{"text": "ok"}\n{"text": "\xff"}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2 is not valid UTF-8"):
+        list(iter_documents(bad))

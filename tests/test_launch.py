@@ -35,3 +35,21 @@ def test_train_nproc_launches_and_logs(tmp_path, corpus_dir):
     assert len(val) == 2 and val[-1] < val[0]  # step 0 and step 3, through the pipeline
     ranks = sorted(p.name for p in (run_dir / "accounting").glob("rank*.jsonl"))
     assert ranks == [f"rank{r}.jsonl" for r in range(4)]
+
+
+def test_torchrun_failure_is_one_line_naming_the_first_rank():
+    """torchrun's ChildFailedError (a traceback and a 30-line summary) becomes one line: the rank
+    that failed first and how, and how many stopped with it."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from gridtrain.launch import failure_line
+
+    killed = ProcessFailure(local_rank=1, pid=11, exitcode=-9, error_file="/nonexistent/error.json")
+    stopped = ProcessFailure(local_rank=0, pid=10, exitcode=-15, error_file="/nonexistent/error.json")
+    stopped.timestamp = killed.timestamp + 1
+    assert failure_line(ChildFailedError("gridtrain", {0: stopped, 1: killed})) == (
+        "gridtrain: rank 1 was killed by signal 9 (SIGKILL) first; 1 other rank stopped with it "
+        "(its own message, if any, is above)")
+    exited = ProcessFailure(local_rank=0, pid=12, exitcode=2, error_file="/nonexistent/error.json")
+    assert failure_line(ChildFailedError("gridtrain", {3: exited})) == (
+        "gridtrain: rank 3 exited with status 2 first (its own message, if any, is above)")

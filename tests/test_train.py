@@ -11,7 +11,7 @@ from gridtrain.config import TrainConfig
 from gridtrain.model.args import model_args
 from gridtrain.parallel.apply import apply_activation_checkpointing
 from gridtrain.train import checkpoint
-from gridtrain.train.metrics import format_line, read_metrics
+from gridtrain.train.metrics import MetricsWriter, format_line, read_metrics
 from gridtrain.train.optim import lr_at
 from gridtrain.train.precision import Precision
 from gridtrain.train.trainer import Trainer, build_model, loss_fn
@@ -515,6 +515,11 @@ def test_mfu_above_the_peak_points_at_the_calibration():
 
 
 def test_metrics_survive_a_record_cut_short_by_a_kill(tmp_path):
-    """A run killed while writing leaves half a last line: plot and check read the rest."""
+    """A run killed while writing leaves half a last line: plot and check read the rest, and the
+    resumed run's writer cuts it off so that its own records start on a line of their own."""
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss/train": 2.0}\n{"step": 2, "loss/tr')
     assert read_metrics(tmp_path) == [{"step": 1, "loss/train": 2.0}]
+    writer = MetricsWriter(tmp_path, 10, 1, tensorboard=False, progress=False)
+    writer.write(2, {"loss/train": 1.5}, echo=False)
+    writer.close()
+    assert [(r["step"], r["loss/train"]) for r in read_metrics(tmp_path)] == [(1, 2.0), (2, 1.5)]

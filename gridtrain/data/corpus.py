@@ -46,9 +46,10 @@ def iter_documents(source: str | Path) -> Iterator[str]:
         yield from _file_documents(file, strict=False, undecodable=undecodable)
     if other or undecodable:  # said once, after the walk: nothing is dropped in silence
         logger.info("%s: skipped %s", path, "; ".join(
-            f"{len(files):,} {why} (e.g. {', '.join(str(f.relative_to(path)) for f in files[:3])})"
-            for why, files in (("files whose suffix is not a text one (TEXT_SUFFIXES)", other),
-                               ("files that are not valid UTF-8", undecodable)) if files))
+            f"{len(files):,} {'entry' if len(files) == 1 else 'entries'} {why} "
+            f"(e.g. {', '.join(str(f.relative_to(path)) for f in files[:3])})"
+            for why, files in (("not read as text (by suffix, see TEXT_SUFFIXES, or a linked folder)", other),
+                               ("not valid UTF-8", undecodable)) if files))
 
 
 def _walk_text_files(root: Path, other: list[Path]) -> Iterator[Path]:
@@ -56,6 +57,7 @@ def _walk_text_files(root: Path, other: list[Path]) -> Iterator[Path]:
     for dirpath, dirnames, filenames in os.walk(root):
         # Pruning and sorting in place steers os.walk itself: deterministic and never descends.
         dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d not in SKIP_DIRS)
+        other.extend(Path(dirpath) / d for d in dirnames if (Path(dirpath) / d).is_symlink())  # not followed
         for name in sorted(filenames):
             if name.startswith("."):
                 continue
@@ -68,19 +70,21 @@ def _walk_text_files(root: Path, other: list[Path]) -> Iterator[Path]:
 def _file_documents(path: Path, strict: bool, undecodable: list[Path] | None = None) -> Iterator[str]:
     """Documents of one file; `strict` raises on undecodable text instead of skipping it (and
     listing it in `undecodable`)."""
-    if _is_json_lines(path):
-        yield from _json_lines_documents(path)
-        return
     try:
         text = path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as err:
+        if strict and _is_json_lines(path):
+            yield from _json_lines_documents(path)  # names the line that is not UTF-8
+            return
         if strict:
             raise BadInput(f"{path} is not valid UTF-8: {err}") from None
         logger.debug("skipping %s: not valid UTF-8 (%s)", path, err)
         if undecodable is not None:
             undecodable.append(path)
         return
-    if text:
+    if _is_json_lines(path):
+        yield from _json_lines_documents(path)
+    elif text:
         yield text
 
 
@@ -101,8 +105,12 @@ def _is_json_lines(path: Path) -> bool:
 
 
 def _json_lines_documents(path: Path) -> Iterator[str]:
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
+    with path.open("rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise BadInput(f"{path}:{line_no} is not valid UTF-8 ({err})") from None
             if not line.strip():
                 continue
             try:

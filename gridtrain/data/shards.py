@@ -95,11 +95,7 @@ def prepare(source: str | Path, tokenizer: Tokenizer, out_dir: Path, val_fractio
     if shard_tokens <= 0:
         raise ValueError(f"shard_tokens must be positive, got {shard_tokens}")
     out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / INDEX_FILE).is_file():
-        raise ExistingOutput(f"{out_dir} exists and is not a prepared directory; "
-                              "refusing to replace it (choose an empty or new out_dir)")
-    if (out_dir / INDEX_FILE).is_file():
-        _check_replaceable(out_dir, overwrite)
+    check_output(out_dir, overwrite)
     source_path = Path(source).resolve()
     dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 65535 else np.uint32)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -207,6 +203,16 @@ def _build_index(source: Path, tokenizer: Tokenizer, dtype: np.dtype,
         "num_tokens": sum(info["num_tokens"] for info in split_info.values()),
         "num_docs": sum(info["num_docs"] for info in split_info.values()),
     }
+
+
+def check_output(out_dir: Path, overwrite: bool) -> None:
+    """Refuse an output directory that holds anything but a prepared dataset, and a prepared one
+    unless `overwrite` (before any work: nothing is built for a refused output)."""
+    if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / INDEX_FILE).is_file():
+        raise ExistingOutput(f"{out_dir} exists and is not a prepared directory; "
+                             "refusing to replace it (choose an empty or new out_dir)")
+    if (out_dir / INDEX_FILE).is_file():
+        _check_replaceable(out_dir, overwrite)
 
 
 def _check_replaceable(out_dir: Path, overwrite: bool) -> None:

@@ -83,9 +83,19 @@ class ModelArgs:
             )
         if self.ffn_dim is not None and self.ffn_dim <= 0:
             errors.append(f"model.ffn_dim = {self.ffn_dim} must be positive")
+        widest = max(self.dim * self.dim, self.dim * self.hidden_dim, self.dim * self.vocab_size)
+        if widest > LARGEST_WEIGHT:
+            errors.append(f"model.dim ({self.dim:,}) makes a weight of {widest:,} elements (dim x max(dim, "
+                          f"ffn {self.hidden_dim:,}, vocab {self.vocab_size:,})), past {LARGEST_WEIGHT:.0e}: no "
+                          "device holds it; check the shape")
         if not self.rope_theta > 0:
             errors.append(f"model.rope_theta = {self.rope_theta} must be positive (Llama 3: 500000)")
         return errors
+
+
+LARGEST_WEIGHT = 10**13
+"""Elements of the largest weight matrix any shape may have (Llama 3 405B's embedding: 2.1e9),
+well below where torch's byte counts overflow int64 (about 1e18)."""
 
 
 @dataclass(frozen=True)

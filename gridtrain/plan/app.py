@@ -12,7 +12,7 @@ import time
 from dataclasses import replace
 from typing import TextIO
 
-from gridtrain.config import ConfigError, parse_overrides
+from gridtrain.config import BARE_FLAG, ConfigError, parse_overrides
 from gridtrain.plan import budget, explain, render
 from gridtrain.plan.inputs import (batch_sequences, check_constraints, constraints_label, parse_count,
                                    parse_layout, parse_whole, resolve_cluster, resolve_model)
@@ -30,7 +30,7 @@ DEFAULT_BATCH_TOKENS = 2**22
 def build_problem(args: argparse.Namespace, extra: list[str]) -> tuple[Problem, str, float, list[str]]:
     """(problem, model name, training tokens, notes) from the command line."""
     try:
-        overrides = parse_overrides(extra)
+        overrides = {k: "true" if v == BARE_FLAG else v for k, v in parse_overrides(extra).items()}
     except ConfigError as e:
         raise PlanError("; ".join(e.problems)) from None
     model = resolve_model(args.model, overrides, args.arch)

@@ -23,6 +23,7 @@ from gridtrain.plan.layout import Layout
 from gridtrain.plan.memory import StateBytes, fsdp_gathers, rank_state
 from gridtrain.plan.pipeline import SPLIT_SCHEDULES, forwards_held
 from gridtrain.plan.shape import from_args
+from gridtrain.rundir import run_record
 
 BUCKETS = ("params", "grads", "optimizer")
 RECOMPUTE_NAMES = {"off": "none", "selective": "selective", "full": "full"}
@@ -240,7 +241,7 @@ class CheckRow:
 
 def check_run(run_dir: Path) -> list[CheckRow]:
     """Predicted against measured bytes per bucket for every rank that wrote accounting."""
-    record = json.loads((run_dir / "config.json").read_text())
+    record = run_record(run_dir, with_dims=True)
     cfg, d = record["config"], record["dims"]
     dims = ParallelDims(**d)
     model = {k: v for k, v in cfg["model"].items() if k != "preset"}
@@ -282,7 +283,7 @@ def check_step_time(run_dir: Path, calibration: dict | None = None) -> tuple[Che
     (hardware.local_machine, which measures it when missing)."""
     from gridtrain.plan.localtime import LocalMachine, local_step
 
-    record = json.loads((run_dir / "config.json").read_text())
+    record = run_record(run_dir, with_dims=True)
     cfg, dims = record["config"], ParallelDims(**record["dims"])
     args = model_args(cfg["model"]["preset"], **{k: v for k, v in cfg["model"].items() if k != "preset"})
     threads = record.get("threads", 1)

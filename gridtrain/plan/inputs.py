@@ -57,6 +57,8 @@ def batch_sequences(text: str, seq_len: int) -> tuple[int, str | None]:
     customarily powers of two (Llama 3's "16M" is 2,048 x 8,192 = 16,777,216), so M is then read
     as 2^20 (K 2^10, B 2^30, T 2^40)."""
     tokens = parse_count(text, "--global-batch-tokens")
+    if tokens > 1e15:
+        raise PlanError(f"--global-batch-tokens = {text!r} is too large (at most 1e15)")
     if tokens % seq_len == 0:
         return int(tokens // seq_len), None
     raw = str(text).strip().upper()

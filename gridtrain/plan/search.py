@@ -17,6 +17,8 @@ every HSDP split dp_shard x dp_replicate). Structure keeps it cheap:
 
 from __future__ import annotations
 
+import math
+
 import functools
 import heapq
 import itertools
@@ -114,7 +116,9 @@ class SearchResult:
 
 @functools.lru_cache(maxsize=1024)
 def _divisors(n: int) -> tuple[int, ...]:
-    return tuple(d for d in range(1, n + 1) if n % d == 0)
+    """The divisors of n in increasing order, in sqrt(n) steps (a billion GPUs stays instant)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return tuple(small + [n // d for d in reversed(small) if d * d != n])
 
 
 def tp_options(problem: Problem, c: Constraints) -> list[int]:

@@ -32,6 +32,7 @@ from gridtrain.config import CheckpointConfig, ModelConfig, TrainConfig, load_co
 from gridtrain.errors import UserError
 from gridtrain.model.args import PRESETS, ModelArgs
 from gridtrain.model.llama import Transformer
+from gridtrain.rundir import run_record
 from gridtrain.train import checkpoint
 from gridtrain.train.manifest import verify
 from gridtrain.train.untrusted import SafeReader, UntrustedCheckpointError, check_metadata
@@ -241,13 +242,7 @@ def _atomic_dir(final: Path) -> Iterator[Path]:
 
 def read_run(run_dir: Path) -> tuple[ModelArgs, Path]:
     """(model shape, checkpoint directory) from <run_dir>/config.json (Trainer.write_config)."""
-    path = run_dir / "config.json"
-    if not path.is_file():
-        raise InterchangeError(f"{run_dir} is not a gridtrain run directory (no config.json): give the "
-                               "run_dir of a `gridtrain train` run")
-    config = json.loads(path.read_text()).get("config", {})
-    if "model" not in config:
-        raise InterchangeError(f"{path} has no config.model: it was not written by gridtrain's Trainer")
+    config = run_record(run_dir)["config"]
     cfg = load_config(None, {f"model.{k}": v for k, v in config["model"].items()})
     ckpt_dir = config.get("checkpoint", {}).get("dir")
     return cfg.model.args(), Path(ckpt_dir) if ckpt_dir else run_dir / "checkpoints"

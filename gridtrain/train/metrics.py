@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -48,7 +49,7 @@ class MetricsWriter:
                  progress: bool) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
         self.total = total_steps
-        self._jsonl = open(run_dir / "metrics.jsonl", "a")
+        self._jsonl = open(_complete_lines(run_dir / "metrics.jsonl"), "a")
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter  # heavy import, only when asked
@@ -87,6 +88,18 @@ class MetricsWriter:
             self._tb.close()
         if self._bar is not None:
             self._bar.close()
+
+
+def _complete_lines(path: Path) -> Path:
+    """Cut a last line left unfinished by a killed run, so that a resumed run's records start on
+    a line of their own (else the first joins the cut one and spoils both)."""
+    if path.is_file() and path.stat().st_size:
+        with open(path, "rb+") as f:
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                data = f.read() if f.seek(0) == 0 else b""
+                f.truncate(data.rfind(b"\n") + 1)
+    return path
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
