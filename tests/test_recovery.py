@@ -119,7 +119,7 @@ def test_stalled_rank_ends_the_run_within_the_timeout(tmp_path, corpus_dir):
     assert proc.returncode != 0
     log = proc.stderr
     assert "rank 1 stops responding at the start of step 3" in log
-    message = re.search(r"gridtrain: rank 0: rank 0 gave up on (\S+) over '(\w+)' .* at step 3 after 5 s \(train.collective_timeout_s\)", log)
+    message = re.search(r"gridtrain: rank 0 gave up on (\S+) over '(\w+)' .* at step 3 after 5 s \(train.collective_timeout_s\)", log)
     assert message, log[-4000:]
     assert "rank 1 never reached step 3 (last started: step 2)" in log
     record = json.loads((tmp_path / "hang" / "failures" / "rank0.json").read_text())
