@@ -13,12 +13,12 @@ import difflib
 import functools
 import inspect
 import math
-import tomllib
 import typing
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
+from gridtrain import tomlread
 from gridtrain.errors import UserError
 from gridtrain.model.args import ModelArgs, model_args
 
@@ -406,10 +406,10 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     if path is not None:
         try:
             with open(path, "rb") as f:
-                items.update(_flatten(tomllib.load(f)))
+                items.update(_flatten(tomlread.load(f)))
         except OSError as err:
             raise ConfigError([f"--config {path}: {err.strerror.lower()}: give a TOML file (see configs/)"]) from None
-        except tomllib.TOMLDecodeError as err:
+        except tomlread.TOMLDecodeError as err:
             raise ConfigError([f"--config {path} is not valid TOML ({err}): fix it (see configs/)"]) from None
     overrides = overrides or {}
     for source, given in (("--config", items), ("the command line", overrides)):

@@ -4,7 +4,6 @@ conversion, `gridtrain import` and resuming from it, and the CLI's errors."""
 import inspect
 import json
 import re
-import tomllib
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from gridtrain import tomlread
 from gridtrain.cli import main
 from gridtrain.config import Config, load_config
 from gridtrain.model import llama
@@ -259,7 +259,7 @@ def test_import_then_resume_continues_the_original(runs, name, tmp_path, corpus_
     assert main(["export", str(run.run_dir), str(tmp_path / "hf")]) == 0
     assert main(["import", str(tmp_path / "hf"), str(tmp_path / "imported")]) == 0
     assert "imported.toml" in capsys.readouterr().out
-    toml = tomllib.loads((tmp_path / "imported" / "imported.toml").read_text())
+    toml = tomlread.loads((tmp_path / "imported" / "imported.toml").read_text())
     assert toml["checkpoint"]["resume"] is True and toml["model"]["preset"] == "tiny"
     assert toml["model"]["tie_embeddings"] is (name == "tied")
 

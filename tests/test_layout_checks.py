@@ -73,7 +73,7 @@ def test_stage_layer_counts_llama3_405b_edges():
     # 126 layers over 16 stages, one fewer on the first and last (they hold embedding and head).
     counts = stage_layer_counts(126, 16, 1)
     assert sum(counts) == 126 and counts[0] == counts[-1] == 7 and set(counts[1:-1]) == {8}
-    assert stage_layer_counts(80, 4) == [20, 20, 20, 20]  # seed 000: 80 layers, PP=4
+    assert stage_layer_counts(80, 4) == [20, 20, 20, 20]  # Llama 3 70B: 80 layers, PP=4
     assert stage_layer_counts(10, 4) == [2, 3, 3, 2]
 
 
@@ -89,9 +89,9 @@ def test_coordinates_follow_the_rank_grid():
     assert dims.coordinates(3)["dp"] == 1 and dims.coordinates(3)["pp"] == 0
 
 
-def test_units_table_reproduces_seed_000():
-    """Seed 000's worked example: Llama 3 70B on 16,384 GPUs with TP=8, PP=4, DP=512, micro-batch
-    4 x 8,192 tokens, accumulation 4: 67,108,864 tokens per step."""
+def test_units_table_llama3_70b_example():
+    """Worked example (an illustrative layout): Llama 3 70B on 16,384 GPUs with TP=8, PP=4, DP=512,
+    micro-batch 4 x 8,192 tokens, accumulation 4: 67,108,864 tokens per step."""
     from gridtrain.train.units import units_table
 
     cfg = load_config(None, {"model.preset": "llama3-70b", "data.seq_len": 8192, "parallel.tp": 8,

@@ -1,6 +1,8 @@
-"""Seed 003 (003_e14e3107b0fe27cc.txt, the problem set), problem by problem, with gridtrain's
-planner functions. Where the seed's own number is wrong, the test asserts the right one and says
-why. GB = 1e9 bytes unless a test says GiB/MiB."""
+"""Worked problems of distributed training (ring all-reduce, ZeRO, accumulation, learning rate,
+overlap, pipelines, tensor parallelism, checkpoints, precision, and a plan for Llama 3.1 405B on
+16,384 H100), problem by problem, with gridtrain's planner functions. Where a commonly quoted
+answer is wrong, the test asserts the right one and says why. GB = 1e9 bytes unless a test says
+GiB/MiB."""
 
 from __future__ import annotations
 
@@ -26,32 +28,33 @@ approx = pytest.approx
 # ---- ring all-reduce ----
 
 def test_ring_volume_per_gpu():
-    # seed 003, "N=8 GPUs, M=1 GB: how many GB does each GPU transfer": 0.875 + 0.875 = 1.75 GB.
+    # "N=8 GPUs, M=1 GB: how many GB does each GPU transfer": 0.875 + 0.875 = 1.75 GB.
     assert comm.ring_all_reduce_bytes(1 * GB, 8) == approx(1.75 * GB)
     # "even with 1000 GPUs, 2 x 999/1000 = 1.998 GB"
     assert comm.ring_all_reduce_bytes(1 * GB, 1000) == approx(1.998 * GB)
 
 
 def test_ring_time_and_latency():
-    # seed 003, "N=8, 50 GB/s, M=2 GB: AllReduce time": 2 x 2 x 7/8 / 50 = 70 ms.
+    # "N=8, 50 GB/s, M=2 GB: AllReduce time": 2 x 2 x 7/8 / 50 = 70 ms.
     assert comm.ring_all_reduce_time(2 * GB, 8, Link(50 * GB)) == approx(70 * ms)
     # "2(N-1) = 14 steps and ~5 us latency per step adds only 70 us".
     with_latency = comm.ring_all_reduce_time(2 * GB, 8, Link(50 * GB, 5e-6))
     assert with_latency - 70 * ms == approx(70e-6)
-    # seed 003's ringAllReduceTime(M_gb=2, N=8, bw=50, latency_us=5) = 70.07 ms.
+    # Bandwidth plus latency terms, M = 2 GB, N = 8, 50 GB/s, 5 us per step: 70.07 ms.
     assert with_latency / ms == approx(70.07)
 
 
-def test_ring_buggy_line_doubles():
-    # seed 003, "returns values 2x too large": steps already counts both phases, so the time is
-    # steps x (M/N)/BW = dataPerGpu / BW, not twice that.
+def test_ring_time_counts_steps_once():
+    # A common slip returns values 2x too large: steps = 2(N-1) already counts both phases, so the
+    # time is steps x (M/N)/BW = dataPerGpu / BW, not twice that.
     t = comm.ring_all_reduce_time(2 * GB, 8, Link(50 * GB))
     assert t == approx(comm.ring_all_reduce_bytes(2 * GB, 8) / (50 * GB))
     assert t != approx(2 * 2 * 7 * (2 * GB / 8) / (50 * GB))
 
 
 def test_bus_bandwidth_78_percent():
-    # seed 003: "~78% bus bandwidth utilization is typical"; NCCL busbw = size/time x 2(N-1)/N.
+    # "~78% bus bandwidth utilization is typical" (a rule of thumb); NCCL busbw = size/time x
+    # 2(N-1)/N (nccl-tests, doc/PERFORMANCE.md).
     link = Link(50 * GB, efficiency=0.78)
     t = comm.ring_all_reduce_time(2 * GB, 8, link)
     assert t == approx(70 * ms / 0.78)
@@ -59,7 +62,7 @@ def test_bus_bandwidth_78_percent():
 
 
 def test_tree_vs_ring():
-    # seed 003: the tree has 6 steps at N=8 against the ring's 14, but its root carries the
+    # The tree has 6 steps at N=8 against the ring's 14, but its root carries the
     # whole payload per step: the ring wins for large messages, the tree for small ones.
     big, small = Link(50 * GB, 5e-6), 1024
     # An empty payload over a link of 1 s latency per step counts the steps.
@@ -72,7 +75,7 @@ def test_tree_vs_ring():
 # ---- ZeRO ----
 
 def test_zero_memory_7b_64_gpus():
-    # seed 003, 7B mixed-precision Adam: no ZeRO 112 GB; ZeRO-1 on 64: 29.3 GB; ZeRO-2 15.5 GB;
+    # 7B mixed-precision Adam: no ZeRO 112 GB; ZeRO-1 on 64: 29.3 GB; ZeRO-2 15.5 GB;
     # ZeRO-3 1.75 GB (2 + 2 + 12 bytes/param, the ZeRO paper's convention).
     got = [model_state_bytes(7e9, stage, 64).total / GB for stage in range(4)]
     assert got == approx([112, 29.3125, 15.53125, 1.75])
@@ -81,9 +84,9 @@ def test_zero_memory_7b_64_gpus():
 
 
 def test_zero3_traffic_7b():
-    # seed 003, ZeRO-3, 7B (fp16 14 GB), 64 GPUs, 100 GB/s: forward all-gather, backward all-gather
-    # + reduce-scatter, each M (N-1)/N per GPU. Exactly 3 x 14 x 63/64 = 41.34 GB -> 413 ms; the
-    # seed's "~420 ms" rounds (N-1)/N to 1 (42 GB).
+    # ZeRO-3, 7B (fp16 14 GB), 64 GPUs, 100 GB/s: forward all-gather, backward all-gather
+    # + reduce-scatter, each M (N-1)/N per GPU. Exactly 3 x 14 x 63/64 = 41.34 GB -> 413 ms; a
+    # quoted "~420 ms" rounds (N-1)/N to 1 (42 GB).
     per_gpu = comm.dp_bytes_per_step(14 * GB, 64, zero_stage=3)
     assert per_gpu == approx(41.34375 * GB)
     assert per_gpu / (100 * GB) == approx(413.4 * ms, rel=1e-3)
@@ -94,7 +97,7 @@ def test_zero3_traffic_7b():
 
 
 def test_zero3_30b_on_8_gpus():
-    # seed 003: "ZeRO-3 with 8 GPUs gives 16/8 = 2 bytes/param x 30B = 60 GB; + 20 GB activations
+    # "ZeRO-3 with 8 GPUs gives 16/8 = 2 bytes/param x 30B = 60 GB; + 20 GB activations
     # = 80 GB, exactly the A100 limit".
     states = model_state_bytes(30e9, 3, 8)
     assert states.total == approx(60 * GB)
@@ -104,14 +107,14 @@ def test_zero3_30b_on_8_gpus():
 # ---- gradient accumulation ----
 
 def test_accumulation_steps_and_time():
-    # seed 003: batch 2048, micro 4, DP 8 -> 64 accumulation steps.
+    # Batch 2048, micro 4, DP 8 -> 64 accumulation steps.
     assert budget.accumulation_steps(2048, 4, 8) == 64
     assert budget.global_batch(4, 64, 8) == 2048
 
 
 def test_accumulation_vs_checkpointing():
-    # seed 003: micro 8 -> 32 accumulation steps; micro 16 (with checkpointing to fit) -> 16.
-    # (Checkpointing's extra forward, about 4/3 the FLOPs, is test_plan_seed002's
+    # Micro 8 -> 32 accumulation steps; micro 16 (with checkpointing to fit) -> 16.
+    # (Checkpointing's extra forward, about 4/3 the FLOPs, is test_plan_llama3_scale's
     # test_activation_checkpointing_cost.)
     assert budget.accumulation_steps(2048, 8, 8) == 32
     assert budget.accumulation_steps(2048, 16, 8) == 16
@@ -120,7 +123,7 @@ def test_accumulation_vs_checkpointing():
 # ---- learning rate and batch size ----
 
 def test_lr_scaling_and_warmup():
-    # seed 003: base 3e-4 at 256, new batch 2048.
+    # Base 3e-4 at 256, new batch 2048: linear (Goyal et al. 2017) and square-root scaling.
     assert budget.lr_linear(3e-4, 256, 2048) == approx(2.4e-3)
     assert budget.lr_sqrt(3e-4, 256, 2048) == approx(8.485e-4, rel=1e-3)
     assert budget.lr_sqrt(3e-4, 256, 2048) / 3e-4 == approx(2.83, rel=1e-3)
@@ -130,7 +133,7 @@ def test_lr_scaling_and_warmup():
 
 
 def test_critical_batch():
-    # seed 003: "for GPT-3 scale models, Bcrit ~ 1-2M tokens". Kaplan et al.'s B_crit(L) puts
+    # The often-quoted "for GPT-3 scale models, Bcrit ~ 1-2M tokens". Kaplan et al.'s B_crit(L) puts
     # 1-2M tokens at a loss of about 2.65-3.0 nats.
     assert 1e6 < budget.critical_batch_tokens(3.0) < 2e6
     assert 1e6 < budget.critical_batch_tokens(2.65) < 2e6
@@ -144,12 +147,12 @@ def test_critical_batch():
 # ---- overlap ----
 
 def test_10b_allreduce_nvlink():
-    # seed 003: 10B, fp16 gradients (20 GB), 64 GPUs at 600 GB/s: 2 x 20 x 63/64 / 600 = 65.6 ms.
+    # 10B, fp16 gradients (20 GB), 64 GPUs at 600 GB/s: 2 x 20 x 63/64 / 600 = 65.6 ms.
     assert comm.ring_all_reduce_time(20 * GB, 64, Link(600 * GB)) == approx(65.625 * ms)
 
 
 def test_bucketed_overlap():
-    # seed 003: backward 40 layers x 5 ms, 1.5 ms all-reduce per layer's bucket: only the last
+    # Backward 40 layers x 5 ms, 1.5 ms all-reduce per layer's bucket: only the last
     # bucket is exposed, 1.5 ms of 60 ms: 97.5% hidden, < 1% of the 200 ms backward.
     exposed = comm.exposed_after_compute([5 * ms] * 40, [1.5 * ms] * 40)
     assert exposed == approx(1.5 * ms)
@@ -160,13 +163,13 @@ def test_bucketed_overlap():
 
 
 def test_hierarchical_allreduce():
-    # seed 003: 8 nodes of 8 GPUs, NVLink 600 GB/s, InfiniBand 100 GB/s per node link, 10B (20 GB).
+    # 8 nodes of 8 GPUs, NVLink 600 GB/s, InfiniBand 100 GB/s per node link, 10B (20 GB).
     intra, inter = Link(600 * GB), Link(100 * GB)
     t = comm.hierarchical_all_reduce_time(20 * GB, 8, 8, intra, inter, leader=True)
     assert t.inter == approx(350 * ms)  # "350 ms for the cross-node step alone"
     assert t.inter / comm.ring_all_reduce_time(20 * GB, 64, intra) == approx(5.33, rel=1e-2)  # "5x slower"
     # "The intra-node steps add maybe 10 ms": a pipelined reduce and broadcast of 20 GB at
-    # 600 GB/s cost 7/8 x 20/600 = 29 ms each, 58 ms in all; the seed's guess is too low.
+    # 600 GB/s cost 7/8 x 20/600 = 29 ms each, 58 ms in all; the quoted guess is too low.
     assert t.intra_first + t.intra_last == approx(58.33 * ms, rel=1e-3)
     # Reduce-scatter / all-reduce / all-gather moves the same bytes across the node's link
     # (each of 8 GPUs has 1/8 of it, 12.5 GB/s): the cross-node phase is 350 ms either way.
@@ -180,7 +183,7 @@ def test_hierarchical_allreduce():
 # ---- pipeline ----
 
 def test_1f1b_bubble_p4_m12():
-    # seed 003: PP=4, m=12, 1F1B. The seed's 25% is Narayanan's ratio (p-1)/m of bubble to ideal
+    # PP=4, m=12, 1F1B. The often-quoted 25% is Narayanan's ratio (p-1)/m of bubble to ideal
     # time; as a share of the step it is (p-1)/(m+p-1) = 20%. The simulator agrees with the latter.
     assert pipeline.bubble_ratio(4, 12) == approx(0.25)
     assert pipeline.bubble_fraction(4, 12) == approx(0.20)
@@ -189,7 +192,7 @@ def test_1f1b_bubble_p4_m12():
 
 
 def test_1f1b_activation_memory():
-    # seed 003: 2 GB per micro-batch per stage, PP=4. The seed implies p-1 = 3 in flight (6 GB,
+    # 2 GB per micro-batch per stage, PP=4. A quoted answer implies p-1 = 3 in flight (6 GB,
     # "4x less" than GPipe's 24 GB). In 1F1B the first stage holds p = 4 (its p-1 warm-up
     # forwards plus the steady state's forward before its first backward; Narayanan et al.: at
     # most p): 8 GB, 3x less than GPipe. The simulator agrees.
@@ -200,7 +203,7 @@ def test_1f1b_activation_memory():
 
 
 def test_interleaved_bubble_v4():
-    # seed 003: PP=4, m=12, v=4: "from 25% to 6.25%" (ratio convention); 3/51 = 5.9% of the step.
+    # PP=4, m=12, v=4: "from 25% to 6.25%" (ratio convention); 3/51 = 5.9% of the step.
     assert pipeline.bubble_ratio(4, 12, 4) == approx(0.0625)
     assert pipeline.bubble_fraction(4, 12, 4, "interleaved-1f1b") == approx(3 / 51)
     ops = pipeline.simulate("interleaved-1f1b", 4, 12, 4)
@@ -208,15 +211,15 @@ def test_interleaved_bubble_v4():
 
 
 def test_interleaved_p2p_volume():
-    # seed 003: 500 MB per micro-batch, PP=4, m=12, v=4: 15 boundaries x 24 sends x 0.5 GB =
+    # 500 MB per micro-batch, PP=4, m=12, v=4: 15 boundaries x 24 sends x 0.5 GB =
     # 180 GB; 300 ms at 600 GB/s.
     total = comm.pp_total_bytes_per_step(0.5 * GB, 4, 12, 4)
     assert total == approx(180 * GB)
     assert total / (600 * GB) == approx(300 * ms)
 
 
-def test_bubble_buggy_line_and_min_microbatches():
-    # seed 003's "bug": it calls (p-1)/(p-1+m) GPipe's formula and (p-1)/m 1F1B's. Both
+def test_bubble_conventions_and_min_microbatches():
+    # A common claim calls (p-1)/(p-1+m) GPipe's formula and (p-1)/m 1F1B's. Both
     # schedules have the same bubble; the two formulas are two conventions (pipeline.py).
     assert pipeline.bubble_fraction(8, 32, schedule="gpipe") == pipeline.bubble_fraction(8, 32, schedule="1f1b")
     # "m=140 gives exactly 5%, so you need m >= 141"; v=2 at 70 and v=4 at 35 give exactly 5%
@@ -229,7 +232,7 @@ def test_bubble_buggy_line_and_min_microbatches():
 # ---- tensor parallelism ----
 
 def test_tp_shapes_and_heads():
-    # seed 003: [8192 x 8192] column-parallel over TP=8 -> [8192 x 1024], 8.39M of 67.1M params;
+    # [8192 x 8192] column-parallel over TP=8 -> [8192 x 1024], 8.39M of 67.1M params;
     # 64 heads -> 8 per GPU; 8 KV heads -> 1 per GPU; TP=16 replicates each KV head twice.
     rows, cols = tp_weight_shard(8192, 8192, 8, "column")
     assert (rows, cols) == (8192, 1024)
@@ -239,13 +242,13 @@ def test_tp_shapes_and_heads():
 
 
 def test_tp_allreduce_volume():
-    # seed 003: TP=8, d=8192, s=4096, b=1, fp16: the tensor is 64 MiB. The ring formula the seed
-    # asks for gives 2 x 7/8 x 64 MiB = 112 MiB per GPU per all-reduce; the seed's 56 MB is
+    # TP=8, d=8192, s=4096, b=1, fp16: the tensor is 64 MiB. The ring formula gives
+    # 2 x 7/8 x 64 MiB = 112 MiB per GPU per all-reduce; a quoted 56 MB is
     # (N-1)/N x M, one phase (reduce-scatter) only.
     payload = 4096 * 8192 * 2
     assert comm.ring_all_reduce_bytes(payload, 8) == approx(112 * MiB)
-    # So 160 forward all-reduces move 17.5 GiB per GPU (seed: 8.75 GB), and one takes 0.196 ms at
-    # 600 GB/s (seed: 0.09 ms), 1.17 ms over 100 GB/s InfiniBand.
+    # So 160 forward all-reduces move 17.5 GiB per GPU (quoted: 8.75 GB), and one takes 0.196 ms at
+    # 600 GB/s (quoted: 0.09 ms), 1.17 ms over 100 GB/s InfiniBand.
     per_layer_fwd = comm.tp_bytes_per_layer(4096, 8192, 8) / 2
     assert 80 * per_layer_fwd == approx(17.5 * GiB)
     assert comm.ring_all_reduce_time(payload, 8, Link(600 * GB)) == approx(0.196 * ms, rel=1e-2)
@@ -253,8 +256,8 @@ def test_tp_allreduce_volume():
 
 
 def test_tp_weight_memory_70b():
-    # seed 003: 12 d^2 = 805M params = 1.61 GB per layer in fp16; over TP=8, 80 layers: 16.1 GB.
-    # The seed's 12 d^2 is a GPT block (full multi-head attention, 4d MLP): 12h^2 + 13h.
+    # 12 d^2 = 805M params = 1.61 GB per layer in fp16; over TP=8, 80 layers: 16.1 GB.
+    # That 12 d^2 is a GPT block (full multi-head attention, 4d MLP): 12h^2 + 13h.
     g = gpt(8192, 80, 64)
     assert block_params(g) == approx(805.3e6, rel=1e-3)
     assert block_params(g) * 2 / GB == approx(1.61, rel=1e-3)
@@ -265,7 +268,7 @@ def test_tp_weight_memory_70b():
 
 
 def test_tp_overhead():
-    # seed 003: 80 layers x 2 all-reduces x 2 (fwd+bwd) = 320 x 0.09 ms = 28.8 ms of 300 ms, "~10%";
+    # 80 layers x 2 all-reduces x 2 (fwd+bwd) = 320 x 0.09 ms = 28.8 ms of 300 ms, "~10%";
     # 6x slower over InfiniBand -> "~58%". With the corrected 0.196 ms per all-reduce
     # (test_tp_allreduce_volume) the NVLink overhead is 21%.
     t = comm.ring_all_reduce_time(64 * MiB, 8, Link(600 * GB))
@@ -275,7 +278,7 @@ def test_tp_overhead():
 # ---- checkpoints ----
 
 def test_checkpoint_size_and_write_time():
-    # seed 003: 70B, fp16 weights + fp32 master + Adam (2 + 4 + 8 bytes) + 8 bytes of scalars
+    # 70B, fp16 weights + fp32 master + Adam (2 + 4 + 8 bytes) + 8 bytes of scalars
     # = 980 GB; 98 s at 10 GB/s; 64 parallel writers 1.5 s.
     size = reliability.checkpoint_bytes(70e9)
     assert size == 980 * GB + 8
@@ -284,22 +287,22 @@ def test_checkpoint_size_and_write_time():
 
 
 def test_young_interval():
-    # seed 003: MTBF 24 h, C = 98 s = 0.0272 h: sqrt(2 C M) = 68.6 min; 411 steps of 10 s
+    # Young (1974), MTBF 24 h, C = 98 s = 0.0272 h: sqrt(2 C M) = 68.6 min; 411 steps of 10 s
     # ("~410"); half an interval (34.3 min) lost per crash; overhead 98 s / 68.6 min = 2.4%.
     tau = reliability.young_interval(98, 24 * 3600)
     assert tau / 60 == approx(68.59, rel=1e-3)
     assert tau / 10 == approx(411.5, rel=1e-3)
     assert reliability.expected_lost_seconds(tau) / 60 == approx(34.3, rel=1e-2)
     assert 98 / tau == approx(0.0238, rel=1e-2)
-    # seed's optimalCheckpointInterval(24, 98): waste = (tau/2 + C M/tau)/M = sqrt(2C/M) = 4.76%.
+    # First-order waste at MTBF 24 h, C = 98 s: waste = (tau/2 + C M/tau)/M = sqrt(2C/M) = 4.76%.
     assert reliability.waste_fraction(tau, 98, 24 * 3600) == approx(math.sqrt(2 * 98 / 86400))
     assert reliability.waste_fraction(tau, 98, 24 * 3600) == approx(0.0476, rel=1e-2)
 
 
 def test_crash_cost():
-    # seed 003: 512 GPUs at $2/h, tau 68.6 min, restart = one checkpoint time (98 s):
-    # 512 x 2 x (34.3 min + 1.6 min) = $613 ("~$600"; the seed's $618 is not reproducible from
-    # its inputs). 30 days at MTBF 24 h = 30 crashes -> $18.4K (seed: 30 x $618 = $18.5K).
+    # 512 GPUs at $2/h, tau 68.6 min, restart = one checkpoint time (98 s):
+    # 512 x 2 x (34.3 min + 1.6 min) = $613 ("~$600"; a quoted $618 is not reproducible from
+    # its inputs). 30 days at MTBF 24 h = 30 crashes -> $18.4K (quoted: 30 x $618 = $18.5K).
     tau = reliability.young_interval(98, 24 * 3600)
     cost = reliability.cost_per_failure(512, 2.0, tau, restart_s=98)
     assert cost == approx(613, rel=1e-2)
@@ -311,7 +314,7 @@ def test_crash_cost():
 # ---- precision ----
 
 def test_fp16_range():
-    # seed 003: fp16 smallest normal 2^(1-15) = 2^-14 = 6.1e-5; range ~6e-8 (subnormal) to 65504.
+    # IEEE 754 binary16: smallest normal 2^(1-15) = 2^-14 = 6.1e-5; range ~6e-8 (subnormal) to 65504.
     assert precision.FP16.min_normal == 2.0**-14
     assert precision.FP16.min_normal == approx(6.1e-5, rel=1e-2)
     assert precision.FP16.min_subnormal == approx(5.96e-8, rel=1e-2)
@@ -319,22 +322,23 @@ def test_fp16_range():
 
 
 def test_fp8_formats():
-    # seed 003: E4M3's 3 mantissa bits = 8 representable fractions per exponent; E5M2 reaches
-    # 57344. (E4M3 "fn" reaches 448.)
+    # FP8 (Micikevicius et al. 2022, "FP8 Formats for Deep Learning"): E4M3's 3 mantissa bits = 8
+    # representable fractions per exponent; E5M2 reaches 57344. (E4M3 "fn" reaches 448.)
     assert precision.FP8_E4M3.values_per_binade == 8
     assert precision.FP8_E5M2.max == 57344
     assert precision.FP8_E4M3.max == 448
 
 
 def test_loss_scaling():
-    # seed 003: S = 16384 = 2^14; each overflow halves S; doubling needs W = 2000 clean steps.
+    # Dynamic loss scaling (Micikevicius et al. 2018): S = 16384 = 2^14; each overflow halves S;
+    # doubling needs W = 2000 clean steps.
     assert precision.dynamic_loss_scale([True, False, True] + [False] * 100, 65536, 2000) == 16384
     assert precision.dynamic_loss_scale([False] * 2000, 16384, 2000) == 32768
     assert precision.dynamic_loss_scale([False] * 1999 + [True] + [False] * 1999, 16384, 2000) == 8192
 
 
 def test_mixed_precision_memory_13b():
-    # seed 003: 13B in fp32 is 52 GB of weights. Mixed precision (2 + 2 + 4 master + 8 Adam = 16)
+    # 13B in fp32 is 52 GB of weights. Mixed precision (2 + 2 + 4 master + 8 Adam = 16)
     # and pure fp32 (4 + 4 + 8 = 16) need the same 208 GB: ratio 1.0 — "mixed precision doesn't
     # save optimizer memory"; master + moments are 12 bytes either way.
     mixed, fp32 = StateBytes.mixed(), StateBytes.fp32()
@@ -344,18 +348,18 @@ def test_mixed_precision_memory_13b():
 
 
 def test_fp8_activation_memory():
-    # seed 003: 70B, s=4096, b=4, 80 layers, ~2 b s d values per layer, d=8192. FP16: 42.9 GB,
-    # FP8: 21.5 GB, 21.5 GB saved. The seed's "172 GB saved" counts bits, not bytes (x 8).
+    # 70B, s=4096, b=4, 80 layers, ~2 b s d values per layer, d=8192. FP16: 42.9 GB,
+    # FP8: 21.5 GB, 21.5 GB saved. A quoted "172 GB saved" counts bits, not bytes (x 8).
     fp16 = 80 * precision.activation_bytes_per_layer_simple(4, 4096, 8192, 2)
     fp8 = 80 * precision.activation_bytes_per_layer_simple(4, 4096, 8192, 1)
     assert fp16 / GB == approx(42.95, rel=1e-3) and fp8 / GB == approx(21.47, rel=1e-3)
     assert (fp16 - fp8) * 8 / GB == approx(171.8, rel=1e-3)
 
 
-# ---- capstone: Llama 3.1 405B on 16,384 H100 ----
+# ---- a plan for Llama 3.1 405B on 16,384 H100 (Dubey et al. 2024) ----
 
-def test_capstone_dp_and_layers():
-    # seed 003: TP=8, PP=16, 16,384 GPUs -> DP = 128. 126 layers over 16 stages: 14 stages of 8
+def test_405b_dp_and_layers():
+    # TP=8, PP=16, 16,384 GPUs -> DP = 128 (Dubey et al. 2024, sec. 3.3.2). 126 layers over 16 stages: 14 stages of 8
     # and 2 of 7; Meta gives the edges fewer (embedding, head): 7 on each edge, 8 in the middle.
     units = budget.step_units(16384, 8, tp=8, pp=16, num_layers=126, micro_batch=1, seq_len=8192,
                               accumulation=16, total_tokens=15.6e12)
@@ -369,9 +373,9 @@ def test_capstone_dp_and_layers():
     assert param_counts(shape).embedding == approx(2.1e9, rel=1e-2)
 
 
-def test_capstone_weight_memory():
-    # seed 003: per layer 4d^2 (1.07B) + 3 d dff (2.62B) = 3.69B; TP=8, 8 layers -> 7.38 GB fp16;
-    # ZeRO-1 over DP=128 adds 12/128 x 3.69B = 0.35 GB. The seed's 4d^2 is full multi-head
+def test_405b_weight_memory():
+    # Per layer 4d^2 (1.07B) + 3 d dff (2.62B) = 3.69B; TP=8, 8 layers -> 7.38 GB fp16;
+    # ZeRO-1 over DP=128 adds 12/128 x 3.69B = 0.35 GB. That 4d^2 is full multi-head
     # attention: 405B with as many KV heads as query heads (128).
     shape = from_args(llama3_405b())
     mha = replace(shape, num_kv_heads=128)
@@ -388,9 +392,9 @@ def test_capstone_weight_memory():
     assert param_counts(shape).total == approx(405.85e9, rel=1e-3)
 
 
-def test_capstone_compute_and_days():
-    # seed 003: 6 x 405e9 x 15.6e12 = 3.79e25 FLOPs = 438,750 PF-days; at 40% MFU on 16,384 H100
-    # (989 TFLOP/s) 67.7 days ("~68").
+def test_405b_compute_and_days():
+    # 6 N D (Kaplan et al. 2020), 15.6T tokens: 6 x 405e9 x 15.6e12 = 3.79e25 FLOPs = 438,750
+    # PF-days; at 40% MFU on 16,384 H100 (989 TFLOP/s) 67.7 days ("~68").
     flops = budget.training_flops(405e9, 15.6e12)
     assert budget.pf_days(flops) == approx(438_750)
     peak = ACCELERATORS["H100-SXM"].peak_flops
@@ -401,8 +405,8 @@ def test_capstone_compute_and_days():
     assert budget.gpu_hours(16384, 77) * 2 == approx(60.55e6, rel=1e-3)
 
 
-def test_capstone_bubble():
-    # seed 003: PP=16, m=4, 1F1B: (p-1)/m = 375% of the ideal time, 15/19 = 79% of the step;
+def test_405b_bubble():
+    # PP=16, m=4, 1F1B: (p-1)/m = 375% of the ideal time, 15/19 = 79% of the step;
     # interleaved v=2: 187.5%, 15/23 = 65% — "still terrible".
     assert pipeline.bubble_ratio(16, 4) == approx(3.75)
     assert pipeline.bubble_fraction(16, 4) == approx(15 / 19)
@@ -410,22 +414,22 @@ def test_capstone_bubble():
     assert pipeline.bubble_fraction(16, 4, 2, "interleaved-1f1b") == approx(15 / 23)
 
 
-def test_capstone_dp_allreduce():
-    # seed 003: 3.69B params per GPU in fp16 = 7.38 GB over DP=128: 2 x 7.38 x 127/128 = 14.645 GB
-    # (the seed prints 14.63, a rounding slip); 293 ms at 50 GB/s.
+def test_405b_dp_allreduce():
+    # 3.69B params per GPU in fp16 = 7.38 GB over DP=128: 2 x 7.38 x 127/128 = 14.645 GB
+    # (14.63 is sometimes quoted, a rounding slip); 293 ms at 50 GB/s.
     per_gpu = comm.ring_all_reduce_bytes(7.38 * GB, 128)
     assert per_gpu / GB == approx(14.645, rel=1e-4)
     assert comm.ring_all_reduce_time(7.38 * GB, 128, Link(50 * GB)) == approx(293 * ms, rel=1e-3)
 
 
-def test_capstone_axis_order():
-    # seed 003 orders the axes TP -> PP -> CP -> DP. The Llama 3 paper (sec. 3.3.2) orders them
+def test_405b_axis_order():
+    # A common ordering is TP -> PP -> CP -> DP. The Llama 3 paper (sec. 3.3.2) orders them
     # [TP, CP, PP, DP]: CP's ring exchanges KV every layer, PP one activation per stage boundary.
     assert comm.AXIS_ORDER_INNER_TO_OUTER == ("tp", "cp", "pp", "dp")
 
 
-def test_capstone_electricity():
-    # seed 003: 16,384 GPUs x 700 W x 77 days at $0.05/kWh = $1.06M; PUE 1.4 -> ~$1.5M.
+def test_405b_electricity():
+    # 16,384 GPUs x 700 W x 77 days at $0.05/kWh = $1.06M; PUE 1.4 -> ~$1.5M.
     kwh = budget.energy_kwh(16384, ACCELERATORS["H100-SXM"].power_w, 77)
     assert kwh * 0.05 == approx(1.0597e6, rel=1e-3)
     assert budget.energy_kwh(16384, 700, 77, pue=1.4) * 0.05 == approx(1.484e6, rel=1e-3)

@@ -157,8 +157,8 @@ def test_scale_doubles_after_growth_interval_clean_steps():
 
 
 def simulate_loss_scale(overflows: list[bool], scale: float, growth_interval: int) -> list[float]:
-    """The seeds' protocol: halve on overflow (and reset the count), double after
-    `growth_interval` clean steps in a row. Returns the scale after each step."""
+    """Dynamic loss scaling (Micikevicius et al. 2018): halve on overflow (and reset the count),
+    double after `growth_interval` clean steps in a row. Returns the scale after each step."""
     good, out = 0, []
     for overflow in overflows:
         if overflow:

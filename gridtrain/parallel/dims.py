@@ -63,7 +63,7 @@ class ParallelDims:
 
     @property
     def model_parallel(self) -> int:
-        """GPUs per model copy (seed 000's model-parallel group): tp x pp (x cp)."""
+        """GPUs per model copy (the model-parallel group): tp x pp (x cp)."""
         return self.tp * self.pp * self.cp
 
     def problems(self) -> list[str]:

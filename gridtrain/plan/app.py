@@ -24,7 +24,8 @@ from gridtrain.plan.search import (Candidate, Constraints, PlanError, Problem, S
 from gridtrain.plan.shape import param_counts
 
 DEFAULT_BATCH_TOKENS = 2**22
-"""~4M tokens per step when no batch is given (seed 000: 512 x 8,192 = 4,194,304)."""
+"""~4M tokens per step when no batch is given: 2^22 = 512 x 8,192 = 4,194,304 (Llama 3 405B
+starts at a 4M-token batch, Dubey et al. 2024, sec. 3.4.1)."""
 
 
 def build_problem(args: argparse.Namespace, extra: list[str]) -> tuple[Problem, str, float, list[str]]:

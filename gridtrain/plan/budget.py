@@ -13,7 +13,8 @@ PF_DAY = 1e15 * 86_400
 
 @dataclass(frozen=True)
 class StepUnits:
-    """Seed 000's vocabulary of one training step, counted."""
+    """The units of one training step (GPU, node, TP group, pipeline stage, model-parallel group,
+    data-parallel replica, micro-batch, accumulation, global batch, optimizer step), counted."""
 
     num_gpus: int
     num_nodes: int
@@ -36,9 +37,9 @@ class StepUnits:
 def step_units(num_gpus: int, gpus_per_node: int, tp: int, pp: int, num_layers: int,
                micro_batch: int, seq_len: int, accumulation: int, total_tokens: float,
                cp: int = 1) -> StepUnits:
-    """Seed 000, Llama 3 70B on 16,384 H100 (tp 8, pp 4, 4 x 8192-token micro-batches,
-    accumulation 4): 2,048 nodes, 512 replicas of 32 GPUs, 20 layers per stage, 67,108,864 tokens
-    per step."""
+    """Worked example (an illustrative layout; Meta has not published the 70B's): Llama 3 70B on
+    16,384 H100 (tp 8, pp 4, 4 x 8192-token micro-batches, accumulation 4): 2,048 nodes, 512
+    replicas of 32 GPUs, 20 layers per stage, 67,108,864 tokens per step."""
     mp = tp * pp * cp
     if num_gpus % mp:
         raise ValueError(f"tp({tp}) x pp({pp}) x cp({cp}) = {mp} does not divide {num_gpus} GPUs")
@@ -51,12 +52,12 @@ def step_units(num_gpus: int, gpus_per_node: int, tp: int, pp: int, num_layers: 
 
 
 def global_batch(micro_batch: int, accumulation: int, dp: int) -> int:
-    """global = micro x accumulation x DP (seed 003's effectiveBatch)."""
+    """global = micro x accumulation x DP."""
     return micro_batch * accumulation * dp
 
 
 def accumulation_steps(global_batch_: int, micro_batch: int, dp: int) -> int:
-    """ceil(global / (micro x DP)) (seed 003's requiredAccumSteps): 2048 / (4 x 8) = 64."""
+    """ceil(global / (micro x DP)). Worked example: 2048 / (4 x 8) = 64."""
     return math.ceil(global_batch_ / (micro_batch * dp))
 
 
@@ -66,7 +67,8 @@ def training_flops(num_params: float, tokens: float) -> float:
 
 
 def pf_days(flops: float) -> float:
-    """Seed 003: 6 x 405e9 x 15.6e12 / 8.64e19 = 438,750 PF-days."""
+    """Worked example, Llama 3 405B on 15.6T tokens (Dubey et al. 2024): 6 x 405e9 x 15.6e12 /
+    8.64e19 = 438,750 PF-days."""
     return flops / PF_DAY
 
 
@@ -94,36 +96,36 @@ def cost_saving_from_mfu(cost: float, mfu_before: float, mfu_after: float) -> fl
 
 
 def chinchilla_tokens(num_params: float, tokens_per_param: float = 20.0) -> float:
-    """Compute-optimal tokens, about 20 per parameter (Hoffmann et al. 2022; seed 004)."""
+    """Compute-optimal tokens, about 20 per parameter (Hoffmann et al. 2022)."""
     return tokens_per_param * num_params
 
 
 def lr_linear(base_lr: float, base_batch: float, new_batch: float) -> float:
-    """Linear scaling (Goyal et al. 2017): lr x B_new / B_base. Seed 003: 3e-4, 256 -> 2048: 2.4e-3."""
+    """Linear scaling (Goyal et al. 2017): lr x B_new / B_base. Worked example: 3e-4, 256 -> 2048: 2.4e-3."""
     return base_lr * new_batch / base_batch
 
 
 def lr_sqrt(base_lr: float, base_batch: float, new_batch: float) -> float:
     """Square-root scaling (Krizhevsky 2014; noise-scale argument): lr x sqrt(B_new / B_base).
-    Seed 003: 3e-4 x sqrt(8) = 8.49e-4."""
+    Worked example: 3e-4 x sqrt(8) = 8.49e-4."""
     return base_lr * math.sqrt(new_batch / base_batch)
 
 
 def warmup_steps(base_warmup: float, base_batch: float, new_batch: float) -> float:
-    """Seed 003's heuristic: warm-up = (B_new / B_base) x base warm-up (1000 at 256 -> 8000 at 2048)."""
+    """A rule of thumb: warm-up = (B_new / B_base) x base warm-up (1000 at 256 -> 8000 at 2048)."""
     return new_batch / base_batch * base_warmup
 
 
 def critical_batch_tokens(loss_nats: float, b_star: float = 2e8, alpha_b: float = 0.21) -> float:
     """Kaplan et al. 2020, Eq. 1.4: B_crit(L) = B* / L^(1/alpha_B), B* ~ 2e8 tokens, alpha_B ~ 0.21
-    (L in nats per token, their tokenizer). Seed 003 gives no formula, only "GPT-3 scale:
-    B_crit ~ 1-2M tokens", which this puts at a loss near 3 nats."""
+    (L in nats per token, their tokenizer). The often-quoted "GPT-3 scale: B_crit ~ 1-2M tokens"
+    is this formula at a loss near 3 nats."""
     return b_star / loss_nats ** (1 / alpha_b)
 
 
 def steps_at_batch(min_steps: float, batch: float, b_crit: float) -> float:
     """McCandlish et al. 2018: S = S_min (1 + B_crit / B). Below B_crit doubling B nearly halves
-    the steps; above it, little changes (seed 003)."""
+    the steps; above it, little changes."""
     return min_steps * (1 + b_crit / batch)
 
 

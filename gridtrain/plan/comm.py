@@ -2,8 +2,9 @@
 
 Cost model: a collective over N ranks runs in steps; each step costs the per-step latency alpha
 plus the bytes one rank sends in that step over its one-way bandwidth, derated by an achieved
-efficiency (seed 003: ~78% of bus bandwidth is typical of tuned NCCL). "Payload" is always the
-full, unsharded tensor: what all-reduce reduces, what all-gather assembles.
+efficiency (a rule of thumb: tuned NCCL all-reduce reaches ~78% of the link's bandwidth as bus
+bandwidth). "Payload" is always the full, unsharded tensor: what all-reduce reduces, what
+all-gather assembles.
 
 | collective | steps | bytes a rank sends |
 |---|---|---|
@@ -24,7 +25,7 @@ from gridtrain.plan.memory import StateBytes, kv_heads_per_rank, rank_layers, ra
 from gridtrain.plan.shape import ModelShape
 
 # Innermost (fastest links) to outermost: Llama 3 paper, section 3.3.2, orders the dimensions
-# [TP, CP, PP, DP]. Seed 003's capstone answer says TP, PP, CP, DP; we follow the paper: CP's
+# [TP, CP, PP, DP]. A common alternative is TP, PP, CP, DP; we follow the paper: CP's
 # ring attention exchanges KV blocks in every layer of every micro-batch, far more often than
 # PP's one activation per stage boundary.
 AXIS_ORDER_INNER_TO_OUTER = ("tp", "cp", "pp", "dp")
@@ -48,13 +49,13 @@ class Link:
 
 def ring_all_reduce_bytes(payload: float, n: int) -> float:
     """Bytes one rank sends (and receives) in a ring all-reduce: 2(N-1)/N x payload
-    (reduce-scatter (N-1)/N, then all-gather (N-1)/N). Seed 003: N=8, 1 GB -> 1.75 GB."""
+    (reduce-scatter (N-1)/N, then all-gather (N-1)/N). Worked example: N=8, 1 GB -> 1.75 GB."""
     return 2 * (n - 1) / n * payload if n > 1 else 0.0
 
 
 def ring_all_reduce_time(payload: float, n: int, link: Link) -> float:
     """2(N-1) steps of payload/N each: 2(N-1)/N x payload / bw + 2(N-1) x alpha.
-    Seed 003: N=8, 2 GB, 50 GB/s -> 70 ms; 14 steps x 5 us = 70 us of latency."""
+    Worked example: N=8, 2 GB, 50 GB/s -> 70 ms; 14 steps x 5 us = 70 us of latency."""
     if n <= 1:
         return 0.0
     steps = 2 * (n - 1)
@@ -75,7 +76,7 @@ def all_gather_time(payload: float, n: int, link: Link) -> float:
 
 def tree_all_reduce_time(payload: float, n: int, link: Link) -> float:
     """Binary tree, reduce up then broadcast down, whole payload per step (not pipelined):
-    2 ceil(log2 N) x (payload/bw + alpha). Seed 003: 6 steps at N=8 against the ring's 14;
+    2 ceil(log2 N) x (payload/bw + alpha). Worked example: 6 steps at N=8 against the ring's 14;
     the root link carries the whole payload each step, so the ring wins for large messages."""
     if n <= 1:
         return 0.0
@@ -97,7 +98,7 @@ def p2p_time(payload: float, link: Link) -> float:
 
 def bus_bandwidth(payload: float, seconds: float, n: int) -> float:
     """NCCL's all-reduce bus bandwidth: algorithm bandwidth (payload / time) x 2(N-1)/N, which
-    makes it comparable with the link bandwidth whatever N is (seed 003)."""
+    makes it comparable with the link bandwidth whatever N is (nccl-tests, doc/PERFORMANCE.md)."""
     return payload / seconds * 2 * (n - 1) / n
 
 
@@ -123,9 +124,9 @@ def hierarchical_all_reduce_time(payload: float, gpus_per_node: int, num_nodes: 
     all-reduces its 1/g shard with its peers in the other nodes over its own NIC (`inter` is per
     GPU), then all-gather inside the node. Inter-node bytes per GPU: 2(n-1)/n x payload/g.
 
-    `leader=True` is seed 003's version: reduce to one GPU per node, all-reduce the whole
-    payload between nodes over `inter` (the node's link), broadcast inside the node. Seed 003:
-    10B model (20 GB fp16), 8 nodes at 100 GB/s -> 2 x 20 x 7/8 / 100 = 350 ms across nodes.
+    `leader=True` is the simpler leader-based version: reduce to one GPU per node, all-reduce the
+    whole payload between nodes over `inter` (the node's link), broadcast inside the node. Worked
+    example: 10B model (20 GB fp16), 8 nodes at 100 GB/s -> 2 x 20 x 7/8 / 100 = 350 ms across nodes.
     The node steps are pipelined ring reduce and broadcast, (g-1)/g x payload / bw each.
     """
     g = gpus_per_node
@@ -151,8 +152,8 @@ def dp_bytes_per_step(param_bytes: float, n: int, zero_stage: int, num_microbatc
     - stage 2: gradients reduce-scattered after every micro-batch (they cannot be accumulated
       unsharded), parameters all-gathered once after the step: (m + 1)(n-1)/n x payload.
     - stage 3: per micro-batch, all-gather of parameters in forward and again in backward, and a
-      reduce-scatter of gradients: 3m(n-1)/n x payload, 1.5x DDP at m = 1 (ZeRO paper; seeds 003
-      and 004). Seed 002's "3x DP" counts DDP's all-reduce as one model size, not two.
+      reduce-scatter of gradients: 3m(n-1)/n x payload, 1.5x DDP at m = 1 (ZeRO paper, sec. 7).
+      The "3x DP" often quoted for FSDP counts DDP's all-reduce as one model size, not two.
     """
     g = param_bytes if grad_bytes is None else grad_bytes
     if n <= 1:
@@ -202,7 +203,7 @@ def pp_bytes_per_step(tokens: int, hidden: int, num_microbatches: int, virtual: 
 def pp_total_bytes_per_step(activation_bytes: float, pp: int, num_microbatches: int,
                             virtual: int = 1) -> float:
     """All point-to-point bytes of one step over the whole pipeline: (pp x v - 1) stage boundaries,
-    each crossed forward and backward by every micro-batch. Seed 003: 500 MB, pp 4, m 12, v 4
+    each crossed forward and backward by every micro-batch. Worked example: 500 MB, pp 4, m 12, v 4
     -> 15 x 24 x 0.5 GB = 180 GB."""
     return (pp * virtual - 1) * 2 * num_microbatches * activation_bytes
 
@@ -266,7 +267,7 @@ def exposed_after_compute(compute: list[float], comm: list[float]) -> float:
     """Bucketed DP all-reduce during backward: bucket i's collective starts when its gradients
     are ready (end of compute i) and when the previous collective is done (one comm stream).
     Returns the communication time left after the last compute: exposed on the critical path.
-    Seed 003: 40 layers x 5 ms backward, 1.5 ms per bucket -> 1.5 ms exposed of 60 ms (97.5% hidden)."""
+    Worked example: 40 layers x 5 ms backward, 1.5 ms per bucket -> 1.5 ms exposed of 60 ms (97.5% hidden)."""
     t_compute = t_comm = 0.0
     for c, k in zip(compute, comm, strict=True):
         t_compute += c
@@ -298,7 +299,7 @@ def hidden_fraction(total_comm: float, exposed: float) -> float:
 
 def comm_compute_ratio(params: float, n: int, bytes_per_s: float, flops_per_step: float,
                        flops_per_s: float, grad_bytes: int = 2) -> float:
-    """Seed 003's commComputeRatio: a ring all-reduce of the fp16 gradients over the DP group
+    """Communication-to-compute ratio: a ring all-reduce of the fp16 gradients over the DP group
     against the step's compute time (no overlap)."""
     comm = ring_all_reduce_bytes(params * grad_bytes, n) / bytes_per_s
     return comm / (flops_per_step / flops_per_s)

@@ -78,15 +78,15 @@ def achieved_tflops_per_gpu(flops_per_step: float, step_seconds: float, num_gpus
 
 def matmul_intensity(m: int, k: int, n: int, bytes_per_element: int = 2,
                      count_output: bool = False) -> float:
-    """Arithmetic intensity of [m x k] @ [k x n]: 2 m k n FLOPs over the bytes moved. Seed 002
-    counts the two inputs only, (m k + k n) x bytes: 2048 FLOPs/byte at m = k = n = 4096 in bf16
+    """Arithmetic intensity of [m x k] @ [k x n]: 2 m k n FLOPs over the bytes moved, by
+    default the two inputs only, (m k + k n) x bytes: 2048 FLOPs/byte at m = k = n = 4096 in bf16
     (1365 with the output written)."""
     moved = m * k + k * n + (m * n if count_output else 0)
     return 2 * m * k * n / (moved * bytes_per_element)
 
 
 def ridge_point(peak_flops: float, hbm_bytes_per_s: float) -> float:
-    """Roofline ridge: intensity below which a kernel is memory-bound (seed 002: H100 295 FLOPs/byte)."""
+    """Roofline ridge: intensity below which a kernel is memory-bound (Williams et al. 2009; H100: 295 FLOPs/byte)."""
     return peak_flops / hbm_bytes_per_s
 
 
@@ -97,5 +97,5 @@ def attainable_flops(intensity: float, peak_flops: float, hbm_bytes_per_s: float
 
 def effective_mfu(mfu: float, compute_s: float, exposed_comm_s: float) -> float:
     """MFU once exposed communication lengthens the step: mfu x compute / (compute + comm).
-    Seed 003: 50% x 242 / (242 + 350) = 20%."""
+    Worked example: 50% x 242 / (242 + 350) = 20%."""
     return mfu * compute_s / (compute_s + exposed_comm_s)

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import difflib
 import math
-import tomllib
 from dataclasses import dataclass, fields
 
+from gridtrain import tomlread
 from gridtrain.config import ConfigError, load_config
 from gridtrain.model.args import PRESETS
 from gridtrain.parallel.dims import PP_SCHEDULES
@@ -163,7 +163,7 @@ def resolve_cluster(gpu: str, cluster_name: str | None, hardware: str | None) ->
         acc = specs.accelerator(gpu, extra.accelerators)
     except specs.SpecError as e:
         raise PlanError(str(e)) from None
-    except (OSError, tomllib.TOMLDecodeError) as e:
+    except (OSError, tomlread.TOMLDecodeError) as e:
         raise PlanError(f"--hardware {hardware}: {e}") from None
     for make in specs.CLUSTERS.values():
         built = make()

@@ -60,7 +60,7 @@ class Layout:
 
     @property
     def model_parallel(self) -> int:
-        """GPUs that jointly process one micro-batch: tp x pp x cp (seed 000's model-parallel group)."""
+        """GPUs that jointly process one micro-batch: tp x pp x cp (the model-parallel group)."""
         return self.tp * self.pp * self.cp
 
     @property
@@ -73,7 +73,7 @@ class Layout:
 
     @property
     def global_batch_seqs(self) -> int:
-        """micro-batch x accumulation x DP (seed 003)."""
+        """micro-batch x accumulation x DP."""
         return self.micro_batch * self.num_microbatches * self.dp
 
     @property

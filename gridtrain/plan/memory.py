@@ -2,9 +2,9 @@
 
 Model state, bytes per parameter (ZeRO paper, Rajbhandari et al. 2020, sec. 3.1): mixed-precision
 Adam keeps 16-bit weights (2) and gradients (2), and K = 12 bytes of optimizer state: fp32 master
-weights (4) and the two fp32 moments m, v (8), 2 + 2 + 12 = 16 (seeds 003, 004). Seed 002 counts
-2 + 2 + 4 + 4 = 12 (no master copy) and so prints 4.86 TB for 405B where the ZeRO convention gives
-6.48 TB; gridtrain follows the paper (`StateBytes.seed002()` reproduces the seed).
+weights (4) and the two fp32 moments m, v (8), 2 + 2 + 12 = 16. A shortcut often quoted counts
+2 + 2 + 4 + 4 = 12 (no master copy) and so gets 4.86 TB for 405B where the ZeRO convention gives
+6.48 TB; gridtrain follows the paper (`StateBytes.no_master()` gives the 12-byte count).
 
 ZeRO stages shard over N data-parallel ranks: stage 1 the optimizer state, 2 also gradients,
 3 also weights: 16 -> 4 + 12/N -> 2 + 14/N -> 16/N bytes/param. HSDP shards over dp_shard only.
@@ -106,8 +106,8 @@ class StateBytes:
         return cls(4, 4, 0, 8, gathered=2 if precision in ("bf16", "fp16") else 4, step_count=4, exact=True)
 
     @classmethod
-    def seed002(cls) -> StateBytes:
-        """Seed 002's 2 + 2 + 4 + 4 = 12: no fp32 master copy (not the ZeRO convention)."""
+    def no_master(cls) -> StateBytes:
+        """2 + 2 + 4 + 4 = 12: no fp32 master copy (not the ZeRO convention)."""
         return cls(2, 2, 0, 8)
 
 
@@ -132,7 +132,7 @@ def model_state_bytes(num_params: float, zero_stage: int, shard: int,
                       state: StateBytes = StateBytes()) -> ModelState:
     """Bytes per rank for `num_params` parameters under a ZeRO stage over `shard` ranks.
 
-    Seed 003, 7B over 64 GPUs: stage 0 112 GB, 1 29.3 GB, 2 15.5 GB, 3 1.75 GB."""
+    Worked example, 7B over 64 GPUs: stage 0 112 GB, 1 29.3 GB, 2 15.5 GB, 3 1.75 GB."""
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3, not {zero_stage}")
     n = shard if zero_stage else 1
@@ -169,7 +169,7 @@ def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, tp: int = 1,
 
 
 def kv_heads_per_rank(shape: ModelShape, tp: int) -> int:
-    """KV heads on one TP rank; tp above the KV heads replicates them (seed 003: 8 KV heads at
+    """KV heads on one TP rank; tp above the KV heads replicates them (worked example: 8 KV heads at
     tp 16 -> one per rank, 2 copies each)."""
     return max(shape.num_kv_heads // tp, 1)
 
@@ -234,7 +234,7 @@ def in_flight(schedule: str, pp: int, rank: int, num_microbatches: int, virtual:
     of the rank's whole layer set (a chunk of an interleaved rank counts 1/v).
 
     gpipe and looped-bfs (all forwards first): all m. 1f1b and zb-h1: p - rank (Narayanan et al.
-    2021: "at most p"; seed 003's p-1 counts the warm-up forwards, one short). interleaved-1f1b:
+    2021: "at most p"; the p-1 sometimes quoted counts the warm-up forwards, one short). interleaved-1f1b:
     ((v+1)p - 2 rank - 1)/v, which on the first rank is p (1 + (p-1)/(p v)) (Korthikanti et al.
     2022), and interleaved-zb alike.
     zbv, dualpipev: p on every rank (ZB-V keeps 1F1B's peak, balanced). All capped at m."""

@@ -1,15 +1,15 @@
 """Pipeline bubbles: closed forms per schedule, and a small simulator that lays out the timeline.
 
-Two conventions are in use for the same bubble, and the seeds mix them:
-- fraction of total time (GPipe paper, Huang et al. 2019; seeds 002 and 004):
+Two conventions are in use for the same bubble, and textbooks and course notes mix them:
+- fraction of total time (GPipe paper, Huang et al. 2019):
   (p-1) / (m + p-1);
-- ratio of bubble time to ideal compute time (Narayanan et al. 2021, eq. 1; seed 003):
+- ratio of bubble time to ideal compute time (Narayanan et al. 2021, eq. 1):
   (p-1) / m, and (p-1) / (v m) for the interleaved schedule.
 Both hold for GPipe and 1F1B alike: 1F1B changes the memory (at most p micro-batches in flight),
-not the bubble (Narayanan et al. 2021, sec. 2.2.1). Seed 003's "bug" question, which calls
-(p-1)/(p-1+m) the GPipe formula and (p-1)/m the 1F1B one, mistakes the two conventions for two
-schedules. gridtrain reports the fraction of total time (`bubble_fraction`) and names the ratio
-(`bubble_ratio`) where a seed uses it.
+not the bubble (Narayanan et al. 2021, sec. 2.2.1). The common claim that (p-1)/(p-1+m) is the
+GPipe formula and (p-1)/m the 1F1B one mistakes the two conventions for two schedules. gridtrain
+reports the fraction of total time (`bubble_fraction`) and names the ratio (`bubble_ratio`) for
+figures quoted in Narayanan et al.'s convention.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def min_microbatches(pp: int, target: float, virtual: int = 1, ratio: bool = Tru
 
     Ratio convention: (p-1)/(v m) < target <=> m > (p-1)/(v target). Fraction convention:
     (p-1)/(v m + p-1) < target <=> m > (p-1)(1 - target)/(v target).
-    Seed 003: pp 8, 5%: m = 140 gives exactly 5%, so 141 is the first strictly below."""
+    Worked example: pp 8, 5%: m = 140 gives exactly 5%, so 141 is the first strictly below."""
     bound = (pp - 1) / (virtual * target)
     if not ratio:
         bound *= 1 - target

@@ -16,7 +16,7 @@ oversubscribed, so each GPU gets inter-node bandwidth / oversubscription). A col
 by level (two-level NCCL/Horovod style, generalized): reduce-scatter inside the innermost level,
 the next level on 1/k of the payload, all-gather back. Each level costs the ring's bytes over its
 link's achieved bandwidth plus the link's measured small-message latency once (the specs' 13 us and
-55 us are whole small collectives, seed 004, not per ring step).
+55 us are whole small collectives, as the Smol Training Playbook measured them, not per ring step).
 """
 
 from __future__ import annotations

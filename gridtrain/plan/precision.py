@@ -58,9 +58,9 @@ FP8_E5M2 = FloatFormat("fp8-e5m2", 5, 2)
 
 def dynamic_loss_scale(overflows: list[bool], init_scale: float = 65536.0,
                        growth_interval: int = 2000, backoff: float = 0.5, growth: float = 2.0) -> float:
-    """The scale after a run of steps (torch.amp.GradScaler's rule, seed 003's dynamicLossScale):
-    an overflow skips the step and multiplies the scale by `backoff`; `growth_interval` clean
-    steps in a row multiply it by `growth`."""
+    """The scale after a run of steps (dynamic loss scaling, Micikevicius et al. 2018, by
+    torch.amp.GradScaler's rule): an overflow skips the step and multiplies the scale by
+    `backoff`; `growth_interval` clean steps in a row multiply it by `growth`."""
     scale, clean = init_scale, 0
     for overflow in overflows:
         if overflow:
@@ -74,5 +74,6 @@ def dynamic_loss_scale(overflows: list[bool], init_scale: float = 65536.0,
 
 def activation_bytes_per_layer_simple(batch: int, seq_len: int, hidden: int, bytes_per_value: float,
                                       tensors: int = 2) -> float:
-    """Seed 003's rough count: `tensors` (the attention and FFN inputs) of b x s x d values."""
+    """A rough count: `tensors` (the attention and FFN inputs) of b x s x d values (memory.py
+    has Korthikanti et al. 2022's full one)."""
     return tensors * batch * seq_len * hidden * bytes_per_value

@@ -9,15 +9,15 @@ from __future__ import annotations
 import math
 
 CHECKPOINT_BYTES_PER_PARAM = 2 + 4 + 8
-"""Mixed-precision Adam state on disk (seed 003): 16-bit weights (2), fp32 master weights (4),
-fp32 Adam moments (8). Gradients are not saved. (A checkpoint that keeps only the fp32 master
-and re-derives the 16-bit copy needs 12.)"""
+"""Mixed-precision Adam state on disk (the ZeRO paper's, sec. 3.1, less the gradients): 16-bit
+weights (2), fp32 master weights (4), fp32 Adam moments (8). Gradients are not saved. (A
+checkpoint that keeps only the fp32 master and re-derives the 16-bit copy needs 12.)"""
 
 
 def checkpoint_bytes(num_params: float, bytes_per_param: float = CHECKPOINT_BYTES_PER_PARAM,
                      extra_bytes: float = 8) -> float:
-    """num_params x bytes/param + scalars (step counter and learning rate: 8 bytes in seed 003).
-    Seed 003: 70B -> 980 GB."""
+    """num_params x bytes/param + scalars (step counter and learning rate: 8 bytes by default).
+    Worked example: 70B -> 980 GB."""
     return num_params * bytes_per_param + extra_bytes
 
 
@@ -25,7 +25,7 @@ def checkpoint_write_seconds(size_bytes: float, bytes_per_s_per_writer: float, n
                              aggregate_bytes_per_s: float = math.inf) -> float:
     """size / min(writers x per-writer bandwidth, storage's aggregate bandwidth). Every rank writing
     its own shard (torch.distributed.checkpoint) multiplies the bandwidth until the storage caps
-    it. Seed 003: 980 GB at 10 GB/s -> 98 s; 64 writers -> 1.5 s (if the storage keeps up)."""
+    it. Worked example: 980 GB at 10 GB/s -> 98 s; 64 writers -> 1.5 s (if the storage keeps up)."""
     return size_bytes / min(num_writers * bytes_per_s_per_writer, aggregate_bytes_per_s)
 
 
@@ -36,7 +36,7 @@ def cluster_mtbf(mtbf_per_gpu: float, num_gpus: int) -> float:
 
 def young_interval(checkpoint_s: float, mtbf_s: float) -> float:
     """Young (1974): the compute time between checkpoints that minimizes the expected waste,
-    sqrt(2 C M). Seed 003: C = 98 s, M = 24 h -> 68.6 min."""
+    sqrt(2 C M). Worked example: C = 98 s, M = 24 h -> 68.6 min."""
     return math.sqrt(2 * checkpoint_s * mtbf_s)
 
 
@@ -51,7 +51,7 @@ def daly_interval(checkpoint_s: float, mtbf_s: float) -> float:
 
 
 def waste_fraction(interval_s: float, checkpoint_s: float, mtbf_s: float) -> float:
-    """First-order expected waste per unit time (seed 003's optimalCheckpointInterval): half an
+    """First-order expected waste per unit time (Young 1974): half an
     interval lost per failure plus the checkpoint overhead, (tau/2 + C M / tau) / M. At Young's
     interval both terms are equal and the waste is sqrt(2 C / M)."""
     return (interval_s / 2 + checkpoint_s * mtbf_s / interval_s) / mtbf_s
@@ -65,7 +65,7 @@ def expected_lost_seconds(interval_s: float, restart_s: float = 0.0) -> float:
 def cost_per_failure(num_gpus: int, price_per_gpu_hour: float, interval_s: float,
                      restart_s: float = 0.0) -> float:
     """Dollars of GPU time one failure wastes: GPUs x price x (tau/2 + restart) in hours.
-    Seed 003: 512 GPUs at $2, tau = 68.6 min, restart = one checkpoint time (98 s) -> $613."""
+    Worked example: 512 GPUs at $2, tau = 68.6 min, restart = one checkpoint time (98 s) -> $613."""
     return num_gpus * price_per_gpu_hour * expected_lost_seconds(interval_s, restart_s) / 3600
 
 

@@ -43,7 +43,7 @@ def render_header(r: dict) -> list[str]:
 
 
 def render_units(r: dict) -> list[str]:
-    """Seed 000's summary table for the chosen layout."""
+    """The units of one training step, as a summary table, for the chosen layout."""
     u = r["units"]
     stage_gpus = u["tp"] * u["cp"]
     rows = [
@@ -66,7 +66,7 @@ def render_units(r: dict) -> list[str]:
     ]
     w = [max(len(row[i]) for row in rows) for i in range(3)]
     head = f"{'Unit':<{w[0]}}  {'Count':<{w[1]}}  {'Size':<{w[2]}}  Key relationship"
-    return ["Units of one step (seed 000):", head, "-" * len(head)] + [
+    return ["Units of one step:", head, "-" * len(head)] + [
         f"{a:<{w[0]}}  {b:<{w[1]}}  {c:<{w[2]}}  {d}" for a, b, c, d in rows]
 
 

@@ -24,11 +24,11 @@ class Assumptions:
     """What the plan assumes beyond its inputs (each printed with the plan)."""
 
     price_per_gpu_hour: float = 2.0
-    """Rental price, $ per GPU-hour (seed 003)."""
+    """Rental price, $ per GPU-hour (an assumed round figure for H100 rental)."""
     pue: float = 1.4
-    """Facility power usage effectiveness: cooling, network, storage on top of the GPUs (seed 003)."""
+    """Facility power usage effectiveness: cooling, network, storage on top of the GPUs (an assumed typical value)."""
     electricity_per_kwh: float = 0.05
-    """$ per kWh (seed 003's hyperscaler rate)."""
+    """$ per kWh (an assumed hyperscaler industrial rate)."""
     mtbf_gpu_hours: float = 50_000.0
     """Mean time between failures of one GPU (with its share of host, network and software).
     Llama 3 405B: 419 unexpected interruptions in 54 days on 16,384 GPUs (Llama 3 paper, sec.
@@ -63,7 +63,7 @@ def runs(problem: Problem, cand: Candidate) -> str:
 
 
 def units_dict(problem: Problem, layout: Layout, total_tokens: float) -> dict[str, object]:
-    """Seed 000's units of one step for the layout (budget.step_units)."""
+    """The units of one training step for the layout (budget.step_units)."""
     u = budget.step_units(problem.num_gpus, problem.cluster.gpus_per_node, layout.tp, layout.pp,
                           problem.shape.num_layers, layout.micro_batch, layout.seq_len,
                           layout.num_microbatches, total_tokens, layout.cp)

@@ -69,7 +69,7 @@ def with_layers(shape: ModelShape, num_layers: int) -> ModelShape:
 def attention_params(shape: ModelShape) -> int:
     """One block's attention: Wq (h x h), Wk and Wv (h x kv_width each), Wo (h x h).
 
-    Llama: 2h^2 + 2 h kv_width (GQA; the seed 003 capstone's 4h^2 assumes full multi-head).
+    Llama: 2h^2 + 2 h kv_width (GQA, Ainslie et al. 2023; the 4h^2 often quoted assumes full multi-head).
     GPT adds biases: 3h for QKV and h for the output projection (4h^2 + 4h)."""
     h = shape.hidden
     weights = 2 * h * h + 2 * h * shape.kv_width
@@ -120,7 +120,7 @@ def matmul_params(shape: ModelShape) -> int:
 def tp_weight_shard(rows: int, cols: int, tp: int, split: str) -> tuple[int, int]:
     """Shape of one rank's slice of a [rows x cols] weight (Y = X W): 'column' parallel splits the
     output columns, [rows, cols/t]; 'row' parallel the input rows, [rows/t, cols].
-    Seed 003: [8192 x 8192] column-parallel over 8 -> [8192 x 1024]."""
+    Worked example: [8192 x 8192] column-parallel over 8 -> [8192 x 1024]."""
     if split == "column":
         if cols % tp:
             raise ValueError(f"tp ({tp}) must divide the {cols} output columns")
@@ -136,8 +136,8 @@ def tp_heads(num_heads: int, num_kv_heads: int, tp: int) -> tuple[int, int, int]
     """(query heads per rank, KV heads per rank, copies of each KV head) under TP.
 
     Query heads must divide evenly; when tp exceeds the KV heads, each rank holds one KV head
-    and each is replicated tp / num_kv_heads times (seed 003: 64 Q, 8 KV, tp 8 -> 8, 1, 1;
-    tp 16 -> 4, 1, 2)."""
+    and each is replicated tp / num_kv_heads times (Llama 3 70B's 64 Q and 8 KV heads: tp 8 ->
+    8, 1, 1; tp 16 -> 4, 1, 2)."""
     if num_heads % tp:
         raise ValueError(f"tp ({tp}) must divide the {num_heads} query heads")
     if num_kv_heads % tp == 0:

@@ -4,10 +4,10 @@ Units are the vendors': TFLOP/s (dense, no sparsity), GB = 1e9 bytes, GB/s, W.
 
 Bandwidth conventions. Vendors quote NVLink as the aggregate of both directions (H100: 900 GB/s
 = 450 GB/s each way); a ring collective is limited by what one GPU can send one way, so cluster
-shapes store bandwidth per GPU per direction. The seeds sometimes divide by the bidirectional
-figure (seed 003: "NVLink at 600 GB/s ... (bidirectional)"); the collective functions in
-comm.py take whatever bandwidth they are given, and the tests reproduce the seeds with theirs.
-Seed 002's "18x drop" from NVLink (900, both ways) to InfiniBand (50 GB/s, one way) compares
+shapes store bandwidth per GPU per direction. Worked examples elsewhere sometimes divide by the
+bidirectional figure ("NVLink at 600 GB/s ... (bidirectional)"); the collective functions in
+comm.py take whatever bandwidth they are given, and the tests reproduce such examples with theirs.
+The often-quoted "18x drop" from NVLink (900, both ways) to InfiniBand (50 GB/s, one way) compares
 unlike figures: one way to one way it is 450 / 50 = 9x.
 """
 
@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import difflib
 import math
-import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
+
+from gridtrain import tomlread
 
 
 class SpecError(ValueError):
@@ -51,13 +52,13 @@ class AcceleratorSpec:
 
     @property
     def ridge_flops_per_byte(self) -> float:
-        """Roofline ridge point: peak FLOP/s / HBM bytes/s (seed 002: H100 989e12/3352e9 = 295)."""
+        """Roofline ridge point: peak FLOP/s / HBM bytes/s (Williams et al. 2009; H100: 989e12/3352e9 = 295)."""
         return self.peak_flops / (self.hbm_gb_per_s * 1e9)
 
 
-# Seed 002's GPU table (V100, A100, H100, B200 memory) and chapter 3 (TPU v5p 459 TFLOP/s) where
-# it gives a figure; vendor data sheets for the rest. B200: seed 002 prints "~5,000" TFLOP/s,
-# which is the sparse figure (4.5 PF); the dense bf16 peak is 2.25 PF (HGX B200 data sheet).
+# Vendor data sheets (NVIDIA V100, A100, H100, H200, B200; Google Cloud TPU v5p, 459 TFLOP/s bf16).
+# B200: the "~5,000" TFLOP/s sometimes quoted is the sparse figure (4.5 PF); the dense bf16 peak is
+# 2.25 PF (HGX B200 data sheet).
 ACCELERATORS: dict[str, AcceleratorSpec] = {
     spec.name: spec
     for spec in (
@@ -116,7 +117,7 @@ class ClusterSpec:
     oversubscription: float = 1.0
     """Between pods the fabric is oversubscribed by this factor (Llama 3 paper: 1:7)."""
     price_per_gpu_hour: float = 2.0
-    """Rental price, $ per GPU-hour (seed 003 uses $2)."""
+    """Rental price, $ per GPU-hour (an assumed round figure for H100 rental)."""
 
     @property
     def cross_pod_gb_per_s(self) -> float:
@@ -124,9 +125,10 @@ class ClusterSpec:
 
 
 def _dgx_h100_llama3() -> ClusterSpec:
-    # Seed 002, chapter 3 (Meta's Grand Teton): 8 H100 per server on NVSwitch (900 GB/s both ways),
-    # 8x400G InfiniBand per server = 50 GB/s per GPU, pods of 3,072 GPUs (384 servers).
-    # Latencies: seed 004 (smol-training-playbook): ~13 us inside a node, ~55 us across two.
+    # Llama 3 paper (Dubey et al. 2024), sec. 3.3.1 (Meta's Grand Teton servers): 8 H100 per server
+    # on NVSwitch (900 GB/s both ways), 400 Gb/s per GPU between servers = 50 GB/s per GPU, pods
+    # of 3,072 GPUs (384 servers).
+    # Latencies: Hugging Face's Smol Training Playbook (2025): ~13 us inside a node, ~55 us across two.
     # Oversubscription between pods: 1:7 (Llama 3 paper, section 3.3.1).
     return ClusterSpec("dgx-h100", ACCELERATORS["H100-SXM"], 8, 450, 13e-6, 50, 55e-6,
                        nodes_per_pod=384, oversubscription=7.0)
@@ -163,7 +165,8 @@ class ClusterTotals:
 def cluster_totals(spec: ClusterSpec, num_gpus: int) -> ClusterTotals:
     """Nodes = ceil(GPUs / GPUs per node); pods likewise; total HBM and dense peak.
 
-    Seed 002: 24,576 H100 = 3,072 servers = 8 pods; 1.97 PB of HBM; 24.3 EFLOP/s peak."""
+    Worked example, the Llama 3 cluster (Dubey et al. 2024, sec. 3.3.1): 24,576 H100 = 3,072
+    servers = 8 pods; 1.97 PB of HBM; 24.3 EFLOP/s peak."""
     nodes = math.ceil(num_gpus / spec.gpus_per_node)
     pods = math.ceil(nodes / spec.nodes_per_pod) if spec.nodes_per_pod else 1
     acc = spec.accelerator
@@ -243,7 +246,7 @@ def parse_hardware(doc: dict[str, Any]) -> HardwareFile:
 def load_hardware(path: str | Path) -> HardwareFile:
     """Read a TOML file of user accelerators and clusters."""
     with open(path, "rb") as f:
-        return parse_hardware(tomllib.load(f))
+        return parse_hardware(tomlread.load(f))
 
 
 def local_cpu(precision: str = "bf16") -> AcceleratorSpec:
@@ -258,6 +261,7 @@ def tensor_core_peak_flops(num_sms: int, tensor_cores_per_sm: int, flops_per_cor
                            clock_hz: float) -> float:
     """Dense peak = SMs x tensor cores per SM x FLOPs per core per cycle x clock.
 
-    Seed 002: H100 SXM, 132 SMs x 4 = 528 tensor cores, each a [16x4].[4x8] product per cycle
-    = 512 multiply-adds = 1,024 FLOPs; at the 1.83 GHz boost clock that is 989 TFLOP/s."""
+    Worked example, H100 SXM (NVIDIA's Hopper architecture whitepaper): 132 SMs x 4 = 528 tensor
+    cores, each a [16x4].[4x8] product per cycle = 512 multiply-adds = 1,024 FLOPs; at the 1.83 GHz
+    boost clock that is 989 TFLOP/s."""
     return num_sms * tensor_cores_per_sm * flops_per_core_cycle * clock_hz

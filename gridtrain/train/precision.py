@@ -1,9 +1,10 @@
 """Precision modes: fp32; bf16 autocast over fp32 master weights; fp16 autocast with dynamic
 loss scaling.
 
-fp16's loss scaling follows the protocol of the seeds (and of `torch.amp.GradScaler`, which does
-the work): multiply the loss by S before backward; if any gradient is inf/NaN after unscaling,
-skip the optimizer step and halve S; after `growth_interval` clean steps in a row, double S.
+fp16's loss scaling is dynamic loss scaling (Micikevicius et al. 2018) as `torch.amp.GradScaler`,
+which does the work, implements it: multiply the loss by S before backward; if any gradient is
+inf/NaN after unscaling, skip the optimizer step and halve S; after `growth_interval` clean steps
+in a row, double S.
 """
 
 from __future__ import annotations

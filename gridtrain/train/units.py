@@ -1,4 +1,6 @@
-"""The run's units as seed 000 defines them, printed by rank 0 at start-up."""
+"""The run's units of one training step (GPUs, nodes, TP groups, pipeline stages, model-parallel
+groups, data-parallel replicas, micro-batch, accumulation, global batch, optimizer steps), printed
+by rank 0 at start-up."""
 
 from __future__ import annotations
 
