@@ -107,7 +107,12 @@ def cmd_model(args: argparse.Namespace, extra: list[str]) -> int:
         print(f"gridtrain: unknown model preset {args.preset!r}; choose one of {', '.join(PRESETS)} "
               "(gridtrain model --list)", file=sys.stderr)
         return 2
-    overrides = {k.split(".", 1)[1]: v for k, v in parse_overrides(extra).items()}
+    overrides = parse_overrides(extra)
+    stray = [k for k in overrides if not k.startswith("model.")]
+    if stray:
+        raise BadInput(f"gridtrain model takes --model.KEY VALUE overrides, not --{stray[0]} (see gridtrain train "
+                       "--help-config)")
+    overrides = {k.split(".", 1)[1]: v for k, v in overrides.items()}
     cfg = load_config(None, {f"model.{k}": v for k, v in overrides.items()} | {"model.preset": args.preset})
     margs = cfg.model.args()
     problems = margs.validate()
@@ -200,10 +205,15 @@ def cmd_plan(args: argparse.Namespace, extra: list[str]) -> int:
 def cmd_plot(args: argparse.Namespace, extra: list[str]) -> int:
     from gridtrain.train.plot import plot_run
 
-    why = args.out and unwritable(Path(args.out).parent)
-    if why:
-        raise BadInput(f"--out {args.out}: {why}")
-    out = plot_run(Path(args.run_dir), Path(args.out) if args.out else None)
+    out = Path(args.out) if args.out else None
+    if out is not None:
+        if out.is_dir():
+            raise BadInput(f"--out {out} is a directory: give a file name, e.g. {out / 'curves.png'}")
+        why = unwritable(out.parent)
+        if why:
+            raise BadInput(f"--out {out}: {why}")
+        out = out if out.suffix else out.with_suffix(".png")  # what matplotlib would write
+    out = plot_run(Path(args.run_dir), out)
     print(f"wrote {out}")
     return 0
 

@@ -318,21 +318,20 @@ def _convert(key: str, raw: Any, hint: Any) -> Any:
 def _convert_to(key: str, raw: Any, target: type) -> Any:
     if target is float and isinstance(raw, float) and not math.isfinite(raw):  # TOML's inf and nan
         raise ConfigError([f"{key} = {raw!r} must be a finite number"])
-    if target is int and isinstance(raw, int) and not isinstance(raw, bool) and abs(raw) > LARGEST_INT:
-        raise ConfigError([f"{key} = {raw!r} is too large (at most {LARGEST_INT:.0e})"])
-    if isinstance(raw, target) and not (target is int and isinstance(raw, bool)):
+    if target is int and not isinstance(raw, bool) and isinstance(raw, (int, str, float)):
+        number = _whole(raw)
+        if number is not None:
+            largest = 2**63 - 1 if key.endswith("seed") else LARGEST_INT  # a seed is a label, not a count
+            if abs(number) > largest:
+                raise ConfigError([f"{key} = {raw!r} is too large (at most {largest:.0e})"])
+            return number
+    elif isinstance(raw, target):
         return raw
     if target is bool and isinstance(raw, str):
         if raw.lower() in ("true", "1", "yes", "on"):
             return True
         if raw.lower() in ("false", "0", "no", "off"):
             return False
-    elif target is int and isinstance(raw, (str, float)):
-        number = _number(raw)
-        if number is not None and float(number).is_integer():
-            if abs(number) > LARGEST_INT:
-                raise ConfigError([f"{key} = {raw!r} is too large (at most {LARGEST_INT:.0e})"])
-            return int(number)  # accepts 1000, 1_000, 1e3 and 1000.0
     elif target is float and isinstance(raw, (str, int)) and not isinstance(raw, bool):
         try:
             value = float(raw)
@@ -347,11 +346,21 @@ def _convert_to(key: str, raw: Any, target: type) -> Any:
     raise ConfigError([f"{key} = {raw!r} is not a valid {target.__name__}"])
 
 
-def _number(raw: str | float) -> float | None:
+def _whole(raw: str | int | float) -> int | None:
+    """An exact int from 1000, '1_000', '1e3' or 1000.0 (digits are read as digits, never through a
+    float: 1732345678901234567 stays itself); None if it is not a whole number."""
+    if isinstance(raw, int):
+        return raw
+    if isinstance(raw, str):
+        try:
+            return int(raw)
+        except ValueError:
+            pass
     try:
-        return float(raw)
+        number = float(raw)
     except ValueError:
         return None
+    return int(number) if number.is_integer() else None
 
 
 def set_key(cfg: Config, key: str, raw: Any) -> None:
@@ -412,11 +421,14 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         except tomlread.TOMLDecodeError as err:
             raise ConfigError([f"--config {path} is not valid TOML ({err}): fix it (see configs/)"]) from None
     overrides = overrides or {}
-    for source, given in (("--config", items), ("the command line", overrides)):
-        if all(given.get(key) is not None and str(given[key]).lower() not in ("none", "null") for key in BATCH_FORMS):
+    def given(source: dict[str, Any], key: str) -> bool:
+        return source.get(key) is not None and str(source[key]).lower() not in ("none", "null")
+
+    for source, values in (("--config", items), ("the command line", overrides)):
+        if all(given(values, key) for key in BATCH_FORMS):
             problems.append(f"train.global_batch and train.global_batch_tokens are both given on {source}: give "
                             "one (the batch in sequences, or in tokens)")
-    if any(key in overrides for key in BATCH_FORMS):  # the command line's form replaces the file's
+    if any(given(overrides, key) for key in BATCH_FORMS):  # the command line's form replaces the file's
         items = {k: v for k, v in items.items() if k not in BATCH_FORMS}
     items.update(overrides)
     for key, raw in items.items():

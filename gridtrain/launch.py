@@ -30,7 +30,7 @@ def launch(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
             forwarded.append(arg)
     cmd = [sys.executable, "-m", "gridtrain.launch", "--standalone", f"--nproc-per-node={nproc}",
            f"--max-restarts={max_restarts}", "-m", "gridtrain", *forwarded]
-    log.info("launching %d processes: torchrun %s", nproc, " ".join(cmd[4:]))
+    log.info("launching %d processes: torchrun %s", nproc, " ".join(cmd[3:]))
     # A fresh rendezvous store per attempt: restarted ranks never read a dead attempt's keys.
     with subprocess.Popen(cmd, env={**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}) as proc:
         # A scheduler's SIGTERM or SIGUSR1 goes on to torchrun as SIGTERM (it has no SIGUSR1
@@ -66,7 +66,8 @@ def main(args: list[str]) -> int:
         if "--debug" in args:
             raise
         print(failure_line(err), file=sys.stderr, flush=True)
-        return 1
+        failure = err.get_first_failure()[1]  # its status (2: bad input), or 128 + the signal
+        return failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
     except SignalException as err:  # torchrun was told to stop; the ranks have said why
         return 128 + err.sigval
     return 0

@@ -165,6 +165,8 @@ OTHERS = [
     (["export", "{d}/badrun", "{d}/out"], "{d}/badrun/config.json is not a gridtrain run record"),
     (["export", "{d}/run", "{d}/out"], "no intact checkpoint in {d}/run/checkpoints"),
     (["plot", "--out", "/proc/curves.png", "{d}/run"], "--out /proc/curves.png: /proc cannot be written"),
+    (["plot", "--out", "{d}", "{d}/run"], "--out {d} is a directory: give a file name"),
+    (["model", "tiny", "--dim", "64"], "gridtrain model takes --model.KEY VALUE overrides, not --dim"),
     (["import", "{d}/missing", "{d}/new"], "has no config.json: give a Hugging Face model directory"),
     (["import", "{d}/hf", "{d}/new"], "{d}/hf/config.json is not readable JSON"),
     (["import", "{d}/trunc", "{d}/new"], "{d}/trunc/model.safetensors is not a readable safetensors file"),
@@ -315,3 +317,21 @@ def test_the_batch_form_on_the_command_line_replaces_the_files(tmp_path):
     toml.write_text("[train]\nglobal_batch_tokens = 100000000000000000000\n")
     with pytest.raises(ConfigError, match=r"train.global_batch_tokens = 100000000000000000000 is too large"):
         load_config(toml)
+
+
+def test_a_none_batch_form_on_the_command_line_keeps_the_files(tmp_path):
+    from gridtrain.config import load_config
+
+    toml = tmp_path / "c.toml"
+    toml.write_text("[train]\nglobal_batch = 24\n")
+    assert load_config(toml, {"train.global_batch_tokens": "none"}).global_batch_seqs == 24
+    assert load_config(None, {"train.seed": "1732345678901234567"}).train.seed == 1732345678901234567  # not a count
+
+
+def test_plot_writes_where_it_says(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss/train": 2.0, "throughput/tokens_per_s": 9.0}\n')
+    assert run(["plot", str(run_dir), "--out", str(tmp_path / "new" / "curves")]) == 0
+    assert capsys.readouterr().out == f"wrote {tmp_path / 'new' / 'curves.png'}\n"
+    assert (tmp_path / "new" / "curves.png").is_file()

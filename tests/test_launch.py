@@ -53,3 +53,15 @@ def test_torchrun_failure_is_one_line_naming_the_first_rank():
     exited = ProcessFailure(local_rank=0, pid=12, exitcode=2, error_file="/nonexistent/error.json")
     assert failure_line(ChildFailedError("gridtrain", {3: exited})) == (
         "gridtrain: rank 3 exited with status 2 first (its own message, if any, is above)")
+
+
+def test_the_launcher_keeps_the_failed_ranks_exit_status(tmp_path):
+    """Rank 1 exits 3 (bad input exits 2): the launch exits 3 too, with one line naming rank 1."""
+    script = tmp_path / "fail.py"
+    script.write_text("import os, sys\nsys.exit(3 if os.environ['RANK'] == '1' else 0)\n")
+    proc = subprocess.run([sys.executable, "-m", "gridtrain.launch", "--standalone", "--nproc-per-node=2",
+                           str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3, proc.stderr
+    assert proc.stderr.splitlines()[-1] == ("gridtrain: rank 1 exited with status 3 first (its own message, "
+                                            "if any, is above)")
+    assert "Traceback" not in proc.stderr

@@ -523,3 +523,6 @@ def test_metrics_survive_a_record_cut_short_by_a_kill(tmp_path):
     writer.write(2, {"loss/train": 1.5}, echo=False)
     writer.close()
     assert [(r["step"], r["loss/train"]) for r in read_metrics(tmp_path)] == [(1, 2.0), (2, 1.5)]
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss/train": 2.0}')  # whole, without its newline
+    MetricsWriter(tmp_path, 10, 1, tensorboard=False, progress=False).close()
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "loss/train": 2.0}\n'

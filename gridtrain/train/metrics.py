@@ -98,7 +98,12 @@ def _complete_lines(path: Path) -> Path:
             f.seek(-1, os.SEEK_END)
             if f.read(1) != b"\n":
                 data = f.read() if f.seek(0) == 0 else b""
-                f.truncate(data.rfind(b"\n") + 1)
+                cut = data.rfind(b"\n") + 1
+                try:  # a whole record without its newline (a hand-edited file) is kept
+                    json.loads(data[cut:])
+                    f.write(b"\n")
+                except ValueError:
+                    f.truncate(cut)
     return path
 
 

@@ -36,6 +36,7 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
     fig.suptitle(str(run_dir))
     fig.tight_layout()
     out = out or run_dir / "curves.png"
+    out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out

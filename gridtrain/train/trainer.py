@@ -391,7 +391,9 @@ class Trainer:
                   "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "peak_flops": self.peak}
         path = Path(self.cfg.run_dir) / "config.json"
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(record, indent=2))
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps(record, indent=2))
+        os.replace(tmp, path)  # a kill mid-write leaves the old record, and --resume still works
 
     def should(self, interval: int) -> bool:
         return interval > 0 and (self.step % interval == 0 or self.step == self.cfg.train.steps)
