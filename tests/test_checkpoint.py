@@ -430,6 +430,7 @@ def _two_rank_worker(rank: int, root: str, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.dist
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_two_ranks_agree_on_failures_and_on_the_checkpoint(tmp_path):
     import socket

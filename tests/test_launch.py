@@ -9,9 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.dist
 def test_train_nproc_launches_and_logs(tmp_path, corpus_dir):
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "gridtrain", "train", "--nproc", "4", "--parallel.pp", "2",
@@ -55,6 +58,7 @@ def test_torchrun_failure_is_one_line_naming_the_first_rank():
         "gridtrain: rank 3 exited with status 2 first (its own message, if any, is above)")
 
 
+@pytest.mark.dist
 def test_the_launcher_keeps_the_failed_ranks_exit_status(tmp_path):
     """Rank 1 exits 3 (bad input exits 2): the launch exits 3 too, with one line naming rank 1."""
     script = tmp_path / "fail.py"

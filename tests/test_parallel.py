@@ -20,6 +20,8 @@ from gridtrain.parity.run import launch as launch_cases
 from gridtrain.parity.run import load_result
 from gridtrain.parity.sweep import References
 
+pytestmark = pytest.mark.dist  # every test here starts several processes
+
 STEPS = 4
 
 LAYOUTS = {

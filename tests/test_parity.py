@@ -68,12 +68,14 @@ def verdicts(tmp_path_factory: pytest.TempPathFactory, corpus_dir: Path) -> dict
     return run_cases(SUBSET, refs, work / "results.jsonl")
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("name", [c.name for c in SUBSET])
 def test_layout_trains_as_one_process(verdicts, name):
     rec = verdicts[name]
     assert rec["status"] == "passed", rec["problems"]
 
 
+@pytest.mark.dist
 def test_subset_really_ran_parallel_layouts(verdicts):
     """Guard against a harness that silently ran one process: tensor parallelism rounds partial
     sums in bf16, so its bf16 runs cannot be bit-identical to one process."""
@@ -81,6 +83,7 @@ def test_subset_really_ran_parallel_layouts(verdicts):
     assert tp_bf16 and all(v["update_rel"] > 0 for v in tp_bf16)
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_parity_check_fails_on_other_data_and_without_clipping(tmp_path_factory, corpus_dir, precision):
     """The check can fail: FSDP 2 runs on another corpus, and without the reference's gradient

@@ -15,6 +15,8 @@ import pytest
 from gridtrain.cli import main
 from gridtrain.parity.run import launch
 
+pytestmark = pytest.mark.dist  # every test here starts several processes
+
 LAYOUTS = {  # run overrides, and the same layout for `gridtrain plan --layout`
     "ddp": ({"parallel.zero_stage": 0}, "tp=1,pp=1,dp=2,zero=0"),
     "zero1": ({"parallel.zero_stage": 1}, "tp=1,pp=1,dp=2,zero=1"),

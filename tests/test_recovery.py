@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.dist  # every test here starts several processes
+
 
 ROOT = Path(__file__).resolve().parents[1]
 
