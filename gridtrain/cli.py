@@ -165,7 +165,8 @@ def cmd_data(args: argparse.Namespace, extra: list[str]) -> int:
 def cmd_calibrate(args: argparse.Namespace, extra: list[str]) -> int:
     import torch
 
-    from gridtrain.plan.hardware import calibrate, calibration_path, local_machine
+    from gridtrain.plan.machine import calibration_path
+    from gridtrain.train.calibrate import calibrate, local_machine
 
     peaks = calibrate(args.threads, args.seconds)
     entry = local_machine(torch.get_num_threads())
@@ -182,6 +183,8 @@ def cmd_calibrate(args: argparse.Namespace, extra: list[str]) -> int:
 def cmd_plan(args: argparse.Namespace, extra: list[str]) -> int:
     if args.check:
         from gridtrain.plan.check import check_run, check_step_time, format_check, format_step_time
+        from gridtrain.rundir import run_record
+        from gridtrain.train.calibrate import local_machine
 
         run_dir = Path(args.check)
         if not (run_dir / "config.json").is_file():
@@ -193,6 +196,7 @@ def cmd_plan(args: argparse.Namespace, extra: list[str]) -> int:
         except FileNotFoundError as err:
             print(f"memory and collectives: {err}")
         try:
+            local_machine(run_record(run_dir, with_dims=True).get("threads", 1))  # measured now if not cached
             print(format_step_time(*check_step_time(run_dir)))
         except ValueError as err:
             print(f"step time: {err}")

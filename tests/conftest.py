@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from gridtrain.config import Config, load_config
-from gridtrain.plan import hardware
-from gridtrain.plan.hardware import CALIBRATION_DTYPES, machine_key
+from gridtrain.plan.machine import machine_key
+from gridtrain.train import calibrate as hardware
+from gridtrain.train.calibrate import CALIBRATION_DTYPES
 
 FAKE_PEAK_FLOPS = 1.0e11
 

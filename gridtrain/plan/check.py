@@ -20,6 +20,7 @@ from gridtrain.parallel.dims import ParallelDims, stage_layer_counts
 from gridtrain.plan.activations import held_bytes, stage_bytes
 from gridtrain.plan.census import fsdp_local, numel, rank_stage_shapes, tp_local
 from gridtrain.plan.layout import Layout
+from gridtrain.plan.machine import cached_entry
 from gridtrain.plan.memory import StateBytes, fsdp_gathers, rank_state
 from gridtrain.plan.pipeline import SPLIT_SCHEDULES, forwards_held
 from gridtrain.plan.shape import from_args
@@ -279,18 +280,18 @@ def measured_step_seconds(run_dir: Path) -> float:
 
 def check_step_time(run_dir: Path, calibration: dict | None = None) -> tuple[CheckRow, dict[str, float]]:
     """Predicted (slowest rank, localtime.py) against measured (median) seconds per step, and the
-    prediction's parts. `calibration`: this machine's entry at the run's threads per rank
-    (hardware.local_machine, which measures it when missing)."""
+    prediction's parts. `calibration`: this machine's entry at the run's threads per rank; by
+    default the one `gridtrain calibrate` cached (the command measures it first when missing)."""
     from gridtrain.plan.localtime import LocalMachine, local_step
 
     record = run_record(run_dir, with_dims=True)
     cfg, dims = record["config"], ParallelDims(**record["dims"])
     args = model_args(cfg["model"]["preset"], **{k: v for k, v in cfg["model"].items() if k != "preset"})
     threads = record.get("threads", 1)
-    if calibration is None:
-        from gridtrain.plan.hardware import local_machine  # noqa: PLC0415 - torch only for --check
-
-        calibration = local_machine(threads)
+    calibration = calibration or cached_entry(threads)
+    if "gloo_bytes_per_s" not in calibration:
+        raise ValueError(f"no calibration of this machine at {threads} thread(s) per rank: run "
+                         f"`gridtrain calibrate --threads {threads}`")
     machine = LocalMachine.from_calibration(calibration, cfg["train"]["precision"],
                                             record.get("cpu_count") or os.cpu_count() or 1)
     steps = []

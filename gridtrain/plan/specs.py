@@ -249,14 +249,6 @@ def load_hardware(path: str | Path) -> HardwareFile:
         return parse_hardware(tomlread.load(f))
 
 
-def local_cpu(precision: str = "bf16") -> AcceleratorSpec:
-    """This machine's CPU as an accelerator: the matmul peak measured by `gridtrain calibrate`
-    (cached per machine and thread count); memory and links are unknown (0)."""
-    from gridtrain.plan.hardware import cpu_peak_flops  # noqa: PLC0415 - torch only when asked
-
-    return AcceleratorSpec("local-cpu", cpu_peak_flops(precision) / 1e12, 0, 0, 0, 0)
-
-
 def tensor_core_peak_flops(num_sms: int, tensor_cores_per_sm: int, flops_per_core_cycle: int,
                            clock_hz: float) -> float:
     """Dense peak = SMs x tensor cores per SM x FLOPs per core per cycle x clock.

@@ -7,7 +7,7 @@ import resource
 
 import torch
 
-from gridtrain.plan.hardware import cpu_model_name
+from gridtrain.plan.machine import cpu_model_name
 
 
 def pick_device() -> torch.device:

@@ -33,9 +33,9 @@ from gridtrain.parallel.apply import parallelize
 from gridtrain.parallel.data import set_gradient_sync
 from gridtrain.parallel.grads import clip_grad_norm
 from gridtrain.parallel.tensor import loss_context
-from gridtrain.plan.hardware import peak_flops
 from gridtrain.train import checkpoint
 from gridtrain.train.build import build_data, build_model, loss_fn, scalar
+from gridtrain.train.calibrate import peak_flops
 from gridtrain.train.device import device_name, memory_gib
 from gridtrain.train.distributed import any_rank, init_world
 from gridtrain.train.metrics import MetricsWriter

@@ -1,5 +1,6 @@
 """Peak FLOP/s of the device a run uses: published dense peaks for accelerators, a measured one
-for CPUs (`gridtrain calibrate`: large matmuls, the result cached per machine and thread count).
+for CPUs (`gridtrain calibrate`: large matmuls, the result cached per machine and thread count;
+the cache's place and keys are the planner's, gridtrain/plan/machine.py, which reads it without torch).
 
 Beside the matmul peak, `calibrate` measures what `gridtrain plan --check` needs to predict a
 local run's step time: the attention kernel's rate, the memory bandwidth of elementwise work, and
@@ -9,15 +10,16 @@ gloo's all-reduce bandwidth and latency between two ranks on this machine.
 from __future__ import annotations
 
 import json
-import threading
-from datetime import timedelta
 import logging
 import os
 import platform
+import threading
 import time
-from pathlib import Path
+from datetime import timedelta
 
 import torch
+
+from gridtrain.plan.machine import calibration_path, machine_key
 
 log = logging.getLogger(__name__)
 
@@ -28,28 +30,6 @@ ACCELERATOR_BF16_PEAK = {
 }
 
 CALIBRATION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def calibration_path() -> Path:
-    root = os.environ.get("GRIDTRAIN_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "gridtrain")
-    return Path(root) / "calibration.json"
-
-
-def cpu_model_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def machine_key(threads: int) -> str:
-    """Identity of a CPU measurement: processor, core count, threads used, torch version."""
-    return f"{cpu_model_name()}|{os.cpu_count()}cpu|{threads}threads|torch{torch.__version__}"
 
 
 def measure_matmul_flops(dtype: torch.dtype, size: int, seconds: float) -> float:
