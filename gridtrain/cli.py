@@ -104,16 +104,14 @@ def cmd_model(args: argparse.Namespace, extra: list[str]) -> int:
             print(f"{name:<14} {fn.__doc__.splitlines()[0]}")
         return 0
     if args.preset not in PRESETS:
-        print(f"gridtrain: unknown model preset {args.preset!r}; choose one of {', '.join(PRESETS)} "
-              "(gridtrain model --list)", file=sys.stderr)
-        return 2
+        raise BadInput(f"unknown model preset {args.preset!r}; choose one of {', '.join(PRESETS)} "
+                       "(gridtrain model --list)")
     overrides = parse_overrides(extra)
     stray = [k for k in overrides if not k.startswith("model.")]
     if stray:
         raise BadInput(f"gridtrain model takes --model.KEY VALUE overrides, not --{stray[0]} (see gridtrain train "
                        "--help-config)")
-    overrides = {k.split(".", 1)[1]: v for k, v in overrides.items()}
-    cfg = load_config(None, {f"model.{k}": v for k, v in overrides.items()} | {"model.preset": args.preset})
+    cfg = load_config(None, overrides | {"model.preset": args.preset})
     margs = cfg.model.args()
     problems = margs.validate()
     if problems:
@@ -187,16 +185,13 @@ def cmd_plan(args: argparse.Namespace, extra: list[str]) -> int:
         from gridtrain.train.calibrate import local_machine
 
         run_dir = Path(args.check)
-        if not (run_dir / "config.json").is_file():
-            print(f"gridtrain: {run_dir} is not a gridtrain run directory (no config.json): "
-                  "give the run_dir of a finished `gridtrain train`", file=sys.stderr)
-            return 2
+        record = run_record(run_dir, with_dims=True)  # a missing or damaged record: one line, exit 2
         try:
             print(format_check(check_run(run_dir)))
         except FileNotFoundError as err:
             print(f"memory and collectives: {err}")
         try:
-            local_machine(run_record(run_dir, with_dims=True).get("threads", 1))  # measured now if not cached
+            local_machine(record.get("threads", 1))  # measured now if not cached
             print(format_step_time(*check_step_time(run_dir)))
         except ValueError as err:
             print(f"step time: {err}")
@@ -223,25 +218,17 @@ def cmd_plot(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_export(args: argparse.Namespace, extra: list[str]) -> int:
-    from gridtrain.train.hf import InterchangeError, export_run
+    from gridtrain.train.hf import export_run
 
-    try:
-        out = export_run(Path(args.run_dir), Path(args.out), args.step)
-    except InterchangeError as err:
-        print(f"gridtrain: {err}", file=sys.stderr)
-        return 2
+    out = export_run(Path(args.run_dir), Path(args.out), args.step)  # InterchangeError: one line, exit 2
     print(f"wrote {out} (transformers: LlamaForCausalLM.from_pretrained('{out}'))")
     return 0
 
 
 def cmd_import(args: argparse.Namespace, extra: list[str]) -> int:
-    from gridtrain.train.hf import InterchangeError, import_hf
+    from gridtrain.train.hf import import_hf
 
-    try:
-        run_dir = import_hf(Path(args.hf_dir), Path(args.run_dir))
-    except InterchangeError as err:
-        print(f"gridtrain: {err}", file=sys.stderr)
-        return 2
+    run_dir = import_hf(Path(args.hf_dir), Path(args.run_dir))  # InterchangeError: one line, exit 2
     print(f"wrote a step-0 checkpoint in {run_dir}; continue training with\n"
           f"  gridtrain train --config {run_dir / 'imported.toml'} --data.corpus ...")
     return 0
