@@ -35,7 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from gridtrain.parallel.dims import PP_SCHEDULES, SINGLE_STAGE_SCHEDULES  # noqa: E402
+from gridtrain.layout.schedules import RUNTIME_SCHEDULES, SCHEDULES  # noqa: E402
 from gridtrain.plan.pipeline import bubble_scale, schedule_bubble  # noqa: E402
 
 LAYERS = 8
@@ -129,8 +129,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for pp in args.pp:
             unit = None
-            for schedule in sorted(PP_SCHEDULES, key=lambda name: name != "1f1b"):
-                v = 1 if schedule in SINGLE_STAGE_SCHEDULES else 2
+            for schedule in sorted(RUNTIME_SCHEDULES, key=lambda name: name != "1f1b"):
+                v = SCHEDULES[schedule].stages_per_rank or 2
                 try:
                     records = traced_run(Path(tmp), f"pp{pp}-{schedule}", pp, schedule, v, m, args.seq_len,
                                          args.steps)

@@ -11,7 +11,7 @@ import traceback
 from pathlib import Path
 from typing import Callable
 
-from gridtrain.checks import tokenizer_vocab, validate
+from gridtrain.validate import tokenizer_vocab, validate
 from gridtrain.config import ConfigError, all_keys, load_config, parse_overrides
 from gridtrain.errors import BadInput, UserError, one_line
 from gridtrain.launch import launch
@@ -81,18 +81,7 @@ def interrupted(trainer) -> str:
     say where the run stands and how to continue it."""
     if trainer is None:
         return "interrupted while starting; nothing was trained"
-    from gridtrain.train import checkpoint
-
-    note = ""
-    if trainer.saver and trainer.saver.pending:
-        try:
-            trainer.finish_saves()
-        except (checkpoint.CheckpointSaveError, KeyboardInterrupt) as err:
-            note = f" (the checkpoint being written was abandoned: {err or 'interrupted again'})"
-    saved = checkpoint.list_checkpoints(trainer.ckpt_dir)  # no collective: other ranks may be gone
-    where = f"the newest checkpoint is {saved[-1][1]}" if saved else "no checkpoint was saved"
-    return (f"interrupted after step {trainer.step}{note}; {where}: continue with the same command and "
-            "--resume")
+    return trainer.checkpointer.interrupted(trainer.step)
 
 
 def cmd_model(args: argparse.Namespace, extra: list[str]) -> int:

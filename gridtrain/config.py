@@ -20,6 +20,7 @@ from typing import Any
 
 from gridtrain import tomlread
 from gridtrain.errors import UserError
+from gridtrain.layout.schedules import DEFAULT_SCHEDULE, ScheduleName
 from gridtrain.model.args import ModelArgs, model_args
 
 
@@ -202,8 +203,8 @@ class ParallelConfig:
     replicate over dp_replicate (HSDP when both exceed 1)."""
     sequence_parallel: bool = False
     """With tp > 1: also split norms and residual regions along the sequence (Megatron SP)."""
-    pp_schedule: str = "1f1b"
-    """'gpipe', '1f1b', 'interleaved-1f1b', 'looped-bfs', 'interleaved-zb', 'zbv' or 'dualpipev'."""
+    pp_schedule: ScheduleName = DEFAULT_SCHEDULE
+    """The pipeline schedule (gridtrain.layout.schedules has what each one does)."""
     pp_virtual_stages: int = 1
     """Stages per pipeline rank (2 or more interleaves; 'zbv' and 'dualpipev' need exactly 2)."""
     pp_fewer_edge_layers: int = 0
@@ -297,6 +298,8 @@ BARE_FLAG = "\0flag"
 
 def _convert(key: str, raw: Any, hint: Any) -> Any:
     """Turn a TOML value or command-line string into the field's type."""
+    if typing.get_origin(hint) is typing.Literal:  # a choice: validate names the allowed values
+        hint = str
     options = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
     if raw == BARE_FLAG:
         if bool not in options:

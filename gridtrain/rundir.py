@@ -22,10 +22,23 @@ from pathlib import Path
 from gridtrain.config import Config, ConfigError
 from gridtrain.errors import BadInput, MissingInput
 from gridtrain.model.args import model_args
-from gridtrain.parallel.dims import ParallelDims
+from gridtrain.layout.dims import ParallelDims
 
 DATA_KEYS = ("corpus", "tokenizer", "seq_len", "val_fraction")
 """The data settings a resume must keep: they decide which sample each step reads."""
+
+
+def write_record(run_dir: Path, cfg: Config, dims: ParallelDims, **machine: object) -> None:
+    """<run_dir>/config.json: the resolved configuration, the layout and the machine it ran on
+    (device, threads, cpu_count, peak_flops), for --resume and `gridtrain plan --check`. Written
+    whole or not at all: a kill mid-write leaves the old record, and --resume still works."""
+    record = {"config": dataclasses.asdict(cfg), "world_size": dims.world_size, "dims": dataclasses.asdict(dims),
+              **machine}
+    path = Path(run_dir) / "config.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(record, indent=2))
+    os.replace(tmp, path)
 
 
 def saved_record(run_dir: Path) -> dict | None:

@@ -3,7 +3,7 @@ import json
 import pytest
 
 from gridtrain.cli import main
-from gridtrain.checks import validate
+from gridtrain.validate import validate
 from gridtrain.config import BARE_FLAG, Config, ConfigError, all_keys, load_config, parse_overrides
 
 # (overrides, the key the message must name); each case breaks exactly one relation of the

@@ -9,9 +9,15 @@ import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "gridtrain"
-TORCH_FREE = sorted(f"gridtrain.plan.{p.stem}" for p in (PACKAGE / "plan").glob("*.py") if p.stem != "__init__") + [
-    "gridtrain.parallel.dims", "gridtrain.config", "gridtrain.checks", "gridtrain.rundir", "gridtrain.errors",
-    "gridtrain.model.args", "gridtrain.parity.matrix"]
+
+
+def modules(folder: str) -> list[str]:
+    return sorted(f"gridtrain.{folder}.{p.stem}" for p in (PACKAGE / folder).glob("*.py") if p.stem != "__init__")
+
+
+TORCH_FREE = modules("plan") + modules("layout") + [
+    "gridtrain.config", "gridtrain.validate", "gridtrain.rundir", "gridtrain.errors", "gridtrain.model.args",
+    "gridtrain.parity.matrix"]
 
 
 def test_the_planner_and_the_layout_core_import_no_torch():
@@ -21,11 +27,11 @@ def test_the_planner_and_the_layout_core_import_no_torch():
     assert out.stdout.strip() == "[]"
 
 
-def test_the_planner_imports_nothing_of_the_runtime():
-    """No module under plan/ names train/ or the torch half of parallel/ in an import, deferred
-    imports included (they would load torch the moment the planner runs them)."""
-    broken = []
-    for path in sorted((PACKAGE / "plan").glob("*.py")):
+def imports_of(folder: str) -> list[tuple[str, str]]:
+    """(file:line, imported module) for every import under gridtrain/<folder>, deferred ones
+    included (they would load their module the moment the code runs them)."""
+    out = []
+    for path in sorted((PACKAGE / folder).glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module:
                 names = [node.module]
@@ -33,8 +39,17 @@ def test_the_planner_imports_nothing_of_the_runtime():
                 names = [a.name for a in node.names]
             else:
                 continue
-            for name in names:
-                if name.startswith(("gridtrain.train", "torch")) or (
-                        name.startswith("gridtrain.parallel") and name != "gridtrain.parallel.dims"):
-                    broken.append(f"{path.name}:{node.lineno} imports {name}")
+            out += [(f"{folder}/{path.name}:{node.lineno}", name) for name in names]
+    return out
+
+
+def test_the_planner_and_the_layout_core_import_nothing_of_the_runtime():
+    """plan/ and layout/ name neither train/, nor parallel/ (the torch half), nor torch."""
+    broken = [f"{where} imports {name}" for folder in ("plan", "layout") for where, name in imports_of(folder)
+              if name.startswith(("gridtrain.train", "gridtrain.parallel", "torch"))]
+    assert broken == []
+
+
+def test_parallelism_imports_nothing_of_the_training_loop():
+    broken = [f"{where} imports {name}" for where, name in imports_of("parallel") if name.startswith("gridtrain.train")]
     assert broken == []

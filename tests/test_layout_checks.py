@@ -8,9 +8,10 @@ import re
 import pytest
 
 from gridtrain import cli
-from gridtrain.checks import parallel_dims, validate
+from gridtrain.validate import parallel_dims, validate
 from gridtrain.config import ConfigError, load_config
-from gridtrain.parallel.dims import stage_layer_counts, stage_ranks
+from gridtrain.layout.dims import stage_layer_counts
+from gridtrain.layout.schedules import stage_ranks
 
 # (name, nproc, overrides, text that must appear in the message)
 BAD_LAYOUTS = [

@@ -114,8 +114,8 @@ def model_bytes(runs) -> int:
 def test_zero3_holds_one_nth_of_parameters(runs):
     total = model_bytes(runs)
     for rec in accounting(runs[4], "fsdp4"):
-        assert rec["memory/params_bytes"] == total / 4
-        assert rec["memory/grads_bytes"] == total / 4
+        assert rec["memory/weights_bytes"] == total / 4
+        assert rec["memory/gradients_bytes"] == total / 4
         # AdamW: two moments of the parameter's size, plus one scalar step count per parameter.
         assert rec["memory/optimizer_bytes"] == pytest.approx(2 * total / 4, abs=4 * 64)
 
@@ -124,8 +124,8 @@ def test_ddp_all_reduces_each_gradient_byte_once_per_step(runs):
     total = model_bytes(runs)
     for world, case in ((2, "ddp2"), (4, "ddp4")):
         for rec in accounting(runs[world], case):
-            assert rec["memory/params_bytes"] == total
-            assert rec["memory/grads_bytes"] == total
+            assert rec["memory/weights_bytes"] == total
+            assert rec["memory/gradients_bytes"] == total
             assert rec["comm/dp_replicate/all_reduce_bytes"] == total
 
 
@@ -162,7 +162,7 @@ def test_plan_check_predicts_model_state_bytes(runs, world, name):
     from gridtrain.plan.check import check_run
 
     rows = check_run(runs[world] / name)
-    state = [r for r in rows if r.bucket in ("params", "grads", "optimizer")]
+    state = [r for r in rows if r.bucket in ("weights", "gradients", "optimizer")]
     assert len(state) == 3 * world
     for row in state:
         assert row.predicted == row.measured, (row.rank, row.bucket, row.predicted, row.measured)
@@ -241,7 +241,7 @@ def test_plan_check_small_model_fsdp_tp_pp(tmp_path_factory, corpus_dir):
     launch(2, spec, out)
     for name in spec:
         rows = check_run(out / name)
-        assert {r.bucket for r in rows} >= {"params", "grads", "optimizer", "activations"}
+        assert {r.bucket for r in rows} >= {"weights", "gradients", "optimizer", "activations"}
         for row in rows:
             if row.bucket == "activations":
                 assert row.measured == pytest.approx(row.predicted, rel=0.03), (name, row)

@@ -82,9 +82,9 @@ def test_plan_and_check_predict_the_measured_state_bytes(runs, name, precision):
     rows = check_run(runs / f"{name}-{precision}")
     assert len(planned) == 2
     for row in rows:
-        if row.bucket not in ("params", "grads", "optimizer"):
+        if row.bucket not in ("weights", "gradients", "optimizer"):
             continue
-        plan_bucket = {"params": "weights", "grads": "gradients", "optimizer": "optimizer"}[row.bucket]
+        plan_bucket = row.bucket
         assert planned[row.rank][plan_bucket] == row.predicted == row.measured, (row.rank, row.bucket)
     # The runs differ where they should: ZeRO-1 gives the two ranks different optimizer shares.
     if name == "zero1":

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from gridtrain.model.args import llama3_405b
-from gridtrain.parallel.dims import stage_layer_counts
+from gridtrain.layout.dims import stage_layer_counts
 from gridtrain.plan import budget, comm, flops, pipeline, shape, specs
 from gridtrain.plan.memory import StateBytes, model_state_bytes
 

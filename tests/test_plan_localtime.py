@@ -8,7 +8,7 @@ import math
 import pytest
 
 from gridtrain.model.args import model_args
-from gridtrain.parallel.dims import ParallelDims
+from gridtrain.layout.dims import ParallelDims
 from gridtrain.plan.localtime import CPU_MATMUL, LocalMachine, collective_seconds, local_step, microbatch_seconds
 
 MACHINE = LocalMachine(matmul_flops=1e11, attention_flops=5e10, memory_bytes_per_s=1e10, gloo_bytes_per_s=1e9,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gridtrain.checks import validate
+from gridtrain.validate import validate
 from gridtrain.cli import main
 from gridtrain.config import load_config
 from gridtrain.plan import reference

@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from gridtrain.model.args import llama3_8b, llama3_405b
-from gridtrain.parallel.dims import stage_ranks
+from gridtrain.layout.schedules import stage_ranks
 from gridtrain.plan import memory, search, shape, specs
 from gridtrain.plan.layout import Layout
 from gridtrain.plan.search import Constraints, Problem
@@ -136,7 +136,7 @@ def test_plan_ranks_only_what_train_runs_and_prints_its_command(argv):
     import json
     import shlex
 
-    from gridtrain.checks import validate
+    from gridtrain.validate import validate
     from gridtrain.cli import main
     from gridtrain.config import load_config, parse_overrides
 

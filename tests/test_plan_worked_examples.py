@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 
 from gridtrain.model.args import llama3_405b
-from gridtrain.parallel.dims import stage_layer_counts
+from gridtrain.layout.dims import stage_layer_counts
 from gridtrain.plan import budget, comm, memory, pipeline, precision, reliability
 from gridtrain.plan.comm import Link
 from gridtrain.plan.layout import Layout

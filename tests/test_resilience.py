@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from gridtrain.config import ConfigError, FaultConfig, load_config
-from gridtrain.checks import validate
+from gridtrain.validate import validate
 from gridtrain.train.resilience import Guard, TrainingDiverged, auto_interval, inject_fault
 
 
@@ -169,7 +169,7 @@ def test_auto_interval_times_a_save_after_the_first_step(tmp_path, make_config, 
                       r"0.0001 h .* = every (\d+) steps", caplog.text)
     assert match, caplog.text
     step_s, steps = float(match[2]), int(match[3])
-    assert steps == trainer.interval
+    assert steps == trainer.checkpointer.interval
     # By hand, Daly's interval never exceeds the MTBF, here 1e-4 h = 0.36 s: it is M when C >= 2M,
     # and with u = sqrt(C / 2M) < 1 it is 2M (u - 2u^2/3 + u^3/9), increasing in u, at most 8M/9.
     # So the cadence is one step, or round(interval / step) <= 0.36 s / step + 1/2 (the log
@@ -189,10 +189,10 @@ def test_async_save_is_committed_once_written_without_waiting_for_the_next(tmp_p
     committed = tmp_path / "run" / "checkpoints" / "step-0000001"
     assert not committed.exists()  # written in the background, not yet committed
     deadline = time.monotonic() + 60
-    while trainer.saver.poll() is None:
+    while trainer.checkpointer.saver.poll() is None:
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    assert verify(committed) is None and trainer.saver.pending is None
+    assert verify(committed) is None and trainer.checkpointer.saver.pending is None
 
 
 def test_ctrl_c_commits_the_checkpoint_being_written_and_says_how_to_resume(tmp_path, corpus_dir, monkeypatch, capsys):

@@ -7,14 +7,24 @@ compile, and data parallel (FSDP/DDP) last, so FSDP shards what TP already split
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from gridtrain.config import Config
+from gridtrain.layout.dims import ParallelDims
 from gridtrain.model.llama import Transformer
+
+if TYPE_CHECKING:
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
+
+    from gridtrain.parallel.mesh import Mesh
+    from gridtrain.parallel.pipeline import PipelineTraffic
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 # The dtype of matmuls per training precision: autocast's, and the one FSDP gathers parameters in
 # (fp32 trains as stored).
@@ -83,8 +93,8 @@ class ParallelModel:
     parts: list[nn.Module]
     stage_indices: list[int] = field(default_factory=lambda: [0])
     num_stages: int = 1
-    schedule: Any = None
-    traffic: Any = None  # PipelineTraffic when there is a pipeline
+    schedule: PipelineScheduleSingle | PipelineScheduleMulti | None = None
+    traffic: PipelineTraffic | None = None
 
     @property
     def has_first_stage(self) -> bool:
@@ -98,8 +108,8 @@ class ParallelModel:
         return [p for part in self.parts for p in part.parameters()]
 
 
-def parallelize(model: Transformer, cfg: Any, dims: Any = None, mesh: Any = None,
-                loss_fn: Callable | None = None, n_microbatches: int = 1,
+def parallelize(model: Transformer, cfg: Config, dims: ParallelDims | None = None, mesh: Mesh | None = None,
+                loss_fn: LossFn | None = None, n_microbatches: int = 1,
                 device: torch.device | None = None) -> ParallelModel:
     """Apply, in order: pipeline split, tensor parallel, activation checkpointing, compile,
     data parallel. `cfg` is the run's Config; without `dims` (a world of one) only the middle

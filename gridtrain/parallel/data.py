@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from gridtrain.parallel.dims import Mesh
+from gridtrain.parallel.mesh import Mesh
 
 
 def dp_mesh(mesh: Mesh, dp_replicate: int) -> DeviceMesh:

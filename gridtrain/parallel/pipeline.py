@@ -16,19 +16,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import (PipelineScheduleMulti, PipelineScheduleSingle, Schedule1F1B,
-                                                    ScheduleDualPipeV, ScheduleGPipe, ScheduleInterleaved1F1B,
-                                                    ScheduleInterleavedZeroBubble, ScheduleLoopedBFS,
-                                                    ScheduleZBVZeroBubble)
+from torch.distributed.pipelining import schedules as torch_schedules
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
+from gridtrain.layout.dims import stage_layer_counts
+from gridtrain.layout.schedules import SCHEDULES, stage_ranks
 from gridtrain.model.llama import Transformer
-from gridtrain.parallel.dims import stage_layer_counts, stage_ranks
-
-SCHEDULES = {
-    "gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B,
-    "looped-bfs": ScheduleLoopedBFS, "interleaved-zb": ScheduleInterleavedZeroBubble,
-    "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV,
-}
 
 
 def stage_layer_ranges(n_layers: int, num_stages: int, fewer_edge_layers: int) -> list[range]:
@@ -97,7 +90,7 @@ def build_schedule(stages: list[tuple[int, nn.Module]], pp_mesh: DeviceMesh, num
     group = pp_mesh.get_group()
     pipeline_stages = [SplitBackwardStage(module, index, num_stages, device, group=group)
                        for index, module in stages]
-    cls = SCHEDULES[schedule]
+    cls = getattr(torch_schedules, SCHEDULES[schedule].torch_class)
     if issubclass(cls, PipelineScheduleSingle):
         return cls(pipeline_stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
     return cls(pipeline_stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)

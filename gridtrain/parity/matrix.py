@@ -23,9 +23,9 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from gridtrain.checks import validate
+from gridtrain.validate import validate
 from gridtrain.config import ConfigError, load_config
-from gridtrain.parallel.dims import PP_SCHEDULES, SINGLE_STAGE_SCHEDULES
+from gridtrain.layout.schedules import RUNTIME_SCHEDULES, SCHEDULES
 
 STEPS = 3
 LR = 2e-3
@@ -51,7 +51,7 @@ TP_CHOICES: dict[str, dict[str, object]] = {
 PP_CHOICES: dict[str, dict[str, object]] = {
     "none": {},
     **{s: {"parallel.pp": 2, "parallel.pp_schedule": s,
-           "parallel.pp_virtual_stages": 1 if s in SINGLE_STAGE_SCHEDULES else 2} for s in PP_SCHEDULES},
+           "parallel.pp_virtual_stages": SCHEDULES[s].stages_per_rank or 2} for s in RUNTIME_SCHEDULES},
 }
 EMBEDDING_CHOICES = {"untied": {"model.tie_embeddings": False}, "tied": {"model.tie_embeddings": True}}
 PRECISION_CHOICES = {p: {"train.precision": p} for p in ("fp32", "bf16", "fp16")}

@@ -45,7 +45,7 @@ def run_case(name: str, overrides: dict[str, object], out: Path) -> None:
     cfg = load_config(None, {**overrides, "run_dir": str(out / name)})
     trainer = Trainer(cfg)
     if trainer.world.rank == 0:
-        trainer.write_config()
+        trainer.write_record()
     losses, norms, lrs, records = [], [], [], []
     for _ in range(cfg.train.steps):
         metrics = trainer.train_step()

@@ -16,7 +16,7 @@ from gridtrain.config import BARE_FLAG, ConfigError, parse_overrides
 from gridtrain.plan import budget, explain, render
 from gridtrain.plan.inputs import (batch_sequences, check_constraints, constraints_label, parse_count,
                                    parse_layout, parse_whole, resolve_cluster, resolve_model)
-from gridtrain.plan.memory import CONVENTIONS, GiB
+from gridtrain.plan.memory import BUCKETS, CONVENTIONS, GiB
 from gridtrain.plan.report import Assumptions, build_report, layout_dict
 from gridtrain.plan.runnable import train_command
 from gridtrain.plan.search import (Candidate, Constraints, PlanError, Problem, SearchResult, cp_options, degree_options,
@@ -69,8 +69,7 @@ def build_problem(args: argparse.Namespace, extra: list[str]) -> tuple[Problem, 
 
 def _leanest_text(problem: Problem, cand: Candidate) -> str:
     m = cand.memory
-    buckets = ", ".join(f"{b} {getattr(m, b) / GiB:.1f}" for b in
-                        ("weights", "gradients", "optimizer", "activations", "buffers"))
+    buckets = ", ".join(f"{b} {getattr(m, b) / GiB:.1f}" for b in BUCKETS)
     return (f"the leanest, {render.layout_label(layout_dict(cand.layout))}, needs {m.total / GiB:.1f} GiB on "
             f"pipeline rank {m.rank} ({buckets} GiB) against {problem.memory_limit / GiB:.1f} GiB usable "
             f"({problem.hbm_usable:.0%} of {problem.cluster.accelerator.hbm_gb:g} GB)")
@@ -126,7 +125,7 @@ def no_fit_message(problem: Problem, c: Constraints, result: SearchResult) -> st
 def fit_line(problem: Problem, c: Constraints, chosen: Candidate) -> str:
     """Why the chosen layout fits: its peak against the limit, and the largest bucket."""
     m = chosen.memory
-    biggest = max(("weights", "gradients", "optimizer", "activations", "buffers"), key=lambda b: getattr(m, b))
+    biggest = max(BUCKETS, key=lambda b: getattr(m, b))
     fixed = f"--layout {constraints_label(c)}: " if c.given() else ""
     return (f"{fixed}fits: pipeline rank {m.rank} peaks at {m.total / GiB:.1f} GiB of {problem.memory_limit / GiB:.1f} "
             f"GiB usable ({(problem.memory_limit - m.total) / GiB:.1f} GiB spare; largest bucket {biggest} "

@@ -22,7 +22,8 @@ import functools
 import math
 from dataclasses import dataclass
 
-from gridtrain.parallel.dims import stage_layer_counts, stage_ranks
+from gridtrain.layout.dims import stage_layer_counts
+from gridtrain.layout.schedules import stage_ranks
 from gridtrain.plan.shape import ModelShape
 
 Shape = tuple[int, ...]

@@ -16,17 +16,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gridtrain.model.args import ModelArgs, model_args
-from gridtrain.parallel.dims import ParallelDims, stage_layer_counts
+from gridtrain.layout.dims import ParallelDims, stage_layer_counts
+from gridtrain.layout.schedules import forwards_held, schedule
 from gridtrain.plan.activations import held_bytes, stage_bytes
 from gridtrain.plan.census import fsdp_local, numel, rank_stage_shapes, tp_local
 from gridtrain.plan.layout import Layout
 from gridtrain.plan.machine import cached_entry
-from gridtrain.plan.memory import StateBytes, fsdp_gathers, rank_state
-from gridtrain.plan.pipeline import SPLIT_SCHEDULES, forwards_held
+from gridtrain.plan.memory import STATE_BUCKETS, StateBytes, fsdp_gathers, rank_state
 from gridtrain.plan.shape import from_args
 from gridtrain.rundir import run_record
 
-BUCKETS = ("params", "grads", "optimizer")
 RECOMPUTE_NAMES = {"off": "none", "selective": "selective", "full": "full"}
 
 
@@ -50,7 +49,7 @@ def predict_rank(args: ModelArgs, dims: ParallelDims, cfg: dict, rank: int) -> d
     coords = dims.coordinates(rank)
     state = rank_state(from_args(args), run_layout(args, dims, cfg), coords["pp"],
                        StateBytes.gridtrain(cfg["train"]["precision"]), coords["dp"])
-    return {"params": state.weights, "grads": state.gradients, "optimizer": state.optimizer}
+    return {bucket: getattr(state, bucket) for bucket in STATE_BUCKETS}
 
 
 def predict_activations(args: ModelArgs, dims: ParallelDims, cfg: dict, pp_rank: int) -> float:
@@ -151,7 +150,7 @@ def _predict_collectives(args: ModelArgs, dims: ParallelDims, cfg: dict, pp_rank
             return {"tp/all_reduce_bytes": reduced}
         return {"tp/all_reduce_bytes": reduced + norms * 4 * args.dim,
                 "tp/all_gather_bytes": m * (norms + again) * activation}
-    if only("pp") and dims.pp > 1 and p["pp_schedule"] in ("gpipe", "1f1b") and not recomputed:
+    if only("pp") and dims.pp > 1 and schedule(p["pp_schedule"]).stages_per_rank == 1 and not recomputed:
         first, last = pp_rank == 0, pp_rank == dims.pp - 1
         return {"pp/all_reduce_bytes": 4.0, "pp/send_bytes": m * activation * ((not last) + (not first))}
     return {}
@@ -213,7 +212,7 @@ def estimate_collectives(args: ModelArgs, dims: ParallelDims, cfg: dict, pp_rank
             elif dims.pp == 1:  # the last block stays gathered from its forward to its backward
                 gathered = m * (2 * params - last_block)
             else:  # under a split backward, the stage's own gathers (pipeline.SplitBackwardStage) serve both passes
-                gathered = (1 if p["pp_schedule"] in SPLIT_SCHEDULES else 2) * params
+                gathered = (1 if schedule(p["pp_schedule"]).split_backward else 2) * params
             out["dp_shard/all_gather_bytes"] = gathered * gather_bytes(t["precision"]) / 4
             out["dp_shard/all_reduce_bytes"] = syncs * params
             if dims.dp_replicate > 1:
@@ -251,7 +250,7 @@ def check_run(run_dir: Path) -> list[CheckRow]:
     for path in sorted((run_dir / "accounting").glob("rank*.jsonl")):
         measured = json.loads(path.read_text().splitlines()[-1])
         predicted = predict_rank(args, dims, cfg, measured["rank"])
-        for bucket in BUCKETS:
+        for bucket in STATE_BUCKETS:
             rows.append(CheckRow(measured["rank"], bucket, predicted[bucket], measured[f"memory/{bucket}_bytes"]))
         pp_rank = dims.coordinates(measured["rank"])["pp"]
         acts = predict_activations(args, dims, cfg, pp_rank)
@@ -270,7 +269,7 @@ def measured_step_seconds(run_dir: Path) -> float:
     times = []
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         rec = json.loads(line)
-        if rec["step"] > 1 and "time/step_s" in rec and "loss/val" not in rec and "memory/params_bytes" not in rec:
+        if rec["step"] > 1 and "time/step_s" in rec and "loss/val" not in rec and "memory/weights_bytes" not in rec:
             times.append(rec["time/step_s"])
     if not times:
         raise ValueError(f"{run_dir}/metrics.jsonl has no plain steps to time: run more steps or "
@@ -297,7 +296,7 @@ def check_step_time(run_dir: Path, calibration: dict | None = None) -> tuple[Che
     steps = []
     for rank in range(dims.world_size):
         coords = dims.coordinates(rank)
-        params = predict_rank(args, dims, cfg, rank)["params"] / 4
+        params = predict_rank(args, dims, cfg, rank)["weights"] / 4
         acts = microbatch_activations(args, dims, cfg, coords["pp"])
         collectives = predict_collectives(args, dims, cfg, coords["pp"])
         steps.append(local_step(args, dims, cfg, machine, coords["pp"], acts, collectives, params, threads))

@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 from gridtrain import tomlread
 from gridtrain.config import ConfigError, load_config
 from gridtrain.model.args import PRESETS
-from gridtrain.parallel.dims import PP_SCHEDULES
+from gridtrain.layout.schedules import RUNTIME_SCHEDULES
 from gridtrain.plan import shape, specs
 from gridtrain.plan.layout import RECOMPUTE
 from gridtrain.plan.search import Constraints, PlanError, Problem, cp_options, tp_options
@@ -97,10 +97,10 @@ def _layout_value(name: str, value: str) -> object:
             raise PlanError(f"--layout recompute={value}: choose one of {', '.join(RECOMPUTE)}")
         return value
     if name == "schedule":
-        if value not in PP_SCHEDULES:
-            near = difflib.get_close_matches(value, PP_SCHEDULES, n=1)
+        if value not in RUNTIME_SCHEDULES:
+            near = difflib.get_close_matches(value, RUNTIME_SCHEDULES, n=1)
             hint = f" (did you mean {near[0]!r}?)" if near else ""
-            raise PlanError(f"--layout schedule={value}: choose one of {', '.join(PP_SCHEDULES)}{hint}")
+            raise PlanError(f"--layout schedule={value}: choose one of {', '.join(RUNTIME_SCHEDULES)}{hint}")
         return value
     try:
         number = int(value)

@@ -1,6 +1,6 @@
 """`Layout`: one candidate way to run a model, as the planner sees it (degrees and step shape).
 
-The degrees follow gridtrain.parallel.dims.ParallelDims (mesh axes outer to inner: pp,
+The degrees follow gridtrain.layout.dims.ParallelDims (mesh axes outer to inner: pp,
 dp_replicate, dp_shard, cp, tp); the rest is what the planner needs beside them: the ZeRO
 stage, the micro-batch and how many of them make a step, the pipeline schedule, sequence
 parallelism and recomputation.
@@ -9,6 +9,8 @@ parallelism and recomputation.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from gridtrain.layout.schedules import DEFAULT_SCHEDULE, ScheduleName
 
 RECOMPUTE = ("none", "selective", "full", "attention")
 """Recomputation: none; gridtrain's selective (keeps matmul and attention outputs, recomputes
@@ -40,8 +42,8 @@ class Layout:
     """Tokens per sequence."""
     num_microbatches: int = 1
     """Micro-batches per optimizer step per data-parallel rank (gradient accumulation steps)."""
-    schedule: str = "1f1b"
-    """Pipeline schedule: 'gpipe', '1f1b', 'interleaved-1f1b', 'zb-h1' or 'zbv'."""
+    schedule: ScheduleName = DEFAULT_SCHEDULE
+    """Pipeline schedule: a name of gridtrain.layout.schedules.SCHEDULES."""
     virtual_stages: int = 1
     """Stages per pipeline rank (interleaving)."""
     sequence_parallel: bool = False

@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gridtrain.model.args import ModelArgs
-from gridtrain.parallel.dims import ParallelDims, stage_layer_counts
+from gridtrain.layout.dims import ParallelDims, stage_layer_counts
 from gridtrain.plan.steptime import HBM_PASSES
 
 CPU_MATMUL = 0.85

@@ -29,12 +29,12 @@ At e = 2 without TP: s b h (12 + 4k/a + 8F/h) + 2 a s^2 b; Llama 3 70B (k/a = 1/
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
-from gridtrain.parallel.dims import PP_SCHEDULES, V_SCHEDULES, stage_layer_counts, stage_ranks
+from gridtrain.layout.dims import stage_layer_counts
+from gridtrain.layout.schedules import forwards_held, in_flight, schedule, stage_ranks
 from gridtrain.plan.activations import block_bytes_per_token, head_bytes_per_token, held_bytes
 from gridtrain.plan.census import peak_dp_index, rank_elements
-from gridtrain.plan.pipeline import forwards_held
 from gridtrain.plan.layout import RECOMPUTE, Layout
 from gridtrain.plan.shape import ModelShape, norm_params
 
@@ -229,31 +229,6 @@ def head_activation_bytes(shape: ModelShape, seq_len: int, micro_batch: int, tp:
     return inputs + 4 * s * b * shape.vocab / tp
 
 
-def in_flight(schedule: str, pp: int, rank: int, num_microbatches: int, virtual: int = 1) -> float:
-    """Micro-batches whose activations pipeline rank `rank` (0-based) holds at its peak, in units
-    of the rank's whole layer set (a chunk of an interleaved rank counts 1/v).
-
-    gpipe and looped-bfs (all forwards first): all m. 1f1b and zb-h1: p - rank (Narayanan et al.
-    2021: "at most p"; the p-1 sometimes quoted counts the warm-up forwards, one short). interleaved-1f1b:
-    ((v+1)p - 2 rank - 1)/v, which on the first rank is p (1 + (p-1)/(p v)) (Korthikanti et al.
-    2022), and interleaved-zb alike.
-    zbv, dualpipev: p on every rank (ZB-V keeps 1F1B's peak, balanced). All capped at m."""
-    m, p, v = num_microbatches, pp, virtual
-    if pp == 1:
-        return 1.0
-    if schedule in ("gpipe", "looped-bfs"):
-        held = float(m)
-    elif schedule in ("1f1b", "zb-h1"):
-        held = float(p - rank)
-    elif schedule in ("interleaved-1f1b", "interleaved-zb"):
-        held = ((v + 1) * p - 2 * rank - 1) / v
-    elif schedule in ("zbv", "dualpipev"):
-        held = float(p)
-    else:
-        raise ValueError(f"unknown pipeline schedule {schedule!r}")
-    return min(held, float(m))
-
-
 @dataclass(frozen=True)
 class RankMemory:
     """Bytes one rank of a pipeline stage holds at its peak, by bucket."""
@@ -269,7 +244,14 @@ class RankMemory:
 
     @property
     def total(self) -> float:
-        return self.weights + self.gradients + self.optimizer + self.activations + self.buffers
+        return sum(getattr(self, bucket) for bucket in BUCKETS)
+
+
+BUCKETS: tuple[str, ...] = tuple(f.name for f in fields(RankMemory))[2:]
+"""The memory buckets, the same names in the planner's report, `plan --check` and the runtime's
+accounting (memory/<bucket>_bytes): weights, gradients, optimizer, activations, buffers."""
+STATE_BUCKETS = BUCKETS[:3]
+"""The model state: what ZeRO shards."""
 
 
 def rank_layers(shape: ModelShape, layout: Layout) -> list[int]:
@@ -299,7 +281,7 @@ def layers_per_rank(num_layers: int, pp: int, virtual: int, schedule: str,
 def edge_ranks(layout: Layout) -> tuple[int, int]:
     """(rank holding the embedding, rank holding the head): 0 and pp-1, or 0 and 0 for V schedules
     (the owners of the first and last stage in stage_ranks, without building the whole list)."""
-    return 0, (0 if layout.schedule in V_SCHEDULES else layout.pp - 1)
+    return 0, (0 if schedule(layout.schedule).v_shape else layout.pp - 1)
 
 
 def rank_params(shape: ModelShape, layout: Layout, rank: int, layers: int) -> float:
@@ -417,13 +399,12 @@ def rank_activations(shape: ModelShape, layout: Layout, rank: int, layers: int, 
     measured census on gridtrain's schedules, else `layers` x `per_layer` per micro-batch in
     flight (in_flight) and the head on the `last` rank."""
     if measured_census(shape, layout.flash_attention or layout.cp > 1, layout.recompute) and \
-            layout.schedule in PP_SCHEDULES:
+            schedule(layout.schedule).runnable:
         return census_activations(shape, layout, rank, act_bytes)
     held = in_flight(layout.schedule, layout.pp, rank, layout.num_microbatches, layout.virtual_stages)
     acts = layers * per_layer * held
     if rank == last:
-        all_forwards_first = layout.schedule in ("gpipe", "looped-bfs")
-        acts += head * (layout.num_microbatches if all_forwards_first else 1)
+        acts += head * (layout.num_microbatches if schedule(layout.schedule).all_forwards_first else 1)
     return acts
 
 
@@ -451,7 +432,7 @@ def describe_peak(ranks: list[RankMemory], hbm_bytes: float) -> str:
     """One line naming the rank that peaks, its buckets in GiB, and whether it fits."""
     r = peak_rank(ranks)
     parts = ", ".join(f"{name} {getattr(r, name) / GiB:.2f}" for name in
-                      ("weights", "gradients", "optimizer", "activations", "buffers"))
+                      BUCKETS)
     verdict = "fits" if r.total <= hbm_bytes else "does not fit"
     return (f"pipeline rank {r.rank} ({r.layers} layers) peaks at {r.total / GiB:.2f} GiB "
             f"({parts} GiB): {verdict} in {hbm_bytes / GiB:.1f} GiB")

@@ -14,13 +14,10 @@ figures quoted in Narayanan et al.'s convention.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zb-h1", "interleaved-zb", "zbv",
-             "dualpipev")
-"""gridtrain's schedules (gridtrain.parallel.dims.PP_SCHEDULES) plus ZB-H1."""
+from gridtrain.layout.schedules import BACKWARD, DEFAULT_SCHEDULE, SPLIT_INPUT, SPLIT_WEIGHT, schedule as row_of
 
 
 def bubble_ratio(pp: int, num_microbatches: int, virtual: int = 1) -> float:
@@ -28,7 +25,7 @@ def bubble_ratio(pp: int, num_microbatches: int, virtual: int = 1) -> float:
     return (pp - 1) / (virtual * num_microbatches)
 
 
-def bubble_fraction(pp: int, num_microbatches: int, virtual: int = 1, schedule: str = "1f1b") -> float:
+def bubble_fraction(pp: int, num_microbatches: int, virtual: int = 1, schedule: str = DEFAULT_SCHEDULE) -> float:
     """Bubble time / total step time.
 
     gpipe, 1f1b: (p-1) / (m + p-1). interleaved-1f1b and looped-bfs (breadth-first, Lamy-Poirier
@@ -37,15 +34,8 @@ def bubble_fraction(pp: int, num_microbatches: int, virtual: int = 1, schedule: 
     F = B = W, ZB-H1's bubble is (p-1)(F + B - W) = 1/3 of 1F1B's (p-1)(F + B + W), at 1F1B's
     memory; ZB-V (two chunks per rank in a V) brings it to about 0.
     """
-    bubble = (pp - 1) / virtual
-    if schedule in ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs"):
-        return bubble / (num_microbatches + bubble)
-    if schedule in ("zb-h1", "interleaved-zb"):
-        bubble /= 3
-        return bubble / (num_microbatches + bubble)
-    if schedule in ("zbv", "dualpipev"):
-        return 0.0
-    raise ValueError(f"unknown pipeline schedule {schedule!r}; choose one of {SCHEDULES}")
+    bubble = (pp - 1) / virtual * row_of(schedule).bubble_share
+    return bubble / (num_microbatches + bubble)
 
 
 def min_microbatches(pp: int, target: float, virtual: int = 1, ratio: bool = True,
@@ -115,16 +105,17 @@ def simulate(schedule: str, pp: int, num_microbatches: int, virtual: int = 1,
     rank is free and its inputs exist (forward of virtual stage s needs s-1's forward of the same
     micro-batch; backward needs s+1's backward and its own forward). A chunk of an interleaved
     rank takes 1/v of the times. Communication is free."""
-    if schedule == "interleaved-1f1b":
+    row = row_of(schedule)
+    if row.rounds_of_pp and not row.split_backward:  # interleaved 1F1B
         if num_microbatches % pp:
-            raise ValueError(f"interleaved-1f1b needs micro-batches ({num_microbatches}) divisible by pp ({pp})")
+            raise ValueError(f"{schedule} needs micro-batches ({num_microbatches}) divisible by pp ({pp})")
         orders = [_order_interleaved(pp, num_microbatches, r, virtual) for r in range(pp)]
-    elif schedule in ("gpipe", "1f1b"):
+    elif row.stages_per_rank == 1 and not row.split_backward:  # GPipe or 1F1B
         virtual = 1
-        build = _order_gpipe if schedule == "gpipe" else _order_1f1b
+        build = _order_gpipe if row.all_forwards_first else _order_1f1b
         orders = [build(pp, num_microbatches, r) for r in range(pp)]
     else:
-        raise ValueError(f"the simulator lays out gpipe, 1f1b and interleaved-1f1b, not {schedule!r}")
+        raise ValueError(f"the simulator lays out GPipe, 1F1B and interleaved 1F1B, not {schedule!r}")
     num_stages = pp * virtual
     done: dict[tuple[str, int, int], float] = {}
     free = [0.0] * pp
@@ -199,98 +190,20 @@ def render(ops: list[Op], pp: int, virtual: int = 1) -> str:
     return "\n".join(lines + [legend])
 
 
-# ---- what each rank holds: torch 2.13's schedules, measured ----
-
-def _interleaved_forwards(count: int, group: int, virtual: int) -> dict[int, int]:
-    """Per chunk, how many of the first `count` forward steps of Megatron's interleaved order
-    (groups of `group` micro-batches through chunk 0, then chunk 1, ...) it ran."""
-    out = dict.fromkeys(range(virtual), 0)
-    for k in range(count):
-        out[(k // group) % virtual] += 1
-    return out
-
-
-@functools.lru_cache(maxsize=8192)
-def forwards_held(schedule: str, pp: int, virtual: int, m: int, rank: int, peak: bool = False) -> dict[int, int]:
-    """Micro-batch forwards whose activations pipeline rank `rank` holds, per stage index it runs:
-    at its first backward (what the accounting measures), or at the step's peak. Counted on
-    torch 2.13's schedules (every schedule at pp 2 and 4, m from pp to 4 pp); F, B and W are a
-    chunk's forward, full (or input) backward and weight backward:
-    - gpipe, looped-bfs: every forward first, m per stage;
-    - 1f1b: pp - rank;
-    - interleaved-1f1b: 2 (pp - rank - 1) + (v - 1) g + 1 forward steps in the interleaved order,
-      g the micro-batches of a round (pp when pp divides m); the turn is the peak;
-    - interleaved-zb: (v - 1) g + pp - rank steps at the turn; W passes deferred, pp per chunk at the peak;
-    - zbv: 2 pp - 1 - rank on its first stage, rank + 1 on its second, the turn is the peak;
-    - dualpipev: max(2 pp - 1 - rank, pp + 1) and rank + 1 at the turn, 2 pp - rank on the first at the peak.
-    Every count is capped at m. (Cached: callers must not change the dict.)"""
-    if pp == 1:
-        return {0: 1}
-    v = virtual if schedule not in ("gpipe", "1f1b") else 1
-    stages = [s for s in range(pp * v) if _owner(s, pp, v, schedule) == rank]
-    if schedule in ("gpipe", "looped-bfs"):
-        counts = [m] * v
-    elif schedule == "1f1b":
-        counts = [pp - rank]
-    elif schedule in ("interleaved-1f1b", "interleaved-zb"):
-        group = m // max(1, m // pp)
-        if schedule == "interleaved-1f1b":
-            steps = 2 * (pp - rank - 1) + (v - 1) * group + 1
-        else:
-            steps = (v - 1) * group + pp - rank
-        counts = [pp] * v if schedule == "interleaved-zb" and peak else list(
-            _interleaved_forwards(min(steps, m * v), group, v).values())
-    elif schedule == "zbv":
-        counts = [2 * pp - 1 - rank, rank + 1]
-    elif schedule == "dualpipev":
-        counts = [2 * pp - rank if peak else max(2 * pp - 1 - rank, pp + 1), rank + 1]
-    else:
-        raise ValueError(f"unknown pipeline schedule {schedule!r}; choose one of {SCHEDULES}")
-    return {stage: min(count, m) for stage, count in zip(stages, counts)}
-
-
-def _owner(stage: int, pp: int, virtual: int, schedule: str) -> int:
-    """The pipeline rank that runs a stage (parallel.dims.stage_ranks, for one stage)."""
-    if schedule in ("zbv", "dualpipev"):
-        return stage if stage < pp else pp * virtual - 1 - stage
-    return stage % pp
-
-
-
 # ---- what a schedule costs on gridtrain's runtime: measured (bench/bench_schedules.py) ----
 
-BACKWARD = 1.95
-"""A fused backward over its forward: two matmuls for each of the forward's, measured 1.95 per
-layer on the small model (bench/bench_schedules.py, 1.9-2.0 over 28 runs of its 7 schedules)."""
-SPLIT_INPUT, SPLIT_WEIGHT = 1.27, 0.95
-"""The zero-bubble schedules' split backward (Qi et al. 2023): the input-gradient pass I and the
-weight-gradient pass W over the forward, measured per layer (I 1.22-1.30, W 0.91-1.07). Together
-they cost 14% more than the fused backward (a micro-batch's F + I + W is 9% over F + B): torch's
-stage walks the autograd graph twice and keeps the weight pass's inputs alive between the two."""
-SPLIT_SCHEDULES = ("zb-h1", "interleaved-zb", "zbv", "dualpipev")
-
-BUBBLE_SCALE = {"gpipe": 1.0, "1f1b": 1.0, "interleaved-1f1b": 1.12, "looped-bfs": 1.32,
-                "zb-h1": (1 + SPLIT_INPUT - SPLIT_WEIGHT) / (1 + BACKWARD),
-                "interleaved-zb": 0.82, "zbv": 0.77, "dualpipev": 0.67}
-"""Each schedule's idle time in units of (p-1)/v x a rank's forward and fused backward (v = 1
-for GPipe and 1F1B), over 1F1B's, whose idle time is that unit (Narayanan et al. 2021, sec.
-2.2). Measured on torch 2.13's schedules: bench/bench_schedules.py replays each step's traced
-actions on a core per rank; the mean over PP 2 and PP 4 with 8 micro-batches, two runs each
-(spread about 0.1-0.2). The zero-bubble schedules keep most of 1F1B's bubble (Qi et al. 2023 find
-ZB-V's near zero only when F = B = W and m is large against p); ZB-H1, which gridtrain's runtime
-does not have, is Qi et al.'s (p-1)(F + I - W)."""
+# The measured costs (BACKWARD, SPLIT_INPUT, SPLIT_WEIGHT) and each schedule's measured bubble
+# (Schedule.bubble_scale) live in the schedule table, gridtrain.layout.schedules.
 
 
 def bubble_scale(schedule: str) -> float:
-    if schedule not in BUBBLE_SCALE:
-        raise ValueError(f"unknown pipeline schedule {schedule!r}; choose one of {SCHEDULES}")
-    return BUBBLE_SCALE[schedule]
+    return row_of(schedule).bubble_scale
 
 
 def split_cost(schedule: str) -> float:
     """A micro-batch's forward and backward under the schedule over the fused F + B: (F + I + W) /
     (F + B) for the split-backward schedules, 1 for the others."""
-    if schedule in SPLIT_SCHEDULES:
+    if row_of(schedule).split_backward:
         return (1 + SPLIT_INPUT + SPLIT_WEIGHT) / (1 + BACKWARD)
     return 1.0
 
@@ -302,6 +215,6 @@ def schedule_bubble(schedule: str, pp: int, num_microbatches: int, virtual: int 
     the split backward's extra cost in every micro-batch."""
     if pp == 1:
         return 0.0
-    v = 1 if schedule in ("gpipe", "1f1b") else virtual
+    v = row_of(schedule).virtual(virtual)
     idle = (pp - 1) / v * bubble_scale(schedule)
     return idle / (num_microbatches * split_cost(schedule) + idle)

@@ -3,7 +3,7 @@ memory bars against HBM, the step-time breakdown, throughput, budget and checkpo
 
 from __future__ import annotations
 
-from gridtrain.plan.report import BUCKETS
+from gridtrain.plan.memory import BUCKETS
 
 BAR = 50
 """Characters of a full bar (all of HBM, or the whole step)."""

@@ -10,13 +10,12 @@ from dataclasses import asdict, dataclass
 
 from gridtrain.plan import budget, reliability
 from gridtrain.plan.layout import Layout
-from gridtrain.parallel.dims import ParallelDims
-from gridtrain.plan.memory import GiB, rank_state
+from gridtrain.layout.dims import ParallelDims
+from gridtrain.plan.memory import BUCKETS, GiB, rank_state
 from gridtrain.plan.runnable import refusal
 from gridtrain.plan.search import Candidate, Problem, SearchResult
 from gridtrain.plan.shape import param_counts
 
-BUCKETS = ("weights", "gradients", "optimizer", "activations", "buffers")
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import shlex
 
-from gridtrain.checks import validate
+from gridtrain.validate import validate
 from gridtrain.config import ConfigError, load_config
 from gridtrain.plan.layout import Layout
 

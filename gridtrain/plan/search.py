@@ -24,6 +24,7 @@ import heapq
 import itertools
 from dataclasses import dataclass, field, replace
 
+from gridtrain.layout.schedules import DEFAULT_SCHEDULE, SCHEDULES
 from gridtrain.plan.layout import RUNTIME_RECOMPUTE, Layout
 from gridtrain.plan.memory import (RankMemory, StateBytes, buffer_bytes, gathered_bytes_per_param, peak_rank,
                                    probe_activations, rank_memory, rank_params, state_bytes_per_param)
@@ -154,7 +155,7 @@ def pp_options(problem: Problem, c: Constraints, tp: int, cp: int) -> list[int]:
 
 def schedule_options(pp: int, num_layers: int, m: int, c: Constraints) -> list[tuple[str, int]]:
     """(schedule, virtual stages) pairs gridtrain's runtime accepts for pp ranks and m micro-batches
-    (checks._check_pp): 1F1B needs m >= pp; interleaved schedules run micro-batches in rounds of
+    (validate._check_pp): 1F1B needs m >= pp; interleaved schedules run micro-batches in rounds of
     pp; V schedules hold exactly 2 stages per rank. Interleaving factors from 2 to 8. The
     zero-bubble schedules are tried with m >= pp (interleaved-zb) and m >= 2 pp (V schedules: their
     warm-up fills 2p chunks); each is costed as measured (pipeline.schedule_bubble, split_cost).
@@ -165,20 +166,18 @@ def schedule_options(pp: int, num_layers: int, m: int, c: Constraints) -> list[t
     zero-bubble are both tried (a smaller bubble against the split backward's cost), and so are
     ZB-V and DualPipeV (a smaller bubble against more micro-batches in flight)."""
     if pp == 1:  # no pipeline: a named schedule is moot
-        return [("1f1b", 1)] if c.virtual_stages in (None, 1) else []
-    named = c.schedule
+        return [(DEFAULT_SCHEDULE, 1)] if c.virtual_stages in (None, 1) else []
     vs = [v for v in range(2, 9) if pp * v <= num_layers]
     pairs = []
-    if m >= pp and named in (None, "1f1b", "gpipe"):
-        pairs.append((named or "1f1b", 1))
-    if m % max(1, m // pp) == 0:
-        interleaved = [named] if named in ("interleaved-1f1b", "looped-bfs") else (
-            ["interleaved-1f1b"] if named is None else [])
-        if named in (None, "interleaved-zb") and m >= pp:
-            interleaved.append("interleaved-zb")
-        pairs += [(s, v) for s in interleaved for v in vs]
-    if 2 * pp <= num_layers and m >= 2 * pp and named in (None, "zbv", "dualpipev"):
-        pairs += [(s, 2) for s in ([named] if named else ["zbv", "dualpipev"])]
+    for row in SCHEDULES.values():
+        if not row.runnable or (row.name != c.schedule if c.schedule else not row.searched):
+            continue
+        if row.stages_per_rank == 1 and m >= pp:
+            pairs.append((row.name, 1))
+        elif row.stages_per_rank is None and m % max(1, m // pp) == 0 and (m >= pp or not row.split_backward):
+            pairs += [(row.name, v) for v in vs]
+        elif row.stages_per_rank == 2 and 2 * pp <= num_layers and m >= 2 * pp:
+            pairs.append((row.name, 2))
     return [(s, v) for s, v in pairs if c.virtual_stages is None or c.virtual_stages == v]
 
 

@@ -241,7 +241,7 @@ def _atomic_dir(final: Path) -> Iterator[Path]:
 
 
 def read_run(run_dir: Path) -> tuple[ModelArgs, Path]:
-    """(model shape, checkpoint directory) from <run_dir>/config.json (Trainer.write_config)."""
+    """(model shape, checkpoint directory) from <run_dir>/config.json (rundir.write_record)."""
     config = run_record(run_dir)["config"]
     cfg = load_config(None, {f"model.{k}": v for k, v in config["model"].items()})
     ckpt_dir = config.get("checkpoint", {}).get("dir")

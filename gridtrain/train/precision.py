@@ -67,6 +67,10 @@ class Precision:
     def loss_scale(self) -> float:
         return self.scaler.get_scale() if self.scaler.is_enabled() else 1.0
 
+    def metrics(self) -> dict[str, float]:
+        """fp16's loss scale, for the step's metrics (nothing in fp32 and bf16)."""
+        return {"precision/loss_scale": self.loss_scale} if self.mode == "fp16" else {}
+
     def begin_step(self) -> None:
         """Make sure the scale exists on every rank, also on pipeline ranks that compute no loss."""
         if self.scaler.is_enabled() and self.scaler._scale is None:

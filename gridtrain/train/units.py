@@ -1,11 +1,15 @@
-"""The run's units of one training step (GPUs, nodes, TP groups, pipeline stages, model-parallel
-groups, data-parallel replicas, micro-batch, accumulation, global batch, optimizer steps), printed
-by rank 0 at start-up."""
+"""What rank 0 prints at start-up: the model and the machine, and the run's units of one training
+step (GPUs, nodes, TP groups, pipeline stages, model-parallel groups, data-parallel replicas,
+micro-batch, accumulation, global batch, optimizer steps)."""
 
 from __future__ import annotations
 
+import torch
+
 from gridtrain.config import Config
-from gridtrain.parallel.dims import ParallelDims, stage_layer_counts, stage_ranks
+from gridtrain.layout.dims import ParallelDims, stage_layer_counts
+from gridtrain.layout.schedules import stage_ranks
+from gridtrain.train.device import device_name
 
 
 def units_table(cfg: Config, dims: ParallelDims, num_nodes: int) -> str:
@@ -47,3 +51,16 @@ def units_table(cfg: Config, dims: ParallelDims, num_nodes: int) -> str:
     if dims.pp > 1:
         lines += [f"  {'':<{width}}           {text}" for text in layer_text]
     return "units of this run:\n" + "\n".join(lines)
+
+
+def run_summary(cfg: Config, dims: ParallelDims, num_nodes: int, num_params: int, flops_per_token: float,
+                train_tokens: int, device: torch.device, peak: float) -> str:
+    """What rank 0 prints at start-up: the model, the device and precision, the units table."""
+    a = cfg.model.args()
+    return (f"model {cfg.model.preset}: {num_params / 1e6:.2f}M parameters, {a.n_layers} layers, "
+            f"dim {a.dim}, {a.n_heads} heads / {a.n_kv_heads} KV, ffn {a.hidden_dim}, vocab "
+            f"{a.vocab_size} | {flops_per_token / 1e6:.1f} MFLOP/token | "
+            f"{train_tokens / 1e6:.1f}M tokens in the training split\n"
+            f"device {device} ({device_name(device)}, {torch.get_num_threads()} threads), "
+            f"precision {cfg.train.precision}, peak {peak / 1e12:.2f} TFLOP/s per process for MFU\n"
+            + units_table(cfg, dims, num_nodes))

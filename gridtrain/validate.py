@@ -11,9 +11,9 @@ import os
 from pathlib import Path
 
 from gridtrain.config import Config, ConfigError
+from gridtrain.layout.dims import ParallelDims, stage_layer_counts
+from gridtrain.layout.schedules import RUNTIME_SCHEDULES, SCHEDULES
 from gridtrain.model.args import PRESETS
-from gridtrain.parallel.dims import (PP_SCHEDULES, SINGLE_STAGE_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, V_SCHEDULES,
-                                     ParallelDims, stage_layer_counts)
 
 LR_SCHEDULES = ("cosine", "linear", "wsd", "constant")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -182,18 +182,19 @@ def _check_tp(cfg: Config, tp: int) -> list[str]:
 
 def _check_pp(cfg: Config, dims: ParallelDims) -> list[str]:
     p = cfg.parallel
-    problems = _choice("parallel.pp_schedule", p.pp_schedule, PP_SCHEDULES)
+    problems = _choice("parallel.pp_schedule", p.pp_schedule, RUNTIME_SCHEDULES)
     problems += _at_least("parallel.pp_virtual_stages", p.pp_virtual_stages, 1)
     if dims.pp == 1 or problems:
         return problems
-    if p.pp_schedule in SINGLE_STAGE_SCHEDULES and p.pp_virtual_stages != 1:
+    schedule = SCHEDULES[p.pp_schedule]
+    if schedule.stages_per_rank == 1 and p.pp_virtual_stages != 1:
         problems.append(f"parallel.pp_schedule '{p.pp_schedule}' runs one stage per rank, but "
                         f"parallel.pp_virtual_stages = {p.pp_virtual_stages}: use 'interleaved-1f1b' "
                         "or set pp_virtual_stages to 1")
-    if p.pp_schedule in V_SCHEDULES and p.pp_virtual_stages != 2:
+    if schedule.stages_per_rank == 2 and p.pp_virtual_stages != 2:
         problems.append(f"parallel.pp_schedule '{p.pp_schedule}' needs exactly 2 stages per rank: "
                         "set parallel.pp_virtual_stages to 2")
-    if p.pp_schedule in SPLIT_BACKWARD_SCHEDULES and cfg.train.activation_checkpointing == "selective":
+    if schedule.split_backward and cfg.train.activation_checkpointing == "selective":
         problems.append(
             f"train.activation_checkpointing 'selective' cannot run under parallel.pp_schedule "
             f"'{p.pp_schedule}': its backward passes each micro-batch twice (input gradients, then "
@@ -215,9 +216,9 @@ def _check_pp(cfg: Config, dims: ParallelDims) -> list[str]:
                             "and the output head live on different stages; untie them")
     if dims.dp >= 1 and cfg.global_batch_seqs % (cfg.train.micro_batch * dims.dp) == 0:
         micro = cfg.global_batch_seqs // (cfg.train.micro_batch * dims.dp)
-        need = stages if p.pp_schedule in ("1f1b", "dualpipev") else 1
-        rounds = max(1, micro // dims.pp)  # torch's interleaved schedules run in rounds of pp
-        if p.pp_schedule in ("interleaved-1f1b", "interleaved-zb") and micro % rounds:
+        need = schedule.min_microbatches(stages)
+        rounds = max(1, micro // dims.pp)
+        if schedule.rounds_of_pp and micro % rounds:
             problems.append(f"parallel.pp_schedule '{p.pp_schedule}' runs micro-batches in {rounds} "
                             f"rounds, which must divide the micro-batches per step ({micro}): set "
                             f"train.global_batch to {rounds * dims.pp * cfg.train.micro_batch * dims.dp}")

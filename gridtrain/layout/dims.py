@@ -1,4 +1,4 @@
-"""`ParallelDims`: the layout's degrees, validated in one place, and the one DeviceMesh.
+"""`ParallelDims`: the layout's degrees, validated in one place, and the rank grid they make.
 
 The ranks of a world form the grid `arange(world).view(pp, dp_replicate, dp_shard, cp, tp)`:
 tensor parallelism varies fastest, so a TP group is consecutive ranks (the GPUs of one node, on
@@ -14,18 +14,8 @@ pp=2, dp_shard=2, tp=2:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
 
 MESH_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv", "dualpipev")
-SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
-V_SCHEDULES = ("zbv", "dualpipev")
-# Zero-bubble schedules: each micro-batch's backward runs as two passes, input gradients then
-# weight gradients (Qi et al. 2023, "Zero Bubble Pipeline Parallelism").
-SPLIT_BACKWARD_SCHEDULES = ("interleaved-zb", "zbv", "dualpipev")
 
 
 @dataclass(frozen=True)
@@ -97,17 +87,6 @@ class ParallelDims:
                 "parallel.dp_shard to -1 to fill the world")
         return errors
 
-    def build_mesh(self, device_type: str) -> Mesh:
-        """The one mesh, axes outer to inner pp, dp_replicate, dp_shard, cp, tp, plus the flattened
-        axes 'dp' (dp_replicate x dp_shard: batch split and loss average) and 'dp_cp'."""
-        from torch.distributed.device_mesh import init_device_mesh
-
-        shape = tuple(self.degrees.values())
-        root = init_device_mesh(device_type, shape, mesh_dim_names=MESH_AXES)
-        flat = {"dp": root["dp_replicate", "dp_shard"]._flatten("dp"),
-                "dp_cp": root["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")}
-        return Mesh(root, flat)
-
     def coordinates(self, rank: int) -> dict[str, int]:
         """This rank's index along each axis of `arange(world).view(pp, dp_rep, dp_shard, cp, tp)`."""
         coords = {}
@@ -117,21 +96,6 @@ class ParallelDims:
             rank //= size
         coords["dp"] = coords["dp_replicate"] * self.dp_shard + coords["dp_shard"]
         return coords
-
-
-class Mesh:
-    """The root DeviceMesh, with its flattened axes kept beside it (torch wants them bookkept
-    rather than sliced from the root): `mesh["tp"]`, `mesh["dp_replicate", "dp_shard"]`,
-    `mesh["dp"]`."""
-
-    def __init__(self, root: DeviceMesh, flat: dict[str, DeviceMesh]) -> None:
-        self.root = root
-        self.flat = flat
-
-    def __getitem__(self, axes: str | tuple[str, ...]) -> DeviceMesh:
-        if isinstance(axes, str) and axes in self.flat:
-            return self.flat[axes]
-        return self.root[axes]
 
 
 def stage_layer_counts(n_layers: int, num_stages: int, fewer_edge_layers: int = 0) -> list[int]:
@@ -152,12 +116,3 @@ def stage_layer_counts(n_layers: int, num_stages: int, fewer_edge_layers: int = 
     counts[0] -= fewer_edge_layers
     counts[-1] -= fewer_edge_layers
     return counts
-
-
-def stage_ranks(pp: int, virtual: int, schedule: str) -> list[int]:
-    """The pipeline rank that runs each stage: loop style (stage s on rank s % pp) for
-    interleaved schedules, V style (rank r holds stages r and 2pp-1-r) for zbv and dualpipev."""
-    num_stages = pp * virtual
-    if schedule in V_SCHEDULES:
-        return [s if s < pp else num_stages - 1 - s for s in range(num_stages)]
-    return [s % pp for s in range(num_stages)]

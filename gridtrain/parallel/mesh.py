@@ -1,0 +1,57 @@
+"""The one DeviceMesh of a run, and the process group of each of its axes.
+
+Axes outer to inner pp, dp_replicate, dp_shard, cp, tp (`gridtrain.layout.dims` explains the rank
+grid), plus the flattened axes 'dp' (dp_replicate x dp_shard: the batch split and the loss
+average) and 'dp_cp'.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from gridtrain.layout.dims import MESH_AXES, ParallelDims
+
+
+class Mesh:
+    """The root DeviceMesh, with its flattened axes kept beside it (torch wants them bookkept
+    rather than sliced from the root): `mesh["tp"]`, `mesh["dp_replicate", "dp_shard"]`,
+    `mesh["dp"]`."""
+
+    def __init__(self, dims: ParallelDims, root: DeviceMesh, flat: dict[str, DeviceMesh]) -> None:
+        self.dims = dims
+        self.root = root
+        self.flat = flat
+
+    def __getitem__(self, axes: str | tuple[str, ...]) -> DeviceMesh:
+        if isinstance(axes, str) and axes in self.flat:
+            return self.flat[axes]
+        return self.root[axes]
+
+    def axis_groups(self) -> dict[str, dist.ProcessGroup]:
+        """Process group of each mesh axis with more than one rank, then the flattened 'dp' and
+        the world: what the collective log names its records by."""
+        groups = {axis: self[axis].get_group() for axis, n in self.dims.degrees.items() if n > 1}
+        if self.dims.dp > 1:
+            groups["dp"] = self["dp"].get_group()
+        groups["world"] = dist.group.WORLD
+        return groups
+
+
+def build_mesh(dims: ParallelDims, device_type: str) -> Mesh:
+    shape = tuple(dims.degrees.values())
+    root = init_device_mesh(device_type, shape, mesh_dim_names=MESH_AXES)
+    flat = {"dp": root["dp_replicate", "dp_shard"]._flatten("dp"),
+            "dp_cp": root["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")}
+    return Mesh(dims, root, flat)
+
+
+def group(mesh: Mesh | None, axis: str) -> dist.ProcessGroup | None:
+    """The process group of a mesh axis ('dp' flattened, 'world' for all ranks); None in a world
+    of one (no mesh) or when the axis has one rank."""
+    if mesh is None:
+        return None
+    if axis == "world":
+        return dist.group.WORLD
+    size = mesh.dims.dp if axis == "dp" else mesh.dims.degrees[axis]
+    return mesh[axis].get_group() if size > 1 else None

@@ -1,0 +1,69 @@
+"""Validation: the mean loss over the first `train.val_batches` micro-batches of the held-out split."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from gridtrain.config import Config, ConfigError
+from gridtrain.parallel.apply import ParallelModel
+from gridtrain.parallel.tensor import loss_context
+from gridtrain.train.build import Data, loss_fn, scalar
+from gridtrain.train.precision import Precision
+
+
+class Evaluator:
+    """Runs validation on one rank's model parts: through the pipeline schedule's forward-only
+    pass when there is one (whole pipeline batches of micro_batch x accumulation sequences only)."""
+
+    def __init__(self, cfg: Config, data: Data, pmodel: ParallelModel, precision: Precision, accum: int,
+                 micro_batches: int, tp: int, pp_group: dist.ProcessGroup | None, device: torch.device) -> None:
+        self.cfg, self.val, self.pmodel, self.precision = cfg, data.val, pmodel, precision
+        self.micro_batches, self.tp, self.pp_group, self.device = micro_batches, tp, pp_group, device
+        mb = cfg.train.micro_batch
+        self.size = mb if pmodel.schedule is None else mb * accum
+        """Sequences per validation batch."""
+        self.check_split()
+
+    def check_split(self) -> None:
+        """A split smaller than one validation batch would validate nothing and report nan."""
+        if self.val is not None and self.cfg.train.val_every > 0 and self.val.num_samples < self.size:
+            raise ConfigError([
+                f"the validation split holds {self.val.num_samples} sequences of {self.cfg.data.seq_len} "
+                f"tokens, fewer than one validation batch ({self.size}): raise data.val_fraction, lower "
+                "train.micro_batch, or set train.val_every 0"])
+
+    @torch.no_grad()
+    def __call__(self) -> dict[str, float]:
+        for part in self.pmodel.parts:
+            part.eval()
+        total, count = torch.zeros(()), torch.zeros(())
+        batches = max(1, self.cfg.train.val_batches * self.cfg.train.micro_batch // self.size)
+        for inputs, targets in self.val.batches(self.size, batches):
+            if len(inputs) < self.size:
+                break
+            with loss_context(self.tp), self.precision.autocast():
+                loss = self.loss(inputs.to(self.device), targets.to(self.device))
+            if loss is not None:
+                total += loss.float().cpu() * targets.numel()
+                count += targets.numel()
+        for part in self.pmodel.parts:
+            part.train()
+        if self.pp_group is not None:  # only the last stage has losses
+            both = torch.stack([total, count])
+            dist.all_reduce(both, group=self.pp_group)
+            total, count = both[0], both[1]
+        loss = (total / count).item()
+        return {"loss/val": loss, "loss/val_ppl": math.exp(min(loss, 50.0))}
+
+    def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        if self.pmodel.schedule is None:
+            return scalar(loss_fn(self.pmodel.parts[0](inputs), targets))
+        losses: list[torch.Tensor] = []
+        self.pmodel.schedule.eval(inputs, target=targets, losses=losses)
+        if not losses:
+            return None
+        # Each is scaled and divided by the training step's micro-batch count (Trainer.pipeline_loss).
+        return sum(scalar(l) for l in losses) * self.micro_batches / (len(losses) * self.precision.loss_scale)

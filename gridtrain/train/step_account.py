@@ -1,0 +1,82 @@
+"""Accounting of one training step: this rank's memory by bucket and the step's collectives, as
+measured (gridtrain.parallel.accounting has the instruments), every `metrics.account_every` steps.
+
+Each accounted step is a line of <run_dir>/accounting/rank<r>.jsonl and part of the step's
+metrics; `gridtrain plan --check` sets them beside the planner's numbers for the same layout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from gridtrain.parallel.accounting import (CollectiveLog, SavedActivations, flatten_comm, grad_bytes,
+                                          optimizer_bytes, param_bytes)
+from gridtrain.parallel.apply import ParallelModel
+
+
+class StepAccount:
+    """One step's measurements, taken around its forward and backward and after its collectives;
+    inactive (every method does nothing) on a step that is not accounted."""
+
+    def __init__(self, active: bool, pmodel: ParallelModel, comm_log: CollectiveLog | None) -> None:
+        self.active, self.pmodel, self.comm_log = active, pmodel, comm_log
+        self.record: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def forward_backward(self) -> Iterator[None]:
+        """Around the step's forward and backward: the activations saved for backward, the
+        gradients it leaves, the bytes the pipeline sends."""
+        if not self.active:
+            yield
+            return
+        parts = self.pmodel.parts
+        meter = SavedActivations(self.pmodel.parameters(), [b for part in parts for b in part.buffers()])
+        if self.comm_log:
+            self.comm_log.start()
+        traffic = self.pmodel.traffic
+        sent = traffic.send_bytes if traffic else 0
+        with meter:
+            yield
+        self.record = {"memory/gradients_bytes": float(grad_bytes(self.pmodel.parameters())),
+                       "memory/activations_bytes": float(meter.bytes)}
+        if traffic:
+            self.record["comm/pp/send_bytes"] = float(traffic.send_bytes - sent)
+
+    def collectives_done(self) -> None:
+        """The step's training collectives end here (a loss average after it is reporting)."""
+        if self.active and self.comm_log:
+            self.record.update(flatten_comm(self.comm_log.since_start()))
+
+    def finish(self, optimizers: list[torch.optim.Optimizer]) -> dict[str, float]:
+        """The step's record, once the optimizer has stepped (its state exists then)."""
+        if not self.active:
+            return {}
+        self.record["memory/weights_bytes"] = float(param_bytes(self.pmodel.parameters()))
+        self.record["memory/optimizer_bytes"] = float(optimizer_bytes(optimizers))
+        return self.record
+
+
+class Accountant:
+    """Decides which steps are accounted and appends their records to the rank's file."""
+
+    def __init__(self, every: int, run_dir: Path, rank: int, coords: dict[str, int],
+                 pmodel: ParallelModel, comm_log: CollectiveLog | None) -> None:
+        self.every, self.rank, self.coords, self.pmodel, self.comm_log = every, rank, coords, pmodel, comm_log
+        self.path = Path(run_dir) / "accounting" / f"rank{rank}.jsonl"
+
+    def step(self, step: int) -> StepAccount:
+        """The account of step `step` (0-based): the first step and every `every`-th."""
+        due = self.every > 0 and (step == 0 or (step + 1) % self.every == 0)
+        return StepAccount(due, self.pmodel, self.comm_log)
+
+    def write(self, step: int, record: dict[str, float]) -> None:
+        if not record:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": step, "rank": self.rank, **self.coords, **record}) + "\n")
