@@ -22,6 +22,7 @@ from gridtrain import tomlread
 from gridtrain.errors import UserError
 from gridtrain.layout.schedules import DEFAULT_SCHEDULE, ScheduleName
 from gridtrain.model.args import ModelArgs, model_args
+from gridtrain.names import LRSchedule, OnSaveError, Precision, Recompute
 
 
 class ConfigError(UserError, ValueError):
@@ -95,7 +96,7 @@ class TrainConfig:
     """Final learning rate as a fraction of the peak (cosine, linear, wsd)."""
     warmup_steps: int = 25
     """Steps of linear warm-up from 0 to the peak learning rate."""
-    schedule: str = "cosine"
+    schedule: LRSchedule = "cosine"
     """Decay after warm-up: 'cosine', 'linear', 'wsd' (warmup-stable-decay) or 'constant'."""
     decay_fraction: float = 0.2
     """For 'wsd': the final fraction of the steps over which the rate decays."""
@@ -109,14 +110,15 @@ class TrainConfig:
     """AdamW epsilon."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this; 0 turns clipping off (the norm is still reported)."""
-    precision: str = "fp32"
+    precision: Precision = "fp32"
     """'fp32', 'bf16' (autocast, fp32 master weights) or 'fp16' (autocast + dynamic loss scaling)."""
     loss_scale_init: float = 65536.0
     """fp16: initial loss scale."""
     loss_scale_growth_interval: int = 2000
     """fp16: clean steps after which the loss scale doubles (it halves on every overflow)."""
-    activation_checkpointing: str = "off"
-    """'off', 'selective' (recompute cheap ops, keep matmul and attention outputs) or 'full'."""
+    recompute: Recompute = "none"
+    """Activation recomputation: 'none', 'selective' (recompute cheap ops, keep matmul and
+    attention outputs) or 'full' (whole blocks)."""
     seed: int = 0
     """Seed of initialisation and data order."""
     compile: bool = False
@@ -154,7 +156,7 @@ class CheckpointConfig:
     resume: bool = False
     """Continue from the newest complete, intact checkpoint in the checkpoint directory
     (always on when torchrun restarts the run)."""
-    on_save_error: str = "stop"
+    on_save_error: OnSaveError = "stop"
     """A save that fails (disk full, permission denied): 'stop' the run with the error, or
     'continue' training and try again at the next interval. Earlier checkpoints stay intact."""
     timeout_s: float = 1800.0
@@ -298,8 +300,11 @@ BARE_FLAG = "\0flag"
 
 def _convert(key: str, raw: Any, hint: Any) -> Any:
     """Turn a TOML value or command-line string into the field's type."""
-    if typing.get_origin(hint) is typing.Literal:  # a choice: validate names the allowed values
-        hint = str
+    if typing.get_origin(hint) is typing.Literal:  # a choice ('none' may be one): validate names the values
+        if raw == BARE_FLAG or not isinstance(raw, str):
+            raise ConfigError([f"{key} = {raw!r} is not one of {', '.join(typing.get_args(hint))}"
+                               if raw != BARE_FLAG else f"--{key} needs a value (--{key} VALUE)"])
+        return raw
     options = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
     if raw == BARE_FLAG:
         if bool not in options:

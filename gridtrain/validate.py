@@ -14,10 +14,8 @@ from gridtrain.config import Config, ConfigError
 from gridtrain.layout.dims import ParallelDims, stage_layer_counts
 from gridtrain.layout.schedules import RUNTIME_SCHEDULES, SCHEDULES
 from gridtrain.model.args import PRESETS
+from gridtrain.names import LR_SCHEDULES, ON_SAVE_ERROR, PRECISIONS, RECOMPUTE
 
-LR_SCHEDULES = ("cosine", "linear", "wsd", "constant")
-PRECISIONS = ("fp32", "bf16", "fp16")
-AC_MODES = ("off", "selective", "full")
 
 
 def _choice(key: str, value: str, options: tuple[str, ...]) -> list[str]:
@@ -92,7 +90,7 @@ def _check_train(cfg: Config) -> list[str]:
     problems += _choice("train.precision", t.precision, PRECISIONS)
     problems += [] if t.loss_scale_init > 0 else [f"train.loss_scale_init = {t.loss_scale_init} must be > 0"]
     problems += _at_least("train.loss_scale_growth_interval", t.loss_scale_growth_interval, 1)
-    problems += _choice("train.activation_checkpointing", t.activation_checkpointing, AC_MODES)
+    problems += _choice("train.recompute", t.recompute, RECOMPUTE)
     problems += _at_least("train.val_every", t.val_every, 0) + _at_least("train.val_batches", t.val_batches, 1)
     if t.threads is not None:
         cores = os.cpu_count() or 1
@@ -194,12 +192,12 @@ def _check_pp(cfg: Config, dims: ParallelDims) -> list[str]:
     if schedule.stages_per_rank == 2 and p.pp_virtual_stages != 2:
         problems.append(f"parallel.pp_schedule '{p.pp_schedule}' needs exactly 2 stages per rank: "
                         "set parallel.pp_virtual_stages to 2")
-    if schedule.split_backward and cfg.train.activation_checkpointing == "selective":
+    if schedule.split_backward and cfg.train.recompute == "selective":
         problems.append(
-            f"train.activation_checkpointing 'selective' cannot run under parallel.pp_schedule "
+            f"train.recompute 'selective' cannot run under parallel.pp_schedule "
             f"'{p.pp_schedule}': its backward passes each micro-batch twice (input gradients, then "
             "weight gradients), and torch's selective checkpointing allows one backward through a "
-            "recomputed region; use activation_checkpointing 'full' or 'off', or pp_schedule "
+            "recomputed region; use recompute 'full' or 'none', or pp_schedule "
             "'interleaved-1f1b'")
     stages = dims.pp * p.pp_virtual_stages
     if cfg.model.preset in PRESETS:

@@ -120,7 +120,7 @@ TRAIN = [
     (["train", "--nproc", "2", "--parallel.tp", "2", "--parallel.sequence_parallel", "true", "--data.seq_len", "255"],
      "parallel.sequence_parallel splits data.seq_len (255)"),
     (["train", "--train.precision", "fp8"], "train.precision = 'fp8' is not one of fp32, bf16, fp16"),
-    (["train", "--train.activation_checkpointing", "some"], "train.activation_checkpointing = 'some'"),
+    (["train", "--train.recompute", "some"], "train.recompute = 'some'"),
     (["train", "--train.warmup_steps", "1000"], "train.warmup_steps (1000) must lie in [0, train.steps (250)]"),
     (["train", "--train.beta1", "1.5"], "train.beta1 = 1.5 must lie in [0, 1)"),
     (["train", "--train.grad_clip", "-1"], "train.grad_clip = -1.0 must be >= 0.0"),

@@ -26,7 +26,7 @@ INVALID = [
                  id="warmup-over-steps"),
     pytest.param({"train.schedule": "exponential"}, "train.schedule", id="unknown-schedule"),
     pytest.param({"train.precision": "fp8"}, "train.precision", id="unknown-precision"),
-    pytest.param({"train.activation_checkpointing": "some"}, "train.activation_checkpointing",
+    pytest.param({"train.recompute": "some"}, "train.recompute",
                  id="unknown-activation-checkpointing"),
     pytest.param({"model.n_heads": "12"}, "model.n_heads", id="n-heads-not-dividing-dim"),
     pytest.param({"model.n_kv_heads": "3"}, "model.n_kv_heads", id="n-kv-heads-not-dividing-n-heads"),
@@ -169,7 +169,7 @@ REQUIRED_KEYS = [
     "run_dir", "model.preset", "model.dim", "model.n_layers", "model.n_heads", "model.n_kv_heads",
     "model.ffn_dim", "model.vocab_size", "data.corpus", "data.tokenizer", "data.seq_len",
     "train.steps", "train.global_batch", "train.micro_batch", "train.lr", "train.warmup_steps",
-    "train.schedule", "train.precision", "train.activation_checkpointing", "train.seed",
+    "train.schedule", "train.precision", "train.recompute", "train.seed",
     "train.compile", "checkpoint.dir", "checkpoint.interval", "metrics.log_every",
 ]
 

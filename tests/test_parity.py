@@ -23,8 +23,8 @@ from gridtrain.parity.sweep import References, case_overrides, run_cases, verdic
 
 # Accepted once and trained wrong with no error: PP 2 x DDP 2 (1F1B), PP 2 x FSDP 2 under both
 # zero-bubble schedules, TP 2 with tied embeddings. Always in the CI subset, in fp32.
-REQUIRED = ("ddp.none.1f1b.untied.fp32.off.many", "zero3.none.zbv.untied.fp32.off.many",
-            "zero3.none.interleaved-zb.untied.fp32.off.many", "none.tp.none.tied.fp32.off.one")
+REQUIRED = ("ddp.none.1f1b.untied.fp32.none.many", "zero3.none.zbv.untied.fp32.none.many",
+            "zero3.none.interleaved-zb.untied.fp32.none.many", "none.tp.none.tied.fp32.none.one")
 CASES = all_cases()
 SUBSET = pairwise(CASES, REQUIRED)
 
@@ -36,11 +36,11 @@ def test_matrix_is_every_combination_of_the_axes():
 
 
 @pytest.mark.parametrize("name,reason", [
-    ("none.none.1f1b.tied.fp32.off.many", "model.tie_embeddings cannot be used with parallel.pp > 1"),
-    ("zero1.tp.none.untied.fp32.off.one", "parallel.zero_stage 1 shards a plain optimizer"),
-    ("hsdp.tp.1f1b.untied.fp32.off.many", "needs 16 processes"),
-    ("zero3.none.zbv.untied.fp32.selective.many", "activation_checkpointing 'selective' cannot run"),
-    ("none.none.dualpipev.untied.fp32.off.one", "too few micro-batches for parallel.pp_schedule 'dualpipev'"),
+    ("none.none.1f1b.tied.fp32.none.many", "model.tie_embeddings cannot be used with parallel.pp > 1"),
+    ("zero1.tp.none.untied.fp32.none.one", "parallel.zero_stage 1 shards a plain optimizer"),
+    ("hsdp.tp.1f1b.untied.fp32.none.many", "needs 16 processes"),
+    ("zero3.none.zbv.untied.fp32.selective.many", "recompute 'selective' cannot run"),
+    ("none.none.dualpipev.untied.fp32.none.one", "too few micro-batches for parallel.pp_schedule 'dualpipev'"),
 ])
 def test_refused_layouts_carry_validates_reason(name, reason):
     case = next(c for c in CASES if c.name == name)
@@ -94,7 +94,7 @@ def test_parity_check_fails_on_other_data_and_without_clipping(tmp_path_factory,
     work = tmp_path_factory.mktemp(f"detect-{precision}")
     refs = References(corpus_dir, work / "cache", work)
     case = make_case({"dp": "zero3", "tp": "none", "pp": "none", "embeddings": "untied",
-                      "precision": precision, "recompute": "off", "accumulation": "many"})
+                      "precision": precision, "recompute": "none", "accumulation": "many"})
     same = case_overrides(case, refs)
     spec = {"same": same, "other-data": {**same, "data.corpus": str(write_corpus(work / "other", seed=1))},
             "no-clip": {**same, "train.grad_clip": 0.0}}

@@ -37,7 +37,7 @@ ACTIVATION_LAYOUTS = {
        for s, v in SCHEDULES.items()},
 }
 ACTIVATION_CASES = [(name, prec, mode) for name in ACTIVATION_LAYOUTS for prec in PRECISIONS
-                    for mode in ("off", "selective", "full")
+                    for mode in ("none", "selective", "full")
                     if not (mode == "selective" and name[3:] in SPLIT_BACKWARD)]
 
 
@@ -55,7 +55,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory, corpus_dir: Path) -> Path:
     spec = {f"{name}-{prec}": {**base, **overrides, "train.precision": prec}
             for name, (overrides, _) in LAYOUTS.items() for prec in PRECISIONS}
     spec.update({f"acts-{name}-{prec}-{mode}": {**base, **ACTIVATION_LAYOUTS[name], "train.precision": prec,
-                                                "train.activation_checkpointing": mode}
+                                                "train.recompute": mode}
                  for name, prec, mode in ACTIVATION_CASES})
     proc = launch(2, spec, out)
     assert proc.returncode == 0, proc.stderr[-4000:]

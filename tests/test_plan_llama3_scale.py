@@ -158,7 +158,7 @@ def test_bubbles():
     assert pipeline.bubble_fraction(4, 1) == approx(0.75)
 
 
-def test_activation_checkpointing_cost():
+def test_recompute_cost():
     # Full recomputation, "~33% more forward passes": one extra forward on top of forward + backward (2x),
     # (1 + 1 + 2) / (1 + 2) = 4/3. For 405B, full recomputation adds 2 N_blocks + 4 L H Q T to
     # 6 N + 12 L H Q T; the head (2.1B of 404B matmul parameters) is not recomputed, so the

@@ -18,7 +18,7 @@ MACHINE = LocalMachine(matmul_flops=1e11, attention_flops=5e10, memory_bytes_per
 def config(**train):
     return {"data": {"seq_len": 64},
             "train": {"micro_batch": 2, "global_batch": 8, "global_batch_tokens": 0,
-                      "activation_checkpointing": "off", **train},
+                      "recompute": "none", **train},
             "parallel": {"pp_fewer_edge_layers": False}}
 
 
@@ -39,7 +39,7 @@ def test_microbatch_seconds_small_model_by_hand():
     got = microbatch_seconds(args, dims(), config(), MACHINE, layers=4, last=True, activation_bytes=1e6)
     assert got == pytest.approx(expected, rel=1e-12)
     # Full recomputation: matmuls 8/6, attention 4/3; TP 2 halves both.
-    full = microbatch_seconds(args, dims(tp=2), config(activation_checkpointing="full"), MACHINE, 4, True, 1e6)
+    full = microbatch_seconds(args, dims(tp=2), config(recompute="full"), MACHINE, 4, True, 1e6)
     assert full == pytest.approx(2_478_833_664 * 8 / 6 / 2 / (1e11 * CPU_MATMUL) + 100_663_296 * 4 / 3 / 2 / 5e10
                                  + 4e6 / 1e10, rel=1e-12)
 

@@ -82,7 +82,7 @@ def test_chosen_layouts_are_legal(rows):
             "parallel.tp": row.tp, "parallel.pp": row.pp, "parallel.zero_stage": 0,
             "parallel.pp_schedule": "interleaved-1f1b" if row.pp > 1 else "1f1b",
             "parallel.pp_virtual_stages": r["virtual_stages"], "train.micro_batch": r["micro_batch"],
-            "train.global_batch": row.global_batch_seqs, "train.activation_checkpointing": "full"})
+            "train.global_batch": row.global_batch_seqs, "train.recompute": "full"})
         dims = validate(cfg, world=row.num_gpus)
         assert (dims.tp, dims.pp, dims.dp) == (row.tp, row.pp, dp)
 

@@ -115,7 +115,7 @@ def test_accumulation_steps_and_time():
 def test_accumulation_vs_checkpointing():
     # Micro 8 -> 32 accumulation steps; micro 16 (with checkpointing to fit) -> 16.
     # (Checkpointing's extra forward, about 4/3 the FLOPs, is test_plan_llama3_scale's
-    # test_activation_checkpointing_cost.)
+    # test_recompute_cost.)
     assert budget.accumulation_steps(2048, 8, 8) == 32
     assert budget.accumulation_steps(2048, 16, 8) == 16
 

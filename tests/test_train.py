@@ -9,7 +9,7 @@ from torch import nn
 from gridtrain.cli import main
 from gridtrain.config import TrainConfig
 from gridtrain.model.args import model_args
-from gridtrain.parallel.apply import apply_activation_checkpointing
+from gridtrain.parallel.apply import apply_recompute
 from gridtrain.train import checkpoint
 from gridtrain.train.metrics import MetricsWriter, format_line, read_metrics
 from gridtrain.train.optim import lr_at
@@ -431,7 +431,7 @@ def _loss_and_grads(mode: str):
     # A pre-hook: recomputation stops early, once the last saved tensor is rebuilt (torch's
     # checkpoint early stop), so a forward (post-)hook of the block's last module may never fire.
     model.layers["0"].feed_forward.register_forward_pre_hook(lambda *_: calls.append(1))
-    apply_activation_checkpointing(model, mode)
+    apply_recompute(model, mode)
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, args.vocab_size, (2, 24), generator=g)
     targets = torch.randint(0, args.vocab_size, (2, 24), generator=g)
@@ -442,8 +442,8 @@ def _loss_and_grads(mode: str):
 
 
 @pytest.mark.parametrize("mode", ["full", "selective"])
-def test_activation_checkpointing_matches_no_checkpointing(mode):
-    ref_model, ref_loss, ref_grads, ref_calls = _loss_and_grads("off")
+def test_recompute_matches_no_checkpointing(mode):
+    ref_model, ref_loss, ref_grads, ref_calls = _loss_and_grads("none")
     model, loss, grads, calls = _loss_and_grads(mode)
     assert (ref_calls, calls) == (1, 2)  # the block really is recomputed in backward
     torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)

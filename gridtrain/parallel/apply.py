@@ -64,12 +64,12 @@ def _selective_context():  # noqa: ANN202 - a pair of context managers, as check
     return create_selective_checkpoint_contexts(_selective_policy)
 
 
-def apply_activation_checkpointing(model: Transformer, mode: str) -> None:
+def apply_recompute(model: Transformer, mode: str) -> None:
     """Wrap each transformer block: 'full' recomputes the whole block, 'selective' the cheap ops.
 
     The wrapper keeps state-dict keys unchanged, so checkpoints are independent of this choice.
     """
-    if mode == "off":
+    if mode == "none":
         return
     for name, block in list(model.layers.items()):
         if mode == "full":
@@ -126,7 +126,7 @@ def parallelize(model: Transformer, cfg: Config, dims: ParallelDims | None = Non
             from gridtrain.parallel.tensor import apply_tp
 
             apply_tp(part, mesh["tp"], p.sequence_parallel)
-        apply_activation_checkpointing(part, t.activation_checkpointing)
+        apply_recompute(part, t.recompute)
         if t.compile:
             apply_compile(part)
         if dims is not None and dims.dp > 1:

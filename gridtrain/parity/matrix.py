@@ -11,7 +11,7 @@ Axes and choices (degree 2 on each parallel axis, so the world is 1, 2, 4 or 8 p
 | pp | none, and each schedule over 2 ranks with its virtual stages (1 for gpipe and 1f1b, else 2) |
 | embeddings | untied, tied |
 | precision | fp32, bf16, fp16 |
-| recompute | off, selective, full (train.activation_checkpointing) |
+| recompute | none, selective, full (train.recompute) |
 | accumulation | one micro-batch per step, or several (4, or 2 with 4-way data parallelism) |
 
 The model is the `tiny` preset widened to 4 layers, 8 query and 4 KV heads, so every schedule
@@ -23,9 +23,10 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from gridtrain.validate import validate
 from gridtrain.config import ConfigError, load_config
 from gridtrain.layout.schedules import RUNTIME_SCHEDULES, SCHEDULES
+from gridtrain.names import RECOMPUTE
+from gridtrain.validate import validate
 
 STEPS = 3
 LR = 2e-3
@@ -55,7 +56,7 @@ PP_CHOICES: dict[str, dict[str, object]] = {
 }
 EMBEDDING_CHOICES = {"untied": {"model.tie_embeddings": False}, "tied": {"model.tie_embeddings": True}}
 PRECISION_CHOICES = {p: {"train.precision": p} for p in ("fp32", "bf16", "fp16")}
-RECOMPUTE_CHOICES = {m: {"train.activation_checkpointing": m} for m in ("off", "selective", "full")}
+RECOMPUTE_CHOICES = {m: {"train.recompute": m} for m in RECOMPUTE}
 ACCUMULATION_CHOICES = ("one", "many")
 
 AXES: dict[str, tuple[str, ...]] = {

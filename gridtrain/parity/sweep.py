@@ -26,7 +26,7 @@ from gridtrain.parity.run import Result, launch, load_result, run_reference
 
 class References:
     """The one-process runs the cases are compared with, one per precision, micro-batch size
-    and embedding choice (activation checkpointing is off in the reference: recomputation must
+    and embedding choice (no recomputation in the reference: recomputation must
     not change the numbers either)."""
 
     def __init__(self, corpus: Path, cache_dir: Path, work: Path) -> None:
@@ -41,7 +41,7 @@ class References:
         key = self.key(overrides)
         if key not in self._runs:
             one = {k: v for k, v in overrides.items()
-                   if not k.startswith("parallel.") and k != "train.activation_checkpointing"}
+                   if not k.startswith("parallel.") and k != "train.recompute"}
             one.update(self.data_overrides(), run_dir=str(self.work / f"reference-{len(self._runs)}"))
             self._runs[key] = run_reference(one)
         return self._runs[key]

@@ -12,10 +12,10 @@ SwiGLU's four F-wide tensors). Fitted at t = 1 and t = 2, with and without SP, a
 
 | precision | recompute | replicated | sequence | heads |
 |---|---|---|---|---|
-| fp32 | off | 8h | 16h + 8 | 8h + 8kv + 16F + 4a |
+| fp32 | none | 8h | 16h + 8 | 8h + 8kv + 16F + 4a |
 | fp32 | selective | 8h | 4h | 8h + 8kv + 8F + 4a |
 | fp32 | full | | 4h | |
-| bf16/fp16 | off | 10h | 16h + 8 | 4h + 4kv + 8F + 4a |
+| bf16/fp16 | none | 10h | 16h + 8 | 4h + 4kv + 8F + 4a |
 | bf16/fp16 | selective | 4h | 4h | 4h + 4kv + 4F + 4a |
 | bf16/fp16 | full | | 4h | |
 
@@ -38,17 +38,16 @@ from gridtrain.plan.shape import ModelShape
 
 # (replicated, sequence, heads), each a row of coefficients of (h, kv_width, F, a, 1).
 COEFFICIENTS: dict[tuple[str, str], tuple[tuple[int, ...], ...]] = {
-    ("fp32", "off"): ((8, 0, 0, 0, 0), (16, 0, 0, 0, 8), (8, 8, 16, 4, 0)),
+    ("fp32", "none"): ((8, 0, 0, 0, 0), (16, 0, 0, 0, 8), (8, 8, 16, 4, 0)),
     ("fp32", "selective"): ((8, 0, 0, 0, 0), (4, 0, 0, 0, 0), (8, 8, 8, 4, 0)),
     ("fp32", "full"): ((0, 0, 0, 0, 0), (4, 0, 0, 0, 0), (0, 0, 0, 0, 0)),
-    ("16bit", "off"): ((10, 0, 0, 0, 0), (16, 0, 0, 0, 8), (4, 4, 8, 4, 0)),
+    ("16bit", "none"): ((10, 0, 0, 0, 0), (16, 0, 0, 0, 8), (4, 4, 8, 4, 0)),
     ("16bit", "selective"): ((4, 0, 0, 0, 0), (4, 0, 0, 0, 0), (4, 4, 4, 4, 0)),
     ("16bit", "full"): ((0, 0, 0, 0, 0), (4, 0, 0, 0, 0), (0, 0, 0, 0, 0)),
 }
 
 
-RUNTIME_MODES = {"none": "off", "off": "off", "selective": "selective", "full": "full"}
-"""The planner's recomputation names -> the runtime's (train.activation_checkpointing)."""
+"""The planner's recomputation names -> the runtime's (train.recompute)."""
 
 
 def _class(precision: str) -> str:
@@ -61,7 +60,7 @@ def block_bytes_per_token(shape: ModelShape, precision: str, recompute: str, tp:
     """Bytes one block saves per token of a micro-batch on one tensor-parallel rank."""
     terms = (shape.hidden, shape.kv_width, shape.ffn, shape.num_heads, 1)
     replicated, sequence, heads = (sum(c * x for c, x in zip(row, terms))
-                                   for row in COEFFICIENTS[(_class(precision), RUNTIME_MODES[recompute])])
+                                   for row in COEFFICIENTS[(_class(precision), recompute)])
     return replicated + sequence / (tp if sequence_parallel else 1) + heads / tp
 
 
@@ -99,7 +98,7 @@ def forward_extras(shape: ModelShape, layers: int, last: bool, precision: str, r
     fp32, saves an fp32 copy of its weight (4h bytes) per norm and forward."""
     if precision == "fp32":
         return 0.0, 0.0
-    blocks = layers if RUNTIME_MODES[recompute] == "off" else 0
+    blocks = layers if recompute == "none" else 0
     if fsdp:
         return 0.0, 4.0 * shape.hidden * (2 * blocks + last)
     return weight_cast_bytes(shape, blocks, last, tp), 0.0

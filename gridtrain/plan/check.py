@@ -26,7 +26,6 @@ from gridtrain.plan.memory import STATE_BUCKETS, StateBytes, fsdp_gathers, rank_
 from gridtrain.plan.shape import from_args
 from gridtrain.rundir import run_record
 
-RECOMPUTE_NAMES = {"off": "none", "selective": "selective", "full": "full"}
 
 
 def run_layout(args: ModelArgs, dims: ParallelDims, cfg: dict) -> Layout:
@@ -39,7 +38,7 @@ def run_layout(args: ModelArgs, dims: ParallelDims, cfg: dict) -> Layout:
                   zero_stage=zero, micro_batch=t["micro_batch"], seq_len=seq,
                   num_microbatches=local // t["micro_batch"], schedule=p["pp_schedule"],
                   virtual_stages=p["pp_virtual_stages"] if dims.pp > 1 else 1,
-                  sequence_parallel=p["sequence_parallel"], recompute=RECOMPUTE_NAMES[t["activation_checkpointing"]],
+                  sequence_parallel=p["sequence_parallel"], recompute=t["recompute"],
                   fewer_edge_layers=p["pp_fewer_edge_layers"])
 
 
@@ -75,7 +74,7 @@ def microbatch_activations(args: ModelArgs, dims: ParallelDims, cfg: dict, pp_ra
     counts = stage_layer_counts(args.n_layers, dims.pp * v, cfg["parallel"]["pp_fewer_edge_layers"])
     held = forwards_held(layout.schedule, dims.pp, v, layout.num_microbatches, pp_rank)
     return sum(stage_bytes(shape, counts[s], s == len(counts) - 1, layout.micro_batch * layout.seq_len,
-                           cfg["train"]["precision"], cfg["train"]["activation_checkpointing"], dims.tp,
+                           cfg["train"]["precision"], cfg["train"]["recompute"], dims.tp,
                            layout.sequence_parallel) for s in held)
 
 
@@ -106,7 +105,7 @@ def collectives(args: ModelArgs, dims: ParallelDims, cfg: dict, pp_rank: int) ->
 
 def _predict_collectives(args: ModelArgs, dims: ParallelDims, cfg: dict, pp_rank: int) -> dict[str, float]:
     t, p = cfg["train"], cfg["parallel"]
-    recomputed = t["activation_checkpointing"] != "off"
+    recomputed = t["recompute"] != "none"
     seq, mb = cfg["data"]["seq_len"], t["micro_batch"]
     local = (t["global_batch_tokens"] // seq if t["global_batch_tokens"] else t["global_batch"]) // dims.dp
     m = local // mb
@@ -185,7 +184,7 @@ def estimate_collectives(args: ModelArgs, dims: ParallelDims, cfg: dict, pp_rank
     first, last = 0 in stages, dims.pp * v - 1 in stages
     blocks = len({name.split(".")[1] for name in shapes if name.startswith("layers.")})
     activation, sp = 4 * mb * seq * args.dim, p["sequence_parallel"] and dims.tp > 1
-    again = blocks if t["activation_checkpointing"] != "off" else 0
+    again = blocks if t["recompute"] != "none" else 0
     out: dict[str, float] = {}
     if dims.tp > 1:
         per_micro = (4 * blocks + first + last + again) * activation + last * 3 * 4 * mb * seq

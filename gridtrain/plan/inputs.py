@@ -15,7 +15,7 @@ from gridtrain.config import ConfigError, load_config
 from gridtrain.model.args import PRESETS
 from gridtrain.layout.schedules import RUNTIME_SCHEDULES
 from gridtrain.plan import shape, specs
-from gridtrain.plan.layout import RECOMPUTE
+from gridtrain.names import PLAN_RECOMPUTE
 from gridtrain.plan.search import Constraints, PlanError, Problem, cp_options, tp_options
 
 SUFFIXES = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
@@ -93,8 +93,8 @@ def parse_layout(text: str) -> Constraints:
 
 def _layout_value(name: str, value: str) -> object:
     if name == "recompute":
-        if value not in RECOMPUTE:
-            raise PlanError(f"--layout recompute={value}: choose one of {', '.join(RECOMPUTE)}")
+        if value not in PLAN_RECOMPUTE:
+            raise PlanError(f"--layout recompute={value}: choose one of {', '.join(PLAN_RECOMPUTE)}")
         return value
     if name == "schedule":
         if value not in RUNTIME_SCHEDULES:

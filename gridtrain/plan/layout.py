@@ -11,13 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gridtrain.layout.schedules import DEFAULT_SCHEDULE, ScheduleName
+from gridtrain.names import PlanRecompute
 
-RECOMPUTE = ("none", "selective", "full", "attention")
-"""Recomputation: none; gridtrain's selective (keeps matmul and attention outputs, recomputes
-norms, RoPE and SwiGLU's elementwise ops); full (whole blocks); and Korthikanti et al.'s
-attention-core recomputation (Megatron-LM's "selective"), which gridtrain's runtime does not run:
-the planner uses it to compare with published runs."""
-RUNTIME_RECOMPUTE = ("none", "selective", "full")
 
 
 @dataclass(frozen=True)
@@ -48,8 +43,8 @@ class Layout:
     """Stages per pipeline rank (interleaving)."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism on the TP group (norm and residual regions split too)."""
-    recompute: str = "none"
-    """Activation recomputation: one of RECOMPUTE."""
+    recompute: PlanRecompute = "none"
+    """Activation recomputation (gridtrain.names.PlanRecompute)."""
     flash_attention: bool = True
     """Fused attention that keeps no s x s scores (FlashAttention, SDPA)."""
     fewer_edge_layers: int = 0

@@ -71,7 +71,7 @@ class LocalStep:
 def microbatch_seconds(args: ModelArgs, dims: ParallelDims, cfg: dict, machine: LocalMachine,
                        layers: int, last: bool, activation_bytes: float) -> float:
     """One micro-batch's forward and backward on one rank holding `layers` blocks."""
-    seq, mb, recompute = cfg["data"]["seq_len"], cfg["train"]["micro_batch"], cfg["train"]["activation_checkpointing"]
+    seq, mb, recompute = cfg["data"]["seq_len"], cfg["train"]["micro_batch"], cfg["train"]["recompute"]
     tokens, h, kv = seq * mb, args.dim, args.n_kv_heads * args.head_dim
     block_matmul = h * (2 * h + 2 * kv) + 3 * h * args.hidden_dim
     factor = 8 if recompute == "full" else 6

@@ -35,7 +35,8 @@ from gridtrain.layout.dims import stage_layer_counts
 from gridtrain.layout.schedules import forwards_held, in_flight, schedule, stage_ranks
 from gridtrain.plan.activations import block_bytes_per_token, head_bytes_per_token, held_bytes
 from gridtrain.plan.census import peak_dp_index, rank_elements
-from gridtrain.plan.layout import RECOMPUTE, Layout
+from gridtrain.names import PLAN_RECOMPUTE
+from gridtrain.plan.layout import Layout
 from gridtrain.plan.shape import ModelShape, norm_params
 
 GiB = 2**30
@@ -189,8 +190,8 @@ def layer_activation_bytes(shape: ModelShape, seq_len: int, micro_batch: int, tp
     Context parallelism divides the sequence and implies flash-style attention (ring attention
     merges blocks by log-sum-exp). Full recomputation keeps only the block input, divided by t
     under SP (Korthikanti's table prints 2sbh regardless)."""
-    if recompute not in RECOMPUTE:
-        raise ValueError(f"recompute must be one of {RECOMPUTE}, not {recompute!r}")
+    if recompute not in PLAN_RECOMPUTE:
+        raise ValueError(f"recompute must be one of {PLAN_RECOMPUTE}, not {recompute!r}")
     e, h, a = act_bytes, shape.hidden, shape.num_heads
     s, b = seq_len / cp, micro_batch
     flash = flash or cp > 1

@@ -9,19 +9,19 @@ from __future__ import annotations
 import functools
 import shlex
 
-from gridtrain.validate import validate
 from gridtrain.config import ConfigError, load_config
+from gridtrain.names import RECOMPUTE
 from gridtrain.plan.layout import Layout
+from gridtrain.validate import validate
 
-RUNTIME_RECOMPUTE = {"none": "off", "selective": "selective", "full": "full"}
 
 
 @functools.lru_cache(maxsize=8192)
 def refusal(model_keys: tuple[tuple[str, object], ...], global_batch_seqs: int, precision: str,
             layout: Layout) -> str:
     """Why `gridtrain train` would refuse the layout ('' when it accepts it)."""
-    if layout.recompute not in RUNTIME_RECOMPUTE:
-        return f"recompute '{layout.recompute}' is not one of gridtrain's modes ({', '.join(RUNTIME_RECOMPUTE)})"
+    if layout.recompute not in RECOMPUTE:
+        return f"recompute '{layout.recompute}' is not one of gridtrain's modes ({', '.join(RECOMPUTE)})"
     try:
         cfg = load_config(None, run_keys(model_keys, global_batch_seqs, precision, layout))
         validate(cfg, world=layout.num_gpus)
@@ -36,7 +36,7 @@ def run_keys(model_keys: tuple[tuple[str, object], ...], global_batch_seqs: int,
     keys: dict[str, object] = dict(model_keys)
     keys.update({"data.seq_len": layout.seq_len, "train.global_batch": global_batch_seqs,
                  "train.micro_batch": layout.micro_batch, "train.precision": precision,
-                 "train.activation_checkpointing": RUNTIME_RECOMPUTE.get(layout.recompute, layout.recompute),
+                 "train.recompute": layout.recompute,
                  "parallel.tp": layout.tp, "parallel.pp": layout.pp, "parallel.cp": layout.cp,
                  "parallel.dp_replicate": layout.dp_replicate, "parallel.dp_shard": layout.dp_shard,
                  "parallel.zero_stage": layout.zero_stage, "parallel.sequence_parallel": layout.sequence_parallel})

@@ -25,7 +25,8 @@ import itertools
 from dataclasses import dataclass, field, replace
 
 from gridtrain.layout.schedules import DEFAULT_SCHEDULE, SCHEDULES
-from gridtrain.plan.layout import RUNTIME_RECOMPUTE, Layout
+from gridtrain.names import RECOMPUTE
+from gridtrain.plan.layout import Layout
 from gridtrain.plan.memory import (RankMemory, StateBytes, buffer_bytes, gathered_bytes_per_param, peak_rank,
                                    probe_activations, rank_memory, rank_params, state_bytes_per_param)
 from gridtrain.plan.runnable import refusal
@@ -234,7 +235,7 @@ def degree_options(problem: Problem, c: Constraints) -> list[tuple[int, int, int
 
 def families(problem: Problem, c: Constraints) -> list[Family]:
     """Every valid core, grouped by everything but the micro-batch."""
-    recomputes = [r for r in RUNTIME_RECOMPUTE if c.recompute is None or c.recompute == r] or (
+    recomputes = [r for r in RECOMPUTE if c.recompute is None or c.recompute == r] or (
         [c.recompute] if c.recompute else [])
     out = []
     for tp, cp, pp, dp in degree_options(problem, c):
