@@ -169,7 +169,7 @@ def cmd_calibrate(args: argparse.Namespace, extra: list[str]) -> int:
 
 def cmd_plan(args: argparse.Namespace, extra: list[str]) -> int:
     if args.check:
-        from gridtrain.plan.check import check_run, check_step_time, format_check, format_step_time
+        from gridtrain.plan.check_run import check_run, check_step_time, format_check, format_step_time
         from gridtrain.rundir import run_record
         from gridtrain.train.calibrate import local_machine
 
@@ -185,7 +185,7 @@ def cmd_plan(args: argparse.Namespace, extra: list[str]) -> int:
         except ValueError as err:
             print(f"step time: {err}")
         return 0
-    from gridtrain.plan.app import run_plan
+    from gridtrain.plan.app.command import run_plan
 
     return run_plan(args, extra)
 
@@ -207,7 +207,7 @@ def cmd_plot(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_export(args: argparse.Namespace, extra: list[str]) -> int:
-    from gridtrain.train.hf import export_run
+    from gridtrain.train.hf_run import export_run
 
     out = export_run(Path(args.run_dir), Path(args.out), args.step)  # InterchangeError: one line, exit 2
     print(f"wrote {out} (transformers: LlamaForCausalLM.from_pretrained('{out}'))")
@@ -215,7 +215,7 @@ def cmd_export(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_import(args: argparse.Namespace, extra: list[str]) -> int:
-    from gridtrain.train.hf import import_hf
+    from gridtrain.train.hf_run import import_hf
 
     run_dir = import_hf(Path(args.hf_dir), Path(args.run_dir))  # InterchangeError: one line, exit 2
     print(f"wrote a step-0 checkpoint in {run_dir}; continue training with\n"

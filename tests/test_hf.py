@@ -18,7 +18,8 @@ from gridtrain.config import Config, load_config
 from gridtrain.model import llama
 from gridtrain.model.args import PRESETS, ModelArgs, model_args
 from gridtrain.model.llama import Transformer
-from gridtrain.train import hf
+from gridtrain.model import hf
+from gridtrain.train import hf_run
 from gridtrain.train.trainer import Trainer, build_model, loss_fn
 
 from conftest import tiny_overrides
@@ -86,7 +87,7 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("name", list(RUNS))
 def test_export_gives_transformers_the_same_logits(runs, name, tmp_path):
     run = runs[name]
-    out = hf.export_run(run.run_dir, tmp_path / "hf")
+    out = hf_run.export_run(run.run_dir, tmp_path / "hf")
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
     model = load_hf(out)
     ids = token_ids()
@@ -108,7 +109,7 @@ def test_export_gives_transformers_the_same_logits(runs, name, tmp_path):
 def test_parity_fails_without_the_rope_permutation(runs, tmp_path):
     """The parity check above can fail: q_proj/k_proj in gridtrain's row order are far off."""
     run = runs["gqa"]
-    model = load_hf(hf.export_run(run.run_dir, tmp_path / "hf"))
+    model = load_hf(hf_run.export_run(run.run_dir, tmp_path / "hf"))
     with torch.no_grad():
         for i in range(2):
             attn = model.model.layers[i].self_attn
@@ -120,7 +121,7 @@ def test_parity_fails_without_the_rope_permutation(runs, tmp_path):
 def test_parity_sees_llama31_rope_scaling(runs, tmp_path):
     """transformers applies the llama3 scaling, and leaving it out would fail the 1e-5 check."""
     run = runs["rope_scaling"]
-    out = hf.export_run(run.run_dir, tmp_path / "hf")
+    out = hf_run.export_run(run.run_dir, tmp_path / "hf")
     config = LlamaConfig.from_pretrained(out)
     assert config.rope_parameters == {"rope_type": "llama3", "rope_theta": 500_000.0, **hf.LLAMA31_ROPE}
     unscaled = Transformer(replace(run.cfg.model.args(), rope_scaling=False)).eval()
@@ -138,8 +139,8 @@ def test_llama31_constants_are_gridtrains():
 
 def test_export_picks_the_step_asked_for(runs, tmp_path):
     run = runs["gqa"]
-    first = load_file(hf.export_run(run.run_dir, tmp_path / "one", step=1) / "model.safetensors")
-    last = load_file(hf.export_run(run.run_dir, tmp_path / "last") / "model.safetensors")
+    first = load_file(hf_run.export_run(run.run_dir, tmp_path / "one", step=1) / "model.safetensors")
+    last = load_file(hf_run.export_run(run.run_dir, tmp_path / "last") / "model.safetensors")
     assert torch.equal(last["model.embed_tokens.weight"], run.weights["tok_embeddings.weight"])
     assert not torch.equal(first["model.embed_tokens.weight"], last["model.embed_tokens.weight"])
 
@@ -148,9 +149,9 @@ def test_failed_export_leaves_nothing(runs, tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(hf, "save_file", broken)
+    monkeypatch.setattr(hf_run, "save_file", broken)
     with pytest.raises(OSError, match="disk full"):
-        hf.export_run(runs["gqa"].run_dir, tmp_path / "hf")
+        hf_run.export_run(runs["gqa"].run_dir, tmp_path / "hf")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -287,7 +288,7 @@ def test_import_then_resume_continues_the_original(runs, name, tmp_path, corpus_
 
 def test_import_reads_sharded_safetensors(runs, tmp_path):
     run = runs["gqa"]
-    out = hf.export_run(run.run_dir, tmp_path / "hf")
+    out = hf_run.export_run(run.run_dir, tmp_path / "hf")
     weights = load_file(out / "model.safetensors")
     (out / "model.safetensors").unlink()
     names = sorted(weights)
@@ -296,8 +297,8 @@ def test_import_reads_sharded_safetensors(runs, tmp_path):
         save_file({k: weights[k] for k in keys}, out / file, metadata={"format": "pt"})
     index = {"metadata": {}, "weight_map": {k: f for f, keys in shards.items() for k in keys}}
     (out / "model.safetensors.index.json").write_text(json.dumps(index))
-    run_dir = hf.import_hf(out, tmp_path / "imported")
-    loaded = hf.load_model_weights(hf.find_checkpoint(run_dir / "checkpoints"), run.cfg.model.args())
+    run_dir = hf_run.import_hf(out, tmp_path / "imported")
+    loaded = hf_run.load_model_weights(hf_run.find_checkpoint(run_dir / "checkpoints"), run.cfg.model.args())
     for key, value in loaded.items():
         assert torch.equal(value, run.weights[key]), key
 
@@ -349,4 +350,4 @@ def test_import_errors(tmp_path, capsys):
 def test_import_refuses_a_norm_eps_the_config_cannot_hold(tmp_path):
     args = ModelArgs(**{**PRESETS["tiny"]().__dict__, "norm_eps": 1e-6})
     with pytest.raises(hf.InterchangeError, match="rms_norm_eps 1e-06"):
-        hf.imported_toml(args, tmp_path, load_config().train)
+        hf_run.imported_toml(args, tmp_path, load_config().train)

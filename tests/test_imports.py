@@ -12,7 +12,9 @@ PACKAGE = Path(__file__).resolve().parents[1] / "gridtrain"
 
 
 def modules(folder: str) -> list[str]:
-    return sorted(f"gridtrain.{folder}.{p.stem}" for p in (PACKAGE / folder).glob("*.py") if p.stem != "__init__")
+    """Every module under gridtrain/<folder>, subfolders included."""
+    return sorted("gridtrain." + ".".join(p.relative_to(PACKAGE).with_suffix("").parts)
+                  for p in (PACKAGE / folder).rglob("*.py") if p.stem != "__init__")
 
 
 TORCH_FREE = modules("plan") + modules("layout") + [
@@ -31,7 +33,7 @@ def imports_of(folder: str) -> list[tuple[str, str]]:
     """(file:line, imported module) for every import under gridtrain/<folder>, deferred ones
     included (they would load their module the moment the code runs them)."""
     out = []
-    for path in sorted((PACKAGE / folder).glob("*.py")):
+    for path in sorted((PACKAGE / folder).rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module:
                 names = [node.module]
@@ -39,7 +41,7 @@ def imports_of(folder: str) -> list[tuple[str, str]]:
                 names = [a.name for a in node.names]
             else:
                 continue
-            out += [(f"{folder}/{path.name}:{node.lineno}", name) for name in names]
+            out += [(f"{path.relative_to(PACKAGE)}:{node.lineno}", name) for name in names]
     return out
 
 

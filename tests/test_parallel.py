@@ -159,7 +159,7 @@ CHECKED = [(2, "ddp2"), (2, "zero2"), (2, "tp2"), (2, "tp2_sp"), (2, "pp2_1f1b")
 def test_plan_check_predicts_model_state_bytes(runs, world, name):
     """`gridtrain plan --check`: predicted parameter, gradient and optimizer bytes per rank equal
     the bytes each rank measured."""
-    from gridtrain.plan.check import check_run
+    from gridtrain.plan.check_run import check_run
 
     rows = check_run(runs[world] / name)
     state = [r for r in rows if r.bucket in ("weights", "gradients", "optimizer")]
@@ -187,7 +187,7 @@ COMM_CHECKED = [(2, "ddp2"), (4, "ddp4"), (2, "zero2"), (2, "fsdp2_accum4"), (2,
 def test_plan_check_predicts_bytes_per_collective(runs, world, name):
     """`gridtrain plan --check`: the predicted payload of every collective on every axis equals
     what the rank tracked, and nothing was tracked that the prediction leaves out."""
-    from gridtrain.plan.check import check_run
+    from gridtrain.plan.check_run import check_run
 
     case = runs[world] / name
     rows = [r for r in check_run(case) if "/" in r.bucket]
@@ -210,7 +210,7 @@ def test_plan_check_predicts_every_collective_of_every_layout(runs, world, name)
     and the step time is a number."""
     import math
 
-    from gridtrain.plan.check import check_run, check_step_time
+    from gridtrain.plan.check_run import check_run, check_step_time
 
     case = runs[world] / name
     rows = check_run(case)
@@ -230,7 +230,7 @@ def test_plan_check_small_model_fsdp_tp_pp(tmp_path_factory, corpus_dir):
     """The issue's bar, literally: FSDP 2, TP 2 and PP 2 runs of the small model (the default
     preset, at a short sequence): `gridtrain plan --check` predicts parameter, gradient and
     optimizer bytes and every collective's bytes exactly, and activations within 3%."""
-    from gridtrain.plan.check import check_run, check_step_time
+    from gridtrain.plan.check_run import check_run, check_step_time
 
     out = tmp_path_factory.mktemp("small")
     base = {"model.preset": "small", "data.corpus": str(corpus_dir), "data.cache_dir": str(out / "cache"),

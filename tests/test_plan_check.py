@@ -76,7 +76,7 @@ CASES = [(name, prec) for name in LAYOUTS for prec in PRECISIONS]
 
 @pytest.mark.parametrize("name,precision", CASES, ids=[f"{n}-{p}" for n, p in CASES])
 def test_plan_and_check_predict_the_measured_state_bytes(runs, name, precision):
-    from gridtrain.plan.check import check_run
+    from gridtrain.plan.check_run import check_run
 
     planned = {r["rank"]: r for r in plan_json(LAYOUTS[name][1], precision)["ranks"]}
     rows = check_run(runs / f"{name}-{precision}")
@@ -97,7 +97,7 @@ def test_check_predicts_activations(runs, name, precision, mode):
     to 0.1%); no bucket left unpredicted."""
     import math
 
-    from gridtrain.plan.check import check_run
+    from gridtrain.plan.check_run import check_run
 
     rows = check_run(runs / f"acts-{name}-{precision}-{mode}")
     assert all(not math.isnan(r.predicted) for r in rows)

@@ -73,7 +73,7 @@ def test_chosen_layouts_are_legal(rows):
         dp = row.num_gpus // (row.tp * row.pp)
         assert r["micro_batch"] * r["num_microbatches"] * dp == row.global_batch_seqs
         if row.pp > 1:
-            assert r["virtual_stages"] >= 2
+            assert r["pp_virtual_stages"] >= 2
         assert r["peak_memory_GiB"] * 2**30 <= 0.9 * 80e9
         cfg = load_config(None, {
             "model.dim": row.hidden, "model.n_layers": row.num_layers, "model.n_heads": row.num_heads,
@@ -81,7 +81,7 @@ def test_chosen_layouts_are_legal(rows):
             "model.max_seq_len": row.seq_len, "data.seq_len": row.seq_len,
             "parallel.tp": row.tp, "parallel.pp": row.pp, "parallel.zero_stage": 0,
             "parallel.pp_schedule": "interleaved-1f1b" if row.pp > 1 else "1f1b",
-            "parallel.pp_virtual_stages": r["virtual_stages"], "train.micro_batch": r["micro_batch"],
+            "parallel.pp_virtual_stages": r["pp_virtual_stages"], "train.micro_batch": r["micro_batch"],
             "train.global_batch": row.global_batch_seqs, "train.recompute": "full"})
         dims = validate(cfg, world=row.num_gpus)
         assert (dims.tp, dims.pp, dims.dp) == (row.tp, row.pp, dp)

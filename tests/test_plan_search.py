@@ -69,7 +69,7 @@ def test_constraints_are_kept():
     assert result.ranked
     for c in result.ranked:
         assert (c.layout.tp, c.layout.pp, c.layout.cp, c.layout.dp) == (8, 16, 1, 128)
-        assert c.layout.schedule == "interleaved-1f1b" and c.layout.virtual_stages >= 2
+        assert c.layout.schedule == "interleaved-1f1b" and c.layout.pp_virtual_stages >= 2
 
 
 def test_nothing_fits_reports_the_leanest():
@@ -112,14 +112,14 @@ def test_zero_options_and_degrees():
 def test_edge_ranks_and_rank_subsets():
     # memory.edge_ranks in O(1) names the owners stage_ranks gives the first and last stage.
     for pp, v, sched in [(4, 1, "1f1b"), (4, 3, "interleaved-1f1b"), (4, 2, "zbv"), (1, 1, "1f1b")]:
-        lay = Layout(pp=pp, virtual_stages=v, schedule=sched)
+        lay = Layout(pp=pp, pp_virtual_stages=v, schedule=sched)
         owners = stage_ranks(pp, v, sched)
         assert memory.edge_ranks(lay) == (owners[0], owners[-1])
     lay = Layout(tp=8, pp=16, dp_replicate=128, seq_len=8192, num_microbatches=16, sequence_parallel=True)
     full = memory.rank_memory(S405, lay)
     assert memory.rank_memory(S405, lay, ranks=(0, 15)) == [full[0], full[15]]
     assert memory.state_bytes_per_param(1, 64) == pytest.approx(4 + 12 / 64)
-    assert memory.rank_layers(S405, replace(lay, schedule="interleaved-1f1b", virtual_stages=2)) == list(
+    assert memory.rank_layers(S405, replace(lay, schedule="interleaved-1f1b", pp_virtual_stages=2)) == list(
         memory.layers_per_rank(126, 16, 2, "interleaved-1f1b"))
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from gridtrain.model.args import llama3_70b
 from gridtrain.plan import budget, comm, flops, memory, pipeline, shape, specs
-from gridtrain.plan.inputs import batch_sequences
+from gridtrain.plan.app.inputs import batch_sequences
 from gridtrain.plan.layout import Layout
 from gridtrain.plan.memory import model_state_bytes
 

@@ -9,7 +9,7 @@ from torch import nn
 from gridtrain.cli import main
 from gridtrain.config import TrainConfig
 from gridtrain.model.args import model_args
-from gridtrain.parallel.apply import apply_recompute
+from gridtrain.parallel.parallelize import apply_recompute
 from gridtrain.train import checkpoint
 from gridtrain.train.metrics import MetricsWriter, format_line, read_metrics
 from gridtrain.train.optim import lr_at

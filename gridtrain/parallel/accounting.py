@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.autograd.graph import saved_tensors_hooks
 from torch.distributed.tensor import DTensor
 
-from gridtrain.parallel.apply import SELECTIVE_SAVE_OBSERVERS
+from gridtrain.parallel.parallelize import SELECTIVE_SAVE_OBSERVERS
 
 DTYPE_BYTES = {"Float": 4, "BFloat16": 2, "Half": 2, "Double": 8, "Long": 8, "Int": 4, "Short": 2,
                "Char": 1, "Byte": 1, "Bool": 1, "Float8_e4m3fn": 1, "Float8_e5m2": 1}
@@ -97,7 +97,7 @@ class SavedActivations:
         return t
 
     def _selective(self, output: object) -> None:
-        """Outputs that selective checkpointing keeps in its own cache (apply.py)."""
+        """Outputs that selective checkpointing keeps in its own cache (parallelize.py)."""
         for t in output if isinstance(output, (tuple, list)) else (output,):
             if isinstance(t, torch.Tensor):
                 self._pack(t)

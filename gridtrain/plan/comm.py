@@ -253,7 +253,7 @@ def bytes_per_step(shape: ModelShape, layout: Layout, rank: int = 0, state: Stat
         out["tp"] = layers * m * tp_bytes_per_layer(tokens // layout.cp, shape.hidden, layout.tp,
                                                     act_bytes, full)
     if layout.pp > 1:
-        out["pp"] = pp_bytes_per_step(tokens // layout.cp, shape.hidden, m, layout.virtual_stages,
+        out["pp"] = pp_bytes_per_step(tokens // layout.cp, shape.hidden, m, layout.pp_virtual_stages,
                                       act_bytes, layout.tp, layout.sequence_parallel)
     if layout.cp > 1:
         kv_width = kv_heads_per_rank(shape, layout.tp) * shape.head_dim

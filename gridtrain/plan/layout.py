@@ -39,7 +39,7 @@ class Layout:
     """Micro-batches per optimizer step per data-parallel rank (gradient accumulation steps)."""
     schedule: ScheduleName = DEFAULT_SCHEDULE
     """Pipeline schedule: a name of gridtrain.layout.schedules.SCHEDULES."""
-    virtual_stages: int = 1
+    pp_virtual_stages: int = 1
     """Stages per pipeline rank (interleaving)."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism on the TP group (norm and residual regions split too)."""

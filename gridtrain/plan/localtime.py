@@ -15,7 +15,7 @@ One optimizer step on one rank:
 - memory-bound work: the census of saved activations (check.microbatch_activations),
   each byte passed HBM_PASSES times at the measured bandwidth of an elementwise add;
 - bubble: GPipe and 1F1B idle p - 1 micro-batch slots per step;
-- collectives: the predicted bytes per collective (check.predict_collectives), a ring all-reduce
+- collectives: the predicted bytes per collective (check_run.predict_collectives), a ring all-reduce
   moving 2(N-1)/N of its payload and an all-gather (N-1)/N, at the bus bandwidth measured
   between two gloo ranks, not overlapped: on a CPU, gloo's threads compete with compute;
 - contention: ranks x threads beyond the machine's cores share them;

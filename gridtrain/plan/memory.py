@@ -257,7 +257,7 @@ STATE_BUCKETS = BUCKETS[:3]
 
 def rank_layers(shape: ModelShape, layout: Layout) -> list[int]:
     """Transformer blocks on each pipeline rank (a rank sums its virtual stages)."""
-    return list(layers_per_rank(shape.num_layers, layout.pp, layout.virtual_stages, layout.schedule,
+    return list(layers_per_rank(shape.num_layers, layout.pp, layout.pp_virtual_stages, layout.schedule,
                                 layout.fewer_edge_layers))
 
 
@@ -311,7 +311,7 @@ def rank_state(shape: ModelShape, layout: Layout, rank: int, state: StateBytes,
     runtime), tensor by tensor (census.py) for the data-parallel rank `dp_index`, by default the one
     that holds the most; otherwise the even split of model_state_bytes."""
     if state.exact and shape.block == "llama":
-        where = (shape, layout.tp, layout.pp, layout.virtual_stages, layout.schedule, layout.fewer_edge_layers,
+        where = (shape, layout.tp, layout.pp, layout.pp_virtual_stages, layout.schedule, layout.fewer_edge_layers,
                  layout.zero_stage, layout.dp_replicate, layout.dp_shard, rank)
         held = rank_elements(*where, peak_dp_index(*where) if dp_index is None else dp_index)
         return ModelState(held.params * state.weights, held.grads * state.gradients,
@@ -324,7 +324,7 @@ def rank_state(shape: ModelShape, layout: Layout, rank: int, state: StateBytes,
 def fsdp_gathers(layout: Layout) -> bool:
     """Whether gridtrain runs the layout's parameters through FSDP2, which gathers them in the
     compute dtype: ZeRO 2 and 3 over several data-parallel ranks, and ZeRO 0 (replication) once
-    tensor or pipeline parallelism is on (parallel/data.py)."""
+    tensor or pipeline parallelism is on (parallel/data_parallel.py)."""
     return layout.dp > 1 and (layout.zero_stage in (2, 3) or (layout.zero_stage == 0 and (layout.tp > 1 or layout.pp > 1)))
 
 
@@ -402,7 +402,7 @@ def rank_activations(shape: ModelShape, layout: Layout, rank: int, layers: int, 
     if measured_census(shape, layout.flash_attention or layout.cp > 1, layout.recompute) and \
             schedule(layout.schedule).runnable:
         return census_activations(shape, layout, rank, act_bytes)
-    held = in_flight(layout.schedule, layout.pp, rank, layout.num_microbatches, layout.virtual_stages)
+    held = in_flight(layout.schedule, layout.pp, rank, layout.num_microbatches, layout.pp_virtual_stages)
     acts = layers * per_layer * held
     if rank == last:
         acts += head * (layout.num_microbatches if schedule(layout.schedule).all_forwards_first else 1)
@@ -414,7 +414,7 @@ def census_activations(shape: ModelShape, layout: Layout, rank: int, act_bytes: 
     """A pipeline rank's activations at its peak, as gridtrain saves them: the forwards each of
     its stages holds then (pipeline.forwards_held on torch's schedules) times what a forward
     saves (activations.held_bytes), and the token ids and targets of its micro-batches."""
-    v = layout.virtual_stages if layout.pp > 1 else 1
+    v = layout.pp_virtual_stages if layout.pp > 1 else 1
     counts = stage_counts(shape.num_layers, layout.pp * v, layout.fewer_edge_layers)
     held = forwards_held(layout.schedule, layout.pp, v, layout.num_microbatches, rank, peak=True)
     tokens = layout.micro_batch * layout.seq_len / layout.cp

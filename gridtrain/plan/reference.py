@@ -86,7 +86,7 @@ def reference_rows(eff: Efficiency = CALIBRATED) -> list[dict[str, float]]:
         predicted = cand.time.hardware_tflops_per_gpu
         out.append({"params_billion": row.params_billion, "tp": row.tp, "pp": row.pp,
                     "num_gpus": row.num_gpus, "micro_batch": cand.layout.micro_batch,
-                    "virtual_stages": cand.layout.virtual_stages,
+                    "pp_virtual_stages": cand.layout.pp_virtual_stages,
                     "num_microbatches": cand.layout.num_microbatches,
                     "predicted_tflops_per_gpu": predicted,
                     "measured_tflops_per_gpu": row.measured_tflops_per_gpu,
@@ -103,7 +103,7 @@ def render_reference(rows: list[dict[str, float]], eff: Efficiency = CALIBRATED)
              head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r['params_billion']:>6}B {r['tp']:>3} {r['pp']:>3} {r['num_gpus']:>5} "
-                     f"{r['micro_batch']:>3} {r['virtual_stages']:>3} {r['num_microbatches']:>5} "
+                     f"{r['micro_batch']:>3} {r['pp_virtual_stages']:>3} {r['num_microbatches']:>5} "
                      f"{r['predicted_tflops_per_gpu']:>10.1f} {r['measured_tflops_per_gpu']:>9.0f} "
                      f"{r['error_pct']:>+6.1f}% {r['peak_memory_GiB']:>5.1f} GiB")
     worst = max(abs(r["error_pct"]) for r in rows)

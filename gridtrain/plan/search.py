@@ -88,7 +88,7 @@ class Constraints:
     micro_batch: int | None = None
     recompute: str | None = None
     schedule: str | None = None
-    virtual_stages: int | None = None
+    pp_virtual_stages: int | None = None
 
     def given(self) -> dict[str, object]:
         return {k: v for k, v in self.__dict__.items() if v is not None}
@@ -167,7 +167,7 @@ def schedule_options(pp: int, num_layers: int, m: int, c: Constraints) -> list[t
     zero-bubble are both tried (a smaller bubble against the split backward's cost), and so are
     ZB-V and DualPipeV (a smaller bubble against more micro-batches in flight)."""
     if pp == 1:  # no pipeline: a named schedule is moot
-        return [(DEFAULT_SCHEDULE, 1)] if c.virtual_stages in (None, 1) else []
+        return [(DEFAULT_SCHEDULE, 1)] if c.pp_virtual_stages in (None, 1) else []
     vs = [v for v in range(2, 9) if pp * v <= num_layers]
     pairs = []
     for row in SCHEDULES.values():
@@ -179,7 +179,7 @@ def schedule_options(pp: int, num_layers: int, m: int, c: Constraints) -> list[t
             pairs += [(row.name, v) for v in vs]
         elif row.stages_per_rank == 2 and 2 * pp <= num_layers and m >= 2 * pp:
             pairs.append((row.name, 2))
-    return [(s, v) for s, v in pairs if c.virtual_stages is None or c.virtual_stages == v]
+    return [(s, v) for s, v in pairs if c.pp_virtual_stages is None or c.pp_virtual_stages == v]
 
 
 @functools.lru_cache(maxsize=1024)
@@ -207,7 +207,7 @@ class Family:
     dp: int
     recompute: str
     schedule: str
-    virtual_stages: int
+    pp_virtual_stages: int
     micro_batches: tuple[int, ...]
     per_replica: int
     """Sequences per step per data-parallel rank."""
@@ -216,7 +216,7 @@ class Family:
         return Layout(tp=self.tp, pp=self.pp, cp=self.cp, dp_replicate=self.dp, zero_stage=0,
                       micro_batch=micro_batch, seq_len=problem.seq_len,
                       num_microbatches=self.per_replica // micro_batch, schedule=self.schedule,
-                      virtual_stages=self.virtual_stages,
+                      pp_virtual_stages=self.pp_virtual_stages,
                       sequence_parallel=self.tp > 1 and problem.sequence_parallel,
                       recompute=self.recompute, flash_attention=problem.flash_attention)
 

@@ -243,14 +243,14 @@ def pipeline_time(shape: ModelShape, layout: Layout, cluster: ClusterSpec, eff: 
     """m micro-batches through the pipeline on its slowest rank, with sends and the bubble."""
     lc = layer_cost(shape, cluster, eff, layout.seq_len, layout.micro_batch, layout.tp, layout.cp,
                     layout.sequence_parallel, layout.recompute, layout.flash_attention, act_bytes)
-    counts = layers_per_rank(shape.num_layers, layout.pp, layout.virtual_stages, layout.schedule,
+    counts = layers_per_rank(shape.num_layers, layout.pp, layout.pp_virtual_stages, layout.schedule,
                              layout.fewer_edge_layers)
     _, last = edge_ranks(layout)
     head = head_seconds(shape, cluster, eff, layout)
     busiest = _busiest(counts)
     critical = last if counts[last] * lc.total_s + head >= counts[busiest] * lc.total_s else busiest
     micro = counts[critical] * lc.total_s + (head if critical == last else 0.0)
-    m, pp, v = layout.num_microbatches, layout.pp, layout.virtual_stages
+    m, pp, v = layout.num_microbatches, layout.pp, layout.pp_virtual_stages
     pp_s = bubble_s = 0.0
     if pp > 1:
         micro *= split_cost(layout.schedule)  # zero-bubble schedules' split backward

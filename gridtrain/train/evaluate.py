@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 
 from gridtrain.config import Config, ConfigError
-from gridtrain.parallel.apply import ParallelModel
-from gridtrain.parallel.tensor import loss_context
+from gridtrain.parallel.parallelize import ParallelModel
+from gridtrain.parallel.tensor_parallel import loss_context
 from gridtrain.train.build import Data, loss_fn, scalar
 from gridtrain.train.precision import Precision
 

@@ -28,7 +28,7 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, mesh: Any = None, zero_s
               {"params": no_decay, "weight_decay": 0.0}]
     defaults = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
     if mesh is not None and dp > 1 and zero_stage == 1:
-        from gridtrain.parallel.data import build_zero1_optimizer
+        from gridtrain.parallel.data_parallel import build_zero1_optimizer
 
         return build_zero1_optimizer(groups, mesh, **defaults)
     # foreach on CPU; fused where the device supports it (CUDA), chosen by torch itself.

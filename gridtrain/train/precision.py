@@ -19,7 +19,7 @@ from torch.amp.grad_scaler import _MultiDeviceReplicator
 from torch.distributed.tensor import DTensor
 
 from gridtrain.config import TrainConfig
-from gridtrain.parallel.apply import COMPUTE_DTYPES
+from gridtrain.parallel.parallelize import COMPUTE_DTYPES
 
 
 

@@ -16,7 +16,7 @@ import torch
 
 from gridtrain.parallel.accounting import (CollectiveLog, SavedActivations, flatten_comm, grad_bytes,
                                           optimizer_bytes, param_bytes)
-from gridtrain.parallel.apply import ParallelModel
+from gridtrain.parallel.parallelize import ParallelModel
 
 
 class StepAccount:

@@ -26,11 +26,11 @@ import torch.distributed as dist
 from gridtrain.config import Config
 from gridtrain.model.stats import count_parameters, flops_per_token
 from gridtrain.parallel.accounting import CollectiveLog
-from gridtrain.parallel.apply import parallelize
-from gridtrain.parallel.data import set_gradient_sync
+from gridtrain.parallel.parallelize import parallelize
+from gridtrain.parallel.data_parallel import set_gradient_sync
 from gridtrain.parallel.grads import clip_grad_norm
 from gridtrain.parallel.mesh import build_mesh, group
-from gridtrain.parallel.tensor import loss_context
+from gridtrain.parallel.tensor_parallel import loss_context
 from gridtrain.rundir import write_record
 from gridtrain.train.build import build_data, build_model, loss_fn, scalar
 from gridtrain.train.calibrate import peak_flops

@@ -82,7 +82,7 @@ def layer_lines(problem: Problem, layout: Layout) -> list[str]:
 def pipeline_lines(problem: Problem, cand: Candidate) -> list[str]:
     layout, st = cand.layout, cand.time
     pt = pipeline_time(problem.shape, layout, problem.cluster, problem.eff, problem.act_bytes)
-    m, p, v = layout.num_microbatches, layout.pp, layout.virtual_stages
+    m, p, v = layout.num_microbatches, layout.pp, layout.pp_virtual_stages
     lines = [f"one micro-batch on pipeline rank {pt.critical_rank} = {pt.layers} layers x "
              f"{_ms(pt.layer.total_s)}" + (f" + head {_ms(pt.head_s)}" if pt.head_s else "")
              + f" = {_ms(pt.micro_s)}; x m = {m}: {_ms(m * pt.micro_s)}"]

@@ -1,13 +1,6 @@
-"""Hugging Face interchange: a gridtrain run as a transformers `LlamaForCausalLM` directory, and back.
-
-Two conventions differ between the codebases:
-- RoPE pairs. gridtrain rotates interleaved pairs (x[2i], x[2i+1]) of each head, as Meta's reference
-  code does; transformers rotates halves (x[i], x[i + head_dim/2]) (`rotate_half`). The models agree
-  once the rows of wq and wk are permuted within each head, which is what transformers'
-  convert_llama_weights_to_hf.py `permute` does. wv and wo stay: q.k is unchanged when q and k
-  have the same dimensions permuted.
-- Names. `layers.N.attention.wq.weight` is `model.layers.N.self_attn.q_proj.weight`; w1, w3, w2 are
-  gate_proj, up_proj, down_proj; the tied output head is not stored (transformers ties it on load).
+"""Hugging Face interchange of runs: `gridtrain export` writes a run's checkpoint as a transformers
+`LlamaForCausalLM` directory, `gridtrain import` makes a run from one (gridtrain.model.hf maps the
+names, the RoPE rows and the config).
 
 Files are safetensors and DCP checkpoints only: nothing here unpickles but DCP's .metadata,
 through untrusted.SafeReader (DCP's metadata classes and nothing else).
@@ -19,7 +12,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import re
 import shutil
 from pathlib import Path
 from typing import Any, Iterator
@@ -29,187 +21,17 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 
 from gridtrain.config import CheckpointConfig, ModelConfig, TrainConfig, load_config
-from gridtrain.errors import UserError
 from gridtrain.model.args import PRESETS, ModelArgs
+from gridtrain.model.hf import (InterchangeError, args_from_hf_config, from_hf_state_dict, hf_config,
+                                to_hf_state_dict)
 from gridtrain.model.llama import Transformer
 from gridtrain.rundir import run_record
 from gridtrain.train import checkpoint
+from gridtrain.train.build import build_model
 from gridtrain.train.manifest import verify
-from gridtrain.train.untrusted import SafeReader, UntrustedCheckpointError, check_metadata
 from gridtrain.train.optim import build_optimizer, set_lr
 from gridtrain.train.precision import Precision
-from gridtrain.train.build import build_model
-
-# The constants of gridtrain.model.llama._llama31_scale (Llama 3.1), in transformers' spelling.
-LLAMA31_ROPE = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 8192}
-
-_TOP_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-              "output.weight": "lm_head.weight"}
-_LAYER_NAMES = {
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-}
-_GRIDTRAIN_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
-_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-
-
-class InterchangeError(UserError, ValueError):
-    """A run or Hugging Face directory that cannot be converted; the message says why and what to do."""
-
-
-# ---------------------------------------------------------------------------------------------
-# Configs
-
-
-def hf_config(args: ModelArgs, dtype: str = "float32") -> dict[str, Any]:
-    """config.json of the transformers LlamaConfig describing this model exactly."""
-    rope = {"rope_type": "llama3", "rope_theta": args.rope_theta, **LLAMA31_ROPE} if args.rope_scaling \
-        else {"rope_type": "default", "rope_theta": args.rope_theta}
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "hidden_size": args.dim, "intermediate_size": args.hidden_dim,
-        "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.n_kv_heads, "head_dim": args.head_dim,
-        "vocab_size": args.vocab_size, "rms_norm_eps": args.norm_eps,
-        "max_position_embeddings": args.max_seq_len, "tie_word_embeddings": args.tie_embeddings,
-        # transformers 5 reads rope_parameters; rope_theta and rope_scaling are the 4.x spelling,
-        # kept for older readers (5.x accepts them and they agree).
-        "rope_parameters": rope, "rope_theta": args.rope_theta,
-        "rope_scaling": rope if args.rope_scaling else None,
-        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
-        "initializer_range": args.init_std, "dtype": dtype, "torch_dtype": dtype,
-        # gridtrain's tokenizers are not Llama's: no bos/eos ids are claimed.
-        "bos_token_id": None, "eos_token_id": None,
-    }
-
-
-def _read_rope(cfg: dict[str, Any], problems: list[str]) -> tuple[float, bool]:
-    """(rope_theta, Llama 3.1 scaling) from either spelling of the RoPE settings."""
-    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10_000.0)))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type == "default":
-        return theta, False
-    if rope_type != "llama3":
-        problems.append(f"rope_type {rope_type!r}: gridtrain implements 'default' RoPE and Llama 3.1's "
-                        "'llama3' scaling only")
-        return theta, False
-    # transformers falls back to max_position_embeddings for the original context.
-    got = {k: params.get(k, cfg.get("max_position_embeddings")) if k.startswith("original")
-           else params.get(k) for k in LLAMA31_ROPE}
-    if any(got[k] is None or float(got[k]) != v for k, v in LLAMA31_ROPE.items()):
-        problems.append(f"llama3 RoPE scaling with {got}: gridtrain implements Llama 3.1's "
-                        f"{LLAMA31_ROPE} only")
-    return theta, True
-
-
-def args_from_hf_config(cfg: dict[str, Any]) -> ModelArgs:
-    """The gridtrain shape of a transformers Llama config.json; InterchangeError lists together
-    everything gridtrain's model cannot represent (biases, other activations, other RoPE)."""
-    required = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
-    problems = [f"config.json lacks {key!r}" for key in required if key not in cfg]
-    if cfg.get("model_type") != "llama":
-        problems.append(f"model_type {cfg.get('model_type')!r}: gridtrain reads 'llama' "
-                        "(LlamaForCausalLM) only")
-    if cfg.get("hidden_act", "silu") != "silu":
-        problems.append(f"hidden_act {cfg['hidden_act']!r}: gridtrain's MLP is SwiGLU (silu)")
-    problems += [f"{key} = true: gridtrain's linear layers have no bias"
-                 for key in ("attention_bias", "mlp_bias") if cfg.get(key)]
-    if cfg.get("quantization_config"):
-        problems.append("quantization_config: gridtrain reads unquantized weights only")
-    if float(cfg.get("partial_rotary_factor", 1.0)) != 1.0:
-        problems.append(f"partial_rotary_factor {cfg['partial_rotary_factor']}: gridtrain rotates "
-                        "whole heads")
-    theta, scaling = _read_rope(cfg, problems)
-    if problems:
-        raise InterchangeError("unsupported Hugging Face config:\n" + "\n".join(f"  - {p}" for p in problems))
-    dim, heads = cfg["hidden_size"], cfg["num_attention_heads"]
-    if cfg.get("head_dim") not in (None, dim // heads) or dim % heads:
-        raise InterchangeError(f"head_dim {cfg.get('head_dim')} with hidden_size {dim} and {heads} heads: "
-                               "gridtrain needs head_dim = hidden_size / num_attention_heads")
-    # Missing optional keys take LlamaConfig's defaults.
-    args = ModelArgs(dim=dim, n_layers=cfg["num_hidden_layers"], n_heads=heads,
-                     n_kv_heads=cfg.get("num_key_value_heads") or heads, vocab_size=cfg["vocab_size"],
-                     ffn_dim=cfg["intermediate_size"], norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                     rope_theta=theta, rope_scaling=scaling,
-                     max_seq_len=cfg.get("max_position_embeddings", 2048),
-                     tie_embeddings=bool(cfg.get("tie_word_embeddings", False)))
-    if errors := args.validate():
-        raise InterchangeError("unsupported Hugging Face config:\n" + "\n".join(f"  - {e}" for e in errors))
-    return args
-
-
-# ---------------------------------------------------------------------------------------------
-# State dicts
-
-
-def _rope_rows_to_hf(w: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Per head, rows (2i, 2i+1) become rows (i, i + head_dim/2): interleaved pairs to halves."""
-    rows, cols = w.shape
-    return w.view(num_heads, rows // num_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
-
-
-def _rope_rows_from_hf(w: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """The inverse of `_rope_rows_to_hf`."""
-    rows, cols = w.shape
-    return w.view(num_heads, 2, rows // num_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
-
-
-def _rope_heads(suffix: str, args: ModelArgs) -> int | None:
-    return {"attention.wq.weight": args.n_heads, "attention.wk.weight": args.n_kv_heads}.get(suffix)
-
-
-def to_hf_state_dict(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
-    """gridtrain names and RoPE layout -> transformers'; a tied output head is left out."""
-    out = {}
-    for name, tensor in sd.items():
-        if name == "output.weight" and args.tie_embeddings:
-            continue
-        if name in _TOP_NAMES:
-            out[_TOP_NAMES[name]] = tensor
-            continue
-        match = _GRIDTRAIN_LAYER.match(name)
-        if not match or match.group(2) not in _LAYER_NAMES:
-            raise InterchangeError(f"no Hugging Face name for gridtrain parameter {name!r}")
-        layer, suffix = match.groups()
-        heads = _rope_heads(suffix, args)
-        out[f"model.layers.{layer}.{_LAYER_NAMES[suffix]}"] = \
-            _rope_rows_to_hf(tensor, heads) if heads else tensor
-    return out
-
-
-def from_hf_state_dict(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
-    """transformers names and RoPE layout -> gridtrain's (the exact inverse of `to_hf_state_dict`)."""
-    top = {v: k for k, v in _TOP_NAMES.items()}
-    layer_names = {v: k for k, v in _LAYER_NAMES.items()}
-    out = {}
-    for name, tensor in sd.items():
-        if name.endswith("rotary_emb.inv_freq"):
-            continue  # a buffer older transformers saved; gridtrain recomputes it
-        if name in top:
-            out[top[name]] = tensor
-            continue
-        match = _HF_LAYER.match(name)
-        if not match or match.group(2) not in layer_names:
-            raise InterchangeError(f"Hugging Face weight {name!r} has no place in gridtrain's Llama")
-        layer, suffix = match.group(1), layer_names[match.group(2)]
-        heads = _rope_heads(suffix, args)
-        out[f"layers.{layer}.{suffix}"] = _rope_rows_from_hf(tensor, heads) if heads else tensor
-    if args.tie_embeddings and "tok_embeddings.weight" in out:
-        head = out.get("output.weight")
-        if head is not None and not torch.equal(head, out["tok_embeddings.weight"]):
-            raise InterchangeError("tie_word_embeddings is true but lm_head.weight differs from "
-                                   "model.embed_tokens.weight")
-        out["output.weight"] = out["tok_embeddings.weight"]
-    return out
+from gridtrain.train.untrusted import SafeReader, UntrustedCheckpointError, check_metadata
 
 
 # ---------------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ def layout_label(layout: dict) -> str:
         f"dp={layout['dp']},dp_shard={layout['dp_shard']}")
     return (f"tp={layout['tp']},cp={layout['cp']},pp={layout['pp']},{dp},zero={layout['zero_stage']},"
             f"mb={layout['micro_batch']},recompute={layout['recompute']},schedule={layout['schedule']},"
-            f"v={layout['virtual_stages']}")
+            f"v={layout['pp_virtual_stages']}")
 
 
 def render_header(r: dict) -> list[str]:
@@ -52,7 +52,7 @@ def render_units(r: dict) -> list[str]:
         ("Tensor-parallel group", f"{u['tp_groups']:,}", f"{u['tp']} GPUs (TP={u['tp']})",
          "splits each layer's matrices"),
         ("Pipeline stage", f"{u['pipeline_stages']:,}", f"{stage_gpus} GPUs (TP x CP={u['cp']})",
-         f"owns ~{u['layers_per_stage']:.3g} layers ({u['virtual_stages']} chunk(s))"),
+         f"owns ~{u['layers_per_stage']:.3g} layers ({u['pp_virtual_stages']} chunk(s))"),
         ("Model-parallel group", f"{u['replicas']:,}", f"{u['model_parallel_gpus']} GPUs "
          f"(TP x CP x PP={u['pp']})", "one full model copy"),
         ("Data-parallel replica", f"{u['replicas']:,}", f"{u['model_parallel_gpus']} GPUs",
@@ -79,7 +79,7 @@ def render_ranked(r: dict) -> list[str]:
     for i, c in enumerate(r["ranked"], 1):
         lay = c["layout"]
         lines.append(f"{i:>2} {lay['tp']:>2} {lay['cp']:>2} {lay['pp']:>3} {lay['dp']:>5} {lay['dp_shard']:>5} "
-                     f"{lay['zero_stage']:>4} {lay['schedule']:<16} {lay['virtual_stages']:>1} "
+                     f"{lay['zero_stage']:>4} {lay['schedule']:<16} {lay['pp_virtual_stages']:>1} "
                      f"{lay['micro_batch']:>3} {lay['num_microbatches']:>4} {lay['recompute']:<9} "
                      f"{c['peak_GiB']:>8.1f} {c['step_s']:>7.3f} {_count(c['tokens_per_s']):>9} {c['mfu']:>6.1%}")
     return lines

@@ -13,11 +13,12 @@ from dataclasses import replace
 from typing import TextIO
 
 from gridtrain.config import BARE_FLAG, ConfigError, parse_overrides
-from gridtrain.plan import budget, explain, render
-from gridtrain.plan.inputs import (batch_sequences, check_constraints, constraints_label, parse_count,
+from gridtrain.plan import budget
+from gridtrain.plan.app import explain, render
+from gridtrain.plan.app.inputs import (batch_sequences, check_constraints, constraints_label, parse_count,
                                    parse_layout, parse_whole, resolve_cluster, resolve_model)
+from gridtrain.plan.app.report import Assumptions, build_report, layout_dict
 from gridtrain.plan.memory import BUCKETS, CONVENTIONS, GiB
-from gridtrain.plan.report import Assumptions, build_report, layout_dict
 from gridtrain.plan.runnable import train_command
 from gridtrain.plan.search import (Candidate, Constraints, PlanError, Problem, SearchResult, cp_options, degree_options,
                                    search, tp_options)

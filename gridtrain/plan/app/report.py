@@ -68,7 +68,7 @@ def units_dict(problem: Problem, layout: Layout, total_tokens: float) -> dict[st
                           layout.num_microbatches, total_tokens, layout.cp)
     return asdict(u) | {"gpus_per_node": problem.cluster.gpus_per_node, "tp": layout.tp,
                         "cp": layout.cp, "pp": layout.pp, "micro_batch": layout.micro_batch,
-                        "seq_len": layout.seq_len, "virtual_stages": layout.virtual_stages}
+                        "seq_len": layout.seq_len, "pp_virtual_stages": layout.pp_virtual_stages}
 
 
 def memory_dict(problem: Problem, cand: Candidate) -> dict[str, object]:

@@ -23,7 +23,7 @@ SUFFIXES = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
 LAYOUT_KEYS = {"tp": "tp", "cp": "cp", "pp": "pp", "dp": "dp", "dp_shard": "dp_shard", "shard": "dp_shard",
                "zero": "zero_stage", "zero_stage": "zero_stage", "mb": "micro_batch",
                "micro_batch": "micro_batch", "recompute": "recompute", "schedule": "schedule",
-               "v": "virtual_stages", "virtual_stages": "virtual_stages"}
+               "v": "pp_virtual_stages", "pp_virtual_stages": "pp_virtual_stages", "pp_schedule": "schedule"}
 
 
 def parse_count(text: str, what: str) -> float:
@@ -214,5 +214,5 @@ def _product_problems(problem: Problem, c: Constraints) -> list[str]:
 
 def constraints_label(c: Constraints) -> str:
     names = {f.name: f.name for f in fields(Constraints)} | {"zero_stage": "zero", "micro_batch": "mb",
-                                                            "virtual_stages": "v"}
+                                                            "pp_virtual_stages": "v"}
     return ",".join(f"{names[k]}={v}" for k, v in c.given().items())

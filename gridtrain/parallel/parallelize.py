@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
     from gridtrain.parallel.mesh import Mesh
-    from gridtrain.parallel.pipeline import PipelineTraffic
+    from gridtrain.parallel.pipeline_parallel import PipelineTraffic
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -116,27 +116,27 @@ def parallelize(model: Transformer, cfg: Config, dims: ParallelDims | None = Non
     two apply."""
     p, t = cfg.parallel, cfg.train
     if dims is not None and dims.pp > 1:
-        from gridtrain.parallel.pipeline import build_stages
+        from gridtrain.parallel.pipeline_parallel import build_stages
 
         stages = build_stages(model, mesh["pp"], p.pp_virtual_stages, p.pp_schedule, p.pp_fewer_edge_layers)
     else:
         stages = [(0, model)]
     for _, part in stages:
         if dims is not None and dims.tp > 1:
-            from gridtrain.parallel.tensor import apply_tp
+            from gridtrain.parallel.tensor_parallel import apply_tp
 
             apply_tp(part, mesh["tp"], p.sequence_parallel)
         apply_recompute(part, t.recompute)
         if t.compile:
             apply_compile(part)
         if dims is not None and dims.dp > 1:
-            from gridtrain.parallel.data import apply_data_parallel
+            from gridtrain.parallel.data_parallel import apply_data_parallel
 
             apply_data_parallel(part, mesh, p.zero_stage, dims.dp_replicate, dims.tp, dims.pp,
                                 COMPUTE_DTYPES.get(t.precision))
     result = ParallelModel([m for _, m in stages], [s for s, _ in stages])
     if dims is not None and dims.pp > 1:
-        from gridtrain.parallel.pipeline import PipelineTraffic, build_schedule
+        from gridtrain.parallel.pipeline_parallel import PipelineTraffic, build_schedule
 
         result.num_stages = dims.pp * p.pp_virtual_stages
         result.traffic = PipelineTraffic(stages, result.num_stages)

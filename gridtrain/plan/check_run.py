@@ -37,7 +37,7 @@ def run_layout(args: ModelArgs, dims: ParallelDims, cfg: dict) -> Layout:
     return Layout(tp=dims.tp, pp=dims.pp, cp=dims.cp, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard,
                   zero_stage=zero, micro_batch=t["micro_batch"], seq_len=seq,
                   num_microbatches=local // t["micro_batch"], schedule=p["pp_schedule"],
-                  virtual_stages=p["pp_virtual_stages"] if dims.pp > 1 else 1,
+                  pp_virtual_stages=p["pp_virtual_stages"] if dims.pp > 1 else 1,
                   sequence_parallel=p["sequence_parallel"], recompute=t["recompute"],
                   fewer_edge_layers=p["pp_fewer_edge_layers"])
 
@@ -57,7 +57,7 @@ def predict_activations(args: ModelArgs, dims: ParallelDims, cfg: dict, pp_rank:
     census says, with the weight casts or norm copies of its precision, and the token ids and
     targets."""
     shape, layout = from_args(args), run_layout(args, dims, cfg)
-    v = layout.virtual_stages
+    v = layout.pp_virtual_stages
     counts = stage_layer_counts(args.n_layers, dims.pp * v, cfg["parallel"]["pp_fewer_edge_layers"])
     held = forwards_held(layout.schedule, dims.pp, v, layout.num_microbatches, pp_rank)
     total = held_bytes(shape, held, counts, layout.micro_batch * layout.seq_len, cfg["train"]["precision"],
@@ -70,7 +70,7 @@ def predict_activations(args: ModelArgs, dims: ParallelDims, cfg: dict, pp_rank:
 def microbatch_activations(args: ModelArgs, dims: ParallelDims, cfg: dict, pp_rank: int) -> float:
     """Bytes one micro-batch's forward saves through all of a pipeline rank's stages."""
     shape, layout = from_args(args), run_layout(args, dims, cfg)
-    v = layout.virtual_stages
+    v = layout.pp_virtual_stages
     counts = stage_layer_counts(args.n_layers, dims.pp * v, cfg["parallel"]["pp_fewer_edge_layers"])
     held = forwards_held(layout.schedule, dims.pp, v, layout.num_microbatches, pp_rank)
     return sum(stage_bytes(shape, counts[s], s == len(counts) - 1, layout.micro_batch * layout.seq_len,
@@ -177,7 +177,7 @@ def estimate_collectives(args: ModelArgs, dims: ParallelDims, cfg: dict, pp_rank
     fp16 part of it moves in 16 bits (measured 25-32% fewer bytes than this estimate)."""
     t, p = cfg["train"], cfg["parallel"]
     layout = run_layout(args, dims, cfg)
-    seq, mb, m, v = layout.seq_len, layout.micro_batch, layout.num_microbatches, layout.virtual_stages
+    seq, mb, m, v = layout.seq_len, layout.micro_batch, layout.num_microbatches, layout.pp_virtual_stages
     parts = rank_stage_shapes(from_args(args), dims.pp, v, p["pp_schedule"], p["pp_fewer_edge_layers"], pp_rank)
     shapes = {name: s for part in parts for name, s in part.items()}
     stages = list(forwards_held(layout.schedule, dims.pp, v, m, pp_rank)) if dims.pp > 1 else [0]
@@ -319,6 +319,6 @@ def format_check(rows: list[CheckRow]) -> str:
         mark = "~" if r.estimated else " "
         lines.append(f"{r.rank:>4}  {r.bucket:<30}{mark}{pred:>14} {r.measured:>14,.0f} {ratio:>7}")
     if any(r.estimated for r in rows):
-        lines.append("~ estimated: this layout's collectives are composed axis by axis (plan/check.py, "
+        lines.append("~ estimated: this layout's collectives are composed axis by axis (plan/check_run.py, "
                      "estimate_collectives), not modelled exactly")
     return "\n".join(lines)
