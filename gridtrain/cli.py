@@ -45,9 +45,10 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
         return 2
     # torch and the data stack load only when needed
     from gridtrain.train.checkpoint import CheckpointSaveError, InvalidCheckpointError
+    from gridtrain.train.checkpointer import Stopped
     from gridtrain.train.distributed import shutdown
     from gridtrain.train.resilience import CollectiveTimeout, TrainingDiverged
-    from gridtrain.train.trainer import Stopped, Trainer
+    from gridtrain.train.trainer import Trainer
 
     trainer = None
     try:
@@ -170,17 +171,17 @@ def cmd_calibrate(args: argparse.Namespace, extra: list[str]) -> int:
 def cmd_plan(args: argparse.Namespace, extra: list[str]) -> int:
     if args.check:
         from gridtrain.plan.check_run import check_run, check_step_time, format_check, format_step_time
-        from gridtrain.rundir import run_record
+        from gridtrain.rundir import RunRecord
         from gridtrain.train.calibrate import local_machine
 
         run_dir = Path(args.check)
-        record = run_record(run_dir, with_dims=True)  # a missing or damaged record: one line, exit 2
+        record = RunRecord.load(run_dir)  # a missing or damaged record: one line, exit 2
         try:
             print(format_check(check_run(run_dir)))
         except FileNotFoundError as err:
             print(f"memory and collectives: {err}")
         try:
-            local_machine(record.get("threads", 1))  # measured now if not cached
+            local_machine(record.threads)  # measured now if not cached
             print(format_step_time(*check_step_time(run_dir)))
         except ValueError as err:
             print(f"step time: {err}")

@@ -249,6 +249,14 @@ class Config:
             return self.train.global_batch_tokens // self.data.seq_len
         return self.train.global_batch
 
+    def local_batch(self, dp: int) -> int:
+        """Sequences one of `dp` data-parallel ranks reads per step."""
+        return self.global_batch_seqs // dp
+
+    def microbatches(self, dp: int) -> int:
+        """Micro-batches one data-parallel rank runs per step (accumulated, or through the pipeline)."""
+        return self.local_batch(dp) // self.train.micro_batch
+
 
 # ---------------------------------------------------------------------------------------------
 # Keys, docstrings, overrides
@@ -413,6 +421,11 @@ def parse_overrides(args: list[str]) -> dict[str, str]:
 
 BATCH_FORMS = ("train.global_batch", "train.global_batch_tokens")
 """The two ways to give the batch (sequences, tokens): one source gives one of them."""
+
+
+def config_from_dict(table: dict[str, Any]) -> Config:
+    """A Config from its nested dict (dataclasses.asdict's form, as a run record keeps it)."""
+    return load_config(None, _flatten(table))
 
 
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:

@@ -17,9 +17,10 @@ import dataclasses
 import json
 import os
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
-from gridtrain.config import Config, ConfigError
+from gridtrain.config import Config, ConfigError, config_from_dict
 from gridtrain.errors import BadInput, MissingInput
 from gridtrain.model.args import model_args
 from gridtrain.layout.dims import ParallelDims
@@ -28,33 +29,63 @@ DATA_KEYS = ("corpus", "tokenizer", "seq_len", "val_fraction")
 """The data settings a resume must keep: they decide which sample each step reads."""
 
 
-def write_record(run_dir: Path, cfg: Config, dims: ParallelDims, **machine: object) -> None:
-    """<run_dir>/config.json: the resolved configuration, the layout and the machine it ran on
-    (device, threads, cpu_count, peak_flops), for --resume and `gridtrain plan --check`. Written
-    whole or not at all: a kill mid-write leaves the old record, and --resume still works."""
-    record = {"config": dataclasses.asdict(cfg), "world_size": dims.world_size, "dims": dataclasses.asdict(dims),
-              **machine}
-    path = Path(run_dir) / "config.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(record, indent=2))
-    os.replace(tmp, path)
+@dataclass(frozen=True)
+class RunRecord:
+    """<run_dir>/config.json: the resolved configuration, the layout and the machine the run
+    started on. The Trainer writes it (`write`); --resume's checks, `gridtrain plan --check` and
+    `gridtrain export` read it (`load`)."""
+
+    config: Config
+    dims: ParallelDims | None
+    """The layout; None only from `load(with_layout=False)` of a record that lacks it."""
+    device: str = "cpu"
+    threads: int = 1
+    """torch's threads per rank."""
+    cpu_count: int | None = None
+    peak_flops: float | None = None
+    """Per process, what MFU is reported against."""
+
+    def write(self, run_dir: Path) -> None:
+        """Whole or not at all: a kill mid-write leaves the old record, and --resume still works."""
+        record = {"config": dataclasses.asdict(self.config), "world_size": self.dims.world_size,
+                  "dims": dataclasses.asdict(self.dims), "device": self.device, "threads": self.threads,
+                  "cpu_count": self.cpu_count, "peak_flops": self.peak_flops}
+        path = Path(run_dir) / "config.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps(record, indent=2))
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, run_dir: Path, with_layout: bool = True) -> RunRecord:
+        """The record of the run in `run_dir`; a missing, damaged or foreign file is one line
+        naming it (MissingInput, BadInput), not a KeyError three calls later. Without
+        `with_layout`, the configuration is enough (what `export` needs)."""
+        record, path = _read_record(run_dir), run_dir / "config.json"
+        try:
+            cfg = config_from_dict(record["config"])
+            dims = ParallelDims(**record["dims"]) if with_layout or "dims" in record else None
+        except ConfigError as err:
+            raise BadInput(f"{path} does not hold a configuration of this gridtrain ({'; '.join(err.problems)})") from None
+        except (KeyError, TypeError) as err:
+            raise BadInput(f"{path} is not a gridtrain run record ({type(err).__name__}: {err})") from None
+        return cls(cfg, dims, record.get("device", "cpu"), record.get("threads") or 1, record.get("cpu_count"),
+                   record.get("peak_flops"))
 
 
 def saved_record(run_dir: Path) -> dict | None:
-    """The run's config.json record, None if the directory holds no run."""
+    """The run's config.json as saved (a dict: it may come from another version), None if the
+    directory holds no run."""
     if not (run_dir / "config.json").is_file():
         return None
     try:
-        return run_record(run_dir)
+        return _read_record(run_dir)
     except BadInput as err:
         raise ConfigError([f"{err}; move the directory aside or train into a new --run_dir"]) from None
 
 
-def run_record(run_dir: Path, with_dims: bool = False) -> dict:
-    """<run_dir>/config.json as the Trainer wrote it (config, and with `with_dims` the layout),
-    checked enough that every command reading it can trust its shape: a damaged or foreign file
-    is one line naming it, not a KeyError three calls later."""
+def _read_record(run_dir: Path) -> dict:
+    """<run_dir>/config.json, checked enough that its model can be built."""
     path = run_dir / "config.json"
     if not path.is_file():
         raise MissingInput(f"{run_dir} is not a gridtrain run directory (no config.json): give the run_dir "
@@ -63,8 +94,6 @@ def run_record(run_dir: Path, with_dims: bool = False) -> dict:
         record = json.loads(path.read_text())
         model = dict(record["config"]["model"])
         model_args(model.pop("preset", "small"), **model)
-        if with_dims:
-            ParallelDims(**record["dims"])
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
         raise BadInput(f"{path} is not a gridtrain run record ({type(err).__name__}: {err})") from None
     return record

@@ -263,7 +263,7 @@ def _check_resilience(cfg: Config, dims: ParallelDims) -> list[str]:
     else:
         problems = _at_least("checkpoint.interval", c.interval, 0)
     problems += _at_least("checkpoint.keep", c.keep, 1) + _choice("checkpoint.on_save_error", c.on_save_error,
-                                                                  ("stop", "continue"))
+                                                                  ON_SAVE_ERROR)
     if c.timeout_s <= 0:
         problems.append(f"checkpoint.timeout_s = {c.timeout_s} must be > 0")
     if c.mtbf_hours <= 0:

@@ -28,7 +28,7 @@ def test_train_nproc_launches_and_logs(tmp_path, corpus_dir):
     assert proc.returncode == 0, proc.stderr[-4000:]
     log = proc.stdout + proc.stderr
     assert "launching 4 processes" in log
-    assert "units of this run:" in log
+    assert "Units of one step:" in log
     assert "pipeline stages               2" in log
     assert "stage 1 (pp rank 1): layers 1-1" in log
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -101,10 +101,14 @@ def test_units_table_llama3_70b_example():
     dims = parallel_dims(cfg, 16384)
     assert dims.dp == 512 and dims.model_parallel == 32
     table = units_table(cfg, dims, num_nodes=16384 // 8)
-    rows = dict(re.split(r"\s{2,}", line.strip())[:2] for line in table.splitlines()[1:11])
-    assert rows == {"processes (GPUs)": "16384", "nodes": "2048", "tensor-parallel groups": "2048",
-                    "pipeline stages": "4", "model-parallel groups": "512", "data-parallel replicas": "512",
-                    "micro-batch": "4", "accumulation steps": "4", "global batch": "8192",
-                    "optimizer steps": "10"}
-    assert "67,108,864 tokens" in table
+    rows = {row[0]: row[1:3] for row in (re.split(r"\s{2,}", line.strip()) for line in table.splitlines()[3:13])}
+    assert rows == {"GPU": ["16,384", "1 process"], "Node": ["2,048", "8 GPUs"],
+                    "Tensor-parallel group": ["2,048", "8 GPUs (TP=8)"],
+                    "Pipeline stage": ["2,048", "8 GPUs (TP x CP=1)"],  # a stage's TP group, per replica
+                    "Model-parallel group": ["512", "32 GPUs (TP x CP x PP=4)"],
+                    "Data-parallel replica": ["512", "32 GPUs"],
+                    "Micro-batch": ["512 per fwd/bwd", "4 x 8,192 = 32,768 tokens"],
+                    "Gradient accumulation": ["4 steps", "micro-batches before sync"],
+                    "Global batch": ["1 per optimizer step", "67,108,864 tokens"],
+                    "Optimizer step": ["10 total", "one weight update"]}
     assert "stage 3 (pp rank 3): layers 60-79" in table  # 80 layers, 20 per stage

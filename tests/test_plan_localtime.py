@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from gridtrain.config import load_config
 from gridtrain.model.args import model_args
 from gridtrain.layout.dims import ParallelDims
 from gridtrain.plan.localtime import CPU_MATMUL, LocalMachine, collective_seconds, local_step, microbatch_seconds
@@ -16,10 +17,8 @@ MACHINE = LocalMachine(matmul_flops=1e11, attention_flops=5e10, memory_bytes_per
 
 
 def config(**train):
-    return {"data": {"seq_len": 64},
-            "train": {"micro_batch": 2, "global_batch": 8, "global_batch_tokens": 0,
-                      "recompute": "none", **train},
-            "parallel": {"pp_fewer_edge_layers": False}}
+    return load_config(None, {"data.seq_len": 64, "train.micro_batch": 2, "train.global_batch": 8,
+                              **{f"train.{k}": v for k, v in train.items()}})
 
 
 def dims(**degrees):

@@ -15,70 +15,69 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from gridtrain.model.args import ModelArgs, model_args
+from gridtrain.config import Config
 from gridtrain.layout.dims import ParallelDims, stage_layer_counts
 from gridtrain.layout.schedules import forwards_held, schedule
+from gridtrain.model.args import ModelArgs
 from gridtrain.plan.activations import held_bytes, stage_bytes
 from gridtrain.plan.census import fsdp_local, numel, rank_stage_shapes, tp_local
 from gridtrain.plan.layout import Layout
 from gridtrain.plan.machine import cached_entry
 from gridtrain.plan.memory import STATE_BUCKETS, StateBytes, fsdp_gathers, rank_state
 from gridtrain.plan.shape import from_args
-from gridtrain.rundir import run_record
+from gridtrain.rundir import RunRecord
 
 
 
-def run_layout(args: ModelArgs, dims: ParallelDims, cfg: dict) -> Layout:
+def run_layout(args: ModelArgs, dims: ParallelDims, cfg: Config) -> Layout:
     """The planner's Layout of a gridtrain run (its config.json record)."""
-    t, p = cfg["train"], cfg["parallel"]
-    seq = cfg["data"]["seq_len"]
-    local = (t["global_batch_tokens"] // seq if t["global_batch_tokens"] else t["global_batch"]) // dims.dp
-    zero = p["zero_stage"] if dims.dp > 1 else 0
+    t, p = cfg.train, cfg.parallel
+    zero = p.zero_stage if dims.dp > 1 else 0
     return Layout(tp=dims.tp, pp=dims.pp, cp=dims.cp, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard,
-                  zero_stage=zero, micro_batch=t["micro_batch"], seq_len=seq,
-                  num_microbatches=local // t["micro_batch"], schedule=p["pp_schedule"],
-                  pp_virtual_stages=p["pp_virtual_stages"] if dims.pp > 1 else 1,
-                  sequence_parallel=p["sequence_parallel"], recompute=t["recompute"],
-                  fewer_edge_layers=p["pp_fewer_edge_layers"])
+                  zero_stage=zero, micro_batch=t.micro_batch, seq_len=cfg.data.seq_len,
+                  num_microbatches=cfg.microbatches(dims.dp), schedule=p.pp_schedule,
+                  pp_virtual_stages=p.pp_virtual_stages if dims.pp > 1 else 1,
+                  sequence_parallel=p.sequence_parallel, recompute=t.recompute,
+                  fewer_edge_layers=p.pp_fewer_edge_layers)
 
 
-def predict_rank(args: ModelArgs, dims: ParallelDims, cfg: dict, rank: int) -> dict[str, float]:
+def predict_rank(args: ModelArgs, dims: ParallelDims, cfg: Config, rank: int) -> dict[str, float]:
     """Predicted bytes per bucket for one rank of the run: the planner's rank_state under
     gridtrain's convention, at this rank's pipeline and data-parallel coordinates."""
     coords = dims.coordinates(rank)
     state = rank_state(from_args(args), run_layout(args, dims, cfg), coords["pp"],
-                       StateBytes.gridtrain(cfg["train"]["precision"]), coords["dp"])
+                       StateBytes.gridtrain(cfg.train.precision), coords["dp"])
     return {bucket: getattr(state, bucket) for bucket in STATE_BUCKETS}
 
 
-def predict_activations(args: ModelArgs, dims: ParallelDims, cfg: dict, pp_rank: int) -> float:
+def predict_activations(args: ModelArgs, dims: ParallelDims, cfg: Config, pp_rank: int) -> float:
     """Bytes saved on a rank up to its first backward (what `SavedActivations` measures): the
     forwards its stages ran by then (pipeline.forwards_held), each saving what activations.py's
     census says, with the weight casts or norm copies of its precision, and the token ids and
     targets."""
     shape, layout = from_args(args), run_layout(args, dims, cfg)
     v = layout.pp_virtual_stages
-    counts = stage_layer_counts(args.n_layers, dims.pp * v, cfg["parallel"]["pp_fewer_edge_layers"])
+    counts = stage_layer_counts(args.n_layers, dims.pp * v, cfg.parallel.pp_fewer_edge_layers)
     held = forwards_held(layout.schedule, dims.pp, v, layout.num_microbatches, pp_rank)
-    total = held_bytes(shape, held, counts, layout.micro_batch * layout.seq_len, cfg["train"]["precision"],
+    total = held_bytes(shape, held, counts, layout.micro_batch * layout.seq_len, cfg.train.precision,
                        layout.recompute, dims.tp, layout.sequence_parallel, fsdp_gathers(layout))
     # A pipeline chunks the whole local batch into views of one storage: ids and targets count whole.
     ids = 8 * layout.seq_len * (layout.micro_batch * layout.num_microbatches if dims.pp > 1 else layout.micro_batch)
     return total + ids * ((0 in held) + (len(counts) - 1 in held))
 
 
-def microbatch_activations(args: ModelArgs, dims: ParallelDims, cfg: dict, pp_rank: int) -> float:
+def microbatch_activations(args: ModelArgs, dims: ParallelDims, cfg: Config, pp_rank: int) -> float:
     """Bytes one micro-batch's forward saves through all of a pipeline rank's stages."""
     shape, layout = from_args(args), run_layout(args, dims, cfg)
     v = layout.pp_virtual_stages
-    counts = stage_layer_counts(args.n_layers, dims.pp * v, cfg["parallel"]["pp_fewer_edge_layers"])
+    counts = stage_layer_counts(args.n_layers, dims.pp * v, cfg.parallel.pp_fewer_edge_layers)
     held = forwards_held(layout.schedule, dims.pp, v, layout.num_microbatches, pp_rank)
     return sum(stage_bytes(shape, counts[s], s == len(counts) - 1, layout.micro_batch * layout.seq_len,
-                           cfg["train"]["precision"], cfg["train"]["recompute"], dims.tp,
+                           cfg.train.precision, cfg.train.recompute, dims.tp,
                            layout.sequence_parallel) for s in held)
 
 
-def predict_collectives(args: ModelArgs, dims: ParallelDims, cfg: dict, pp_rank: int) -> dict[str, float]:
+def predict_collectives(args: ModelArgs, dims: ParallelDims, cfg: Config, pp_rank: int) -> dict[str, float]:
     """Payload bytes per collective and mesh axis in one accounted step, for the layouts whose
     traffic is modelled exactly on CPU (gloo): DDP and ZeRO-1, FSDP (ZeRO 2 and 3, any precision)
     and HSDP, TP with or without SP in fp32, and single-stage pipelines without recomputation;
@@ -91,48 +90,46 @@ def predict_collectives(args: ModelArgs, dims: ParallelDims, cfg: dict, pp_rank:
     return collectives(args, dims, cfg, pp_rank)[0]
 
 
-def collectives(args: ModelArgs, dims: ParallelDims, cfg: dict, pp_rank: int) -> tuple[dict[str, float], bool]:
+def collectives(args: ModelArgs, dims: ParallelDims, cfg: Config, pp_rank: int) -> tuple[dict[str, float], bool]:
     """(predict_collectives' bytes, whether they are exact rather than estimated)."""
     exact = _predict_collectives(args, dims, cfg, pp_rank)
     out = exact or estimate_collectives(args, dims, cfg, pp_rank)
-    if out and cfg["train"]["precision"] == "fp16" and dims.world_size > 1:
+    if out and cfg.train.precision == "fp16" and dims.world_size > 1:
         world = next((a for a, n in dims.degrees.items() if n == dims.world_size), "world")
-        parts = len(forwards_held(cfg["parallel"]["pp_schedule"], dims.pp, cfg["parallel"]["pp_virtual_stages"]
+        parts = len(forwards_held(cfg.parallel.pp_schedule, dims.pp, cfg.parallel.pp_virtual_stages
                                   if dims.pp > 1 else 1, 1, pp_rank))
         out[f"{world}/all_reduce_bytes"] = out.get(f"{world}/all_reduce_bytes", 0.0) + 4.0 * parts
     return out, bool(exact)
 
 
-def _predict_collectives(args: ModelArgs, dims: ParallelDims, cfg: dict, pp_rank: int) -> dict[str, float]:
-    t, p = cfg["train"], cfg["parallel"]
-    recomputed = t["recompute"] != "none"
-    seq, mb = cfg["data"]["seq_len"], t["micro_batch"]
-    local = (t["global_batch_tokens"] // seq if t["global_batch_tokens"] else t["global_batch"]) // dims.dp
-    m = local // mb
-    parts = rank_stage_shapes(from_args(args), dims.pp, p["pp_virtual_stages"], p["pp_schedule"],
-                              p["pp_fewer_edge_layers"], pp_rank)
+def _predict_collectives(args: ModelArgs, dims: ParallelDims, cfg: Config, pp_rank: int) -> dict[str, float]:
+    t, p = cfg.train, cfg.parallel
+    recomputed = t.recompute != "none"
+    seq, mb, m = cfg.data.seq_len, t.micro_batch, cfg.microbatches(dims.dp)
+    parts = rank_stage_shapes(from_args(args), dims.pp, p.pp_virtual_stages, p.pp_schedule,
+                              p.pp_fewer_edge_layers, pp_rank)
     shapes = {name: s for part in parts for name, s in part.items()}
     total = 4 * sum(numel(s) for s in shapes.values())
     layer = 4 * sum(numel(s) for n, s in shapes.items() if n.startswith(f"layers.{args.n_layers - 1}."))
     only = lambda *axes: all(getattr(dims, a) == 1 for a in ("tp", "pp", "dp_replicate", "dp_shard", "cp")
                              if a not in axes)
     activation = 4 * mb * seq * args.dim
-    if p["zero_stage"] in (0, 1) and only("dp_replicate"):  # ZeRO-1 broadcasts after the step
+    if p.zero_stage in (0, 1) and only("dp_replicate"):  # ZeRO-1 broadcasts after the step
         return {"dp_replicate/all_reduce_bytes": total}
-    if p["zero_stage"] in (2, 3) and only("dp_shard", "dp_replicate") and dims.dp_shard > 1:
+    if p.zero_stage in (2, 3) and only("dp_shard", "dp_replicate") and dims.dp_shard > 1:
         # ZeRO-2 gathers every unit once per micro-batch; ZeRO-3 again in backward, except the
         # last block, which stays gathered from its forward to its backward. Under bf16 and fp16
         # the parameters are gathered in that dtype (2 bytes) and the gradients reduced in fp32.
         # HSDP then all-reduces each micro-batch's gradient shard (FSDP2's padded chunks) over
         # the replicas.
-        gathered = (total if p["zero_stage"] == 2 else 2 * total - layer) * gather_bytes(t["precision"]) / 4
+        gathered = (total if p.zero_stage == 2 else 2 * total - layer) * gather_bytes(t.precision) / 4
         out = {"dp_shard/all_gather_bytes": m * gathered,
                "dp_shard/all_reduce_bytes": m * total + 4 * len(shapes)}
         if dims.dp_replicate > 1:
             shard = 4 * sum(numel(fsdp_local(s, dims.dp_shard, 0)) for s in shapes.values())
             out["dp_replicate/all_reduce_bytes"] = m * shard
         return out
-    if only("tp") and dims.tp > 1 and t["precision"] == "fp32":
+    if only("tp") and dims.tp > 1 and t.precision == "fp32":
         # Per micro-batch: two all-reduces per block forward and two backward, the embedding's
         # forward and the head input's backward (Megatron), plus loss_parallel's three of one
         # value per token; then one norm scalar per sharded tensor (7 per block and the head).
@@ -145,17 +142,17 @@ def _predict_collectives(args: ModelArgs, dims: ParallelDims, cfg: dict, pp_rank
         norms, again = 2 * args.n_layers + 1, args.n_layers if recomputed else 0
         per_micro = (4 * args.n_layers + 2 + again) * activation + 3 * 4 * mb * seq
         reduced = m * per_micro + 4 * (7 * args.n_layers + 1)
-        if not p["sequence_parallel"]:
+        if not p.sequence_parallel:
             return {"tp/all_reduce_bytes": reduced}
         return {"tp/all_reduce_bytes": reduced + norms * 4 * args.dim,
                 "tp/all_gather_bytes": m * (norms + again) * activation}
-    if only("pp") and dims.pp > 1 and schedule(p["pp_schedule"]).stages_per_rank == 1 and not recomputed:
+    if only("pp") and dims.pp > 1 and schedule(p.pp_schedule).stages_per_rank == 1 and not recomputed:
         first, last = pp_rank == 0, pp_rank == dims.pp - 1
         return {"pp/all_reduce_bytes": 4.0, "pp/send_bytes": m * activation * ((not last) + (not first))}
     return {}
 
 
-def estimate_collectives(args: ModelArgs, dims: ParallelDims, cfg: dict, pp_rank: int) -> dict[str, float]:
+def estimate_collectives(args: ModelArgs, dims: ParallelDims, cfg: Config, pp_rank: int) -> dict[str, float]:
     """Payload bytes per collective and mesh axis for the layouts predict_collectives does not
     model exactly (several parallel axes, or a pipeline with more than one stage per rank or with
     recomputation): each axis's traffic over this rank's own stages, composed. Measured against the
@@ -175,16 +172,16 @@ def estimate_collectives(args: ModelArgs, dims: ParallelDims, cfg: dict, pp_rank
       once under a split-backward schedule, whose stage gathers before its two passes).
     Tensor-parallel traffic is counted at fp32 activations in every precision: under bf16 and
     fp16 part of it moves in 16 bits (measured 25-32% fewer bytes than this estimate)."""
-    t, p = cfg["train"], cfg["parallel"]
+    t, p = cfg.train, cfg.parallel
     layout = run_layout(args, dims, cfg)
     seq, mb, m, v = layout.seq_len, layout.micro_batch, layout.num_microbatches, layout.pp_virtual_stages
-    parts = rank_stage_shapes(from_args(args), dims.pp, v, p["pp_schedule"], p["pp_fewer_edge_layers"], pp_rank)
+    parts = rank_stage_shapes(from_args(args), dims.pp, v, p.pp_schedule, p.pp_fewer_edge_layers, pp_rank)
     shapes = {name: s for part in parts for name, s in part.items()}
     stages = list(forwards_held(layout.schedule, dims.pp, v, m, pp_rank)) if dims.pp > 1 else [0]
     first, last = 0 in stages, dims.pp * v - 1 in stages
     blocks = len({name.split(".")[1] for name in shapes if name.startswith("layers.")})
-    activation, sp = 4 * mb * seq * args.dim, p["sequence_parallel"] and dims.tp > 1
-    again = blocks if t["recompute"] != "none" else 0
+    activation, sp = 4 * mb * seq * args.dim, p.sequence_parallel and dims.tp > 1
+    again = blocks if t.recompute != "none" else 0
     out: dict[str, float] = {}
     if dims.tp > 1:
         per_micro = (4 * blocks + first + last + again) * activation + last * 3 * 4 * mb * seq
@@ -197,25 +194,30 @@ def estimate_collectives(args: ModelArgs, dims: ParallelDims, cfg: dict, pp_rank
         out["pp/send_bytes"] = m * sends * activation / (dims.tp if sp else 1)
         out["pp/all_reduce_bytes"] = 4.0
     if dims.dp > 1:
-        params = 4 * sum(numel(tp_local(name, s, dims.tp)) for name, s in shapes.items())
-        syncs = 1 if dims.pp > 1 else m
-        last_block = 4 * sum(numel(tp_local(name, s, dims.tp)) for name, s in shapes.items()
-                             if name.startswith(f"layers.{args.n_layers - 1}."))
-        if p["zero_stage"] in (0, 1) and not fsdp_gathers(layout):
-            out["dp_replicate/all_reduce_bytes"] = params
-        elif p["zero_stage"] in (0, 1):
-            out["dp_replicate/all_reduce_bytes"] = syncs * params
-        else:
-            if p["zero_stage"] == 2:
-                gathered = syncs * params
-            elif dims.pp == 1:  # the last block stays gathered from its forward to its backward
-                gathered = m * (2 * params - last_block)
-            else:  # under a split backward, the stage's own gathers (pipeline.SplitBackwardStage) serve both passes
-                gathered = (1 if schedule(p["pp_schedule"]).split_backward else 2) * params
-            out["dp_shard/all_gather_bytes"] = gathered * gather_bytes(t["precision"]) / 4
-            out["dp_shard/all_reduce_bytes"] = syncs * params
-            if dims.dp_replicate > 1:
-                out["dp_replicate/all_reduce_bytes"] = syncs * params / dims.dp_shard
+        out.update(dp_collectives(args, dims, cfg, layout, shapes))
+    return out
+
+
+def dp_collectives(args: ModelArgs, dims: ParallelDims, cfg: Config, layout: Layout,
+                   shapes: dict[str, tuple[int, ...]]) -> dict[str, float]:
+    """Data parallelism's part of estimate_collectives, over the rank's own parameter `shapes`."""
+    t, p, m = cfg.train, cfg.parallel, layout.num_microbatches
+    params = 4 * sum(numel(tp_local(name, s, dims.tp)) for name, s in shapes.items())
+    syncs = 1 if dims.pp > 1 else m
+    last_block = 4 * sum(numel(tp_local(name, s, dims.tp)) for name, s in shapes.items()
+                         if name.startswith(f"layers.{args.n_layers - 1}."))
+    if p.zero_stage in (0, 1):
+        return {"dp_replicate/all_reduce_bytes": syncs * params if fsdp_gathers(layout) else params}
+    if p.zero_stage == 2:
+        gathered = syncs * params
+    elif dims.pp == 1:  # the last block stays gathered from its forward to its backward
+        gathered = m * (2 * params - last_block)
+    else:  # under a split backward, the stage's own gathers (pipeline.SplitBackwardStage) serve both passes
+        gathered = (1 if schedule(p.pp_schedule).split_backward else 2) * params
+    out = {"dp_shard/all_gather_bytes": gathered * gather_bytes(t.precision) / 4,
+           "dp_shard/all_reduce_bytes": syncs * params}
+    if dims.dp_replicate > 1:
+        out["dp_replicate/all_reduce_bytes"] = syncs * params / dims.dp_shard
     return out
 
 
@@ -240,11 +242,8 @@ class CheckRow:
 
 def check_run(run_dir: Path) -> list[CheckRow]:
     """Predicted against measured bytes per bucket for every rank that wrote accounting."""
-    record = run_record(run_dir, with_dims=True)
-    cfg, d = record["config"], record["dims"]
-    dims = ParallelDims(**d)
-    model = {k: v for k, v in cfg["model"].items() if k != "preset"}
-    args = model_args(cfg["model"]["preset"], **model)
+    record = RunRecord.load(run_dir)
+    cfg, dims, args = record.config, record.dims, record.config.model.args()
     rows = []
     for path in sorted((run_dir / "accounting").glob("rank*.jsonl")):
         measured = json.loads(path.read_text().splitlines()[-1])
@@ -282,16 +281,14 @@ def check_step_time(run_dir: Path, calibration: dict | None = None) -> tuple[Che
     default the one `gridtrain calibrate` cached (the command measures it first when missing)."""
     from gridtrain.plan.localtime import LocalMachine, local_step
 
-    record = run_record(run_dir, with_dims=True)
-    cfg, dims = record["config"], ParallelDims(**record["dims"])
-    args = model_args(cfg["model"]["preset"], **{k: v for k, v in cfg["model"].items() if k != "preset"})
-    threads = record.get("threads", 1)
+    record = RunRecord.load(run_dir)
+    cfg, dims, args, threads = record.config, record.dims, record.config.model.args(), record.threads
     calibration = calibration or cached_entry(threads)
     if "gloo_bytes_per_s" not in calibration:
         raise ValueError(f"no calibration of this machine at {threads} thread(s) per rank: run "
                          f"`gridtrain calibrate --threads {threads}`")
-    machine = LocalMachine.from_calibration(calibration, cfg["train"]["precision"],
-                                            record.get("cpu_count") or os.cpu_count() or 1)
+    machine = LocalMachine.from_calibration(calibration, cfg.train.precision,
+                                            record.cpu_count or os.cpu_count() or 1)
     steps = []
     for rank in range(dims.world_size):
         coords = dims.coordinates(rank)

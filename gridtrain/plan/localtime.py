@@ -30,8 +30,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gridtrain.model.args import ModelArgs
+from gridtrain.config import Config
 from gridtrain.layout.dims import ParallelDims, stage_layer_counts
+from gridtrain.model.args import ModelArgs
 from gridtrain.plan.steptime import HBM_PASSES
 
 CPU_MATMUL = 0.85
@@ -68,10 +69,10 @@ class LocalStep:
         return self.compute_s + self.bubble_s + self.comm_s + self.optimizer_s
 
 
-def microbatch_seconds(args: ModelArgs, dims: ParallelDims, cfg: dict, machine: LocalMachine,
+def microbatch_seconds(args: ModelArgs, dims: ParallelDims, cfg: Config, machine: LocalMachine,
                        layers: int, last: bool, activation_bytes: float) -> float:
     """One micro-batch's forward and backward on one rank holding `layers` blocks."""
-    seq, mb, recompute = cfg["data"]["seq_len"], cfg["train"]["micro_batch"], cfg["train"]["recompute"]
+    seq, mb, recompute = cfg.data.seq_len, cfg.train.micro_batch, cfg.train.recompute
     tokens, h, kv = seq * mb, args.dim, args.n_kv_heads * args.head_dim
     block_matmul = h * (2 * h + 2 * kv) + 3 * h * args.hidden_dim
     factor = 8 if recompute == "full" else 6
@@ -96,14 +97,11 @@ def collective_seconds(collectives: dict[str, float], dims: ParallelDims, machin
     return total
 
 
-def local_step(args: ModelArgs, dims: ParallelDims, cfg: dict, machine: LocalMachine, pp_rank: int,
+def local_step(args: ModelArgs, dims: ParallelDims, cfg: Config, machine: LocalMachine, pp_rank: int,
                activation_bytes: float, collectives: dict[str, float], local_params: float, threads: int) -> LocalStep:
     """The predicted step of the rank at pipeline position `pp_rank` (module docstring)."""
-    t, p = cfg["train"], cfg["parallel"]
-    seq = cfg["data"]["seq_len"]
-    local = (t["global_batch_tokens"] // seq if t["global_batch_tokens"] else t["global_batch"]) // dims.dp
-    m = local // t["micro_batch"]
-    counts = stage_layer_counts(args.n_layers, dims.pp, p["pp_fewer_edge_layers"]) if dims.pp > 1 else [args.n_layers]
+    p, m = cfg.parallel, cfg.microbatches(dims.dp)
+    counts = stage_layer_counts(args.n_layers, dims.pp, p.pp_fewer_edge_layers) if dims.pp > 1 else [args.n_layers]
     last = pp_rank == dims.pp - 1
     contention = max(1.0, dims.world_size * threads / machine.cores)
     t_mb = contention * microbatch_seconds(args, dims, cfg, machine, counts[pp_rank], last, activation_bytes)

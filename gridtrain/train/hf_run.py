@@ -25,7 +25,7 @@ from gridtrain.model.args import PRESETS, ModelArgs
 from gridtrain.model.hf import (InterchangeError, args_from_hf_config, from_hf_state_dict, hf_config,
                                 to_hf_state_dict)
 from gridtrain.model.llama import Transformer
-from gridtrain.rundir import run_record
+from gridtrain.rundir import RunRecord
 from gridtrain.train import checkpoint
 from gridtrain.train.build import build_model
 from gridtrain.train.manifest import verify
@@ -63,11 +63,9 @@ def _atomic_dir(final: Path) -> Iterator[Path]:
 
 
 def read_run(run_dir: Path) -> tuple[ModelArgs, Path]:
-    """(model shape, checkpoint directory) from <run_dir>/config.json (rundir.write_record)."""
-    config = run_record(run_dir)["config"]
-    cfg = load_config(None, {f"model.{k}": v for k, v in config["model"].items()})
-    ckpt_dir = config.get("checkpoint", {}).get("dir")
-    return cfg.model.args(), Path(ckpt_dir) if ckpt_dir else run_dir / "checkpoints"
+    """(model shape, checkpoint directory) from the run's record."""
+    cfg = RunRecord.load(run_dir, with_layout=False).config
+    return cfg.model.args(), cfg.checkpoint_dir if cfg.checkpoint.dir else run_dir / "checkpoints"
 
 
 def find_checkpoint(root: Path, step: int | None = None) -> Path:

@@ -8,7 +8,7 @@ that of the mean loss over the global batch, and every micro-batch's backward ru
 one process gives it: in fp16 the same values overflow whatever the layout.
 
 The Trainer runs the step; it delegates the checkpoint policy (`Checkpointer`), the accounting
-of a step (`Accountant`), validation (`Evaluator`) and the run's record (`rundir.write_record`).
+of a step (`Accountant`), validation (`Evaluator`) and the run's record (`rundir.RunRecord`).
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ from gridtrain.parallel.data_parallel import set_gradient_sync
 from gridtrain.parallel.grads import clip_grad_norm
 from gridtrain.parallel.mesh import build_mesh, group
 from gridtrain.parallel.tensor_parallel import loss_context
-from gridtrain.rundir import write_record
+from gridtrain.rundir import RunRecord
 from gridtrain.train.build import build_data, build_model, loss_fn, scalar
 from gridtrain.train.calibrate import peak_flops
-from gridtrain.train.checkpointer import Checkpointer, Stopped  # noqa: F401 - Stopped is part of the run's API
+from gridtrain.train.checkpointer import Checkpointer
 from gridtrain.train.device import device_name, memory_gib
 from gridtrain.train.distributed import any_rank, init_world
 from gridtrain.train.evaluate import Evaluator
@@ -75,8 +75,8 @@ class Trainer:
         self.coords = self.dims.coordinates(self.world.rank)
         self.data = build_data(cfg, self.world)
         self.global_batch = cfg.global_batch_seqs
-        self.local_batch = self.global_batch // self.dims.dp
-        self.accum = self.local_batch // t.micro_batch
+        self.local_batch = cfg.local_batch(self.dims.dp)
+        self.accum = cfg.microbatches(self.dims.dp)
         self.micro_batches = self.accum * self.dims.dp  # in the global batch
         self.args = cfg.model.args()
         full = build_model(self.args, t.seed, self.device)
@@ -224,8 +224,8 @@ class Trainer:
     # -- the run -----------------------------------------------------------------------------
 
     def write_record(self) -> None:
-        write_record(Path(self.cfg.run_dir), self.cfg, self.dims, device=device_name(self.device),
-                     threads=torch.get_num_threads(), cpu_count=os.cpu_count(), peak_flops=self.peak)
+        RunRecord(self.cfg, self.dims, device_name(self.device), torch.get_num_threads(), os.cpu_count(),
+                  self.peak).write(Path(self.cfg.run_dir))
 
     def should(self, interval: int) -> bool:
         return interval > 0 and (self.step % interval == 0 or self.step == self.cfg.train.steps)

@@ -4,53 +4,41 @@ micro-batch, accumulation, global batch, optimizer steps)."""
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import torch
 
 from gridtrain.config import Config
 from gridtrain.layout.dims import ParallelDims, stage_layer_counts
 from gridtrain.layout.schedules import stage_ranks
+from gridtrain.plan.app.render import render_units
+from gridtrain.plan.budget import step_units
 from gridtrain.train.device import device_name
 
 
 def units_table(cfg: Config, dims: ParallelDims, num_nodes: int) -> str:
-    """GPUs (processes), nodes, TP groups, pipeline stages and their layers, model-parallel
-    groups, data-parallel replicas, micro-batch, accumulation, global batch, optimizer steps."""
-    p, t = cfg.parallel, cfg.train
+    """The units of one training step, counted and printed as the planner does for a plan
+    (budget.step_units, render.render_units), then the layout's choices and, under a pipeline,
+    each stage's layers."""
+    p, t, seq = cfg.parallel, cfg.train, cfg.data.seq_len
     n_layers = cfg.model.args().n_layers
-    world = dims.world_size
-    stages = dims.pp * p.pp_virtual_stages
-    counts = stage_layer_counts(n_layers, stages, p.pp_fewer_edge_layers)
-    ranks = stage_ranks(dims.pp, p.pp_virtual_stages, p.pp_schedule) if dims.pp > 1 else [0]
-    start, layer_text = 0, []
-    for s, c in enumerate(counts):
-        layer_text.append(f"stage {s} (pp rank {ranks[s]}): layers {start}-{start + c - 1}")
-        start += c
-    global_seqs = cfg.global_batch_seqs
-    micro_batches = global_seqs // (t.micro_batch * dims.dp)
-    tokens = global_seqs * cfg.data.seq_len
-    rows = [
-        ("processes (GPUs)", f"{world}", "one rank each"),
-        ("nodes", f"{num_nodes}", f"{world // num_nodes} processes per node"),
-        ("tensor-parallel groups", f"{world // dims.tp}", f"{dims.tp} ranks each (tp={dims.tp})"
-         + (", sequence parallel" if p.sequence_parallel else "")),
-        ("pipeline stages", f"{stages}", f"pp={dims.pp} x {p.pp_virtual_stages} virtual, "
-         f"schedule {p.pp_schedule if dims.pp > 1 else 'none'}"),
-        ("model-parallel groups", f"{world // dims.model_parallel}", f"{dims.model_parallel} ranks each (tp x pp)"),
-        ("data-parallel replicas", f"{dims.dp}", f"dp_replicate={dims.dp_replicate} x dp_shard="
-         f"{dims.dp_shard}, ZeRO stage {p.zero_stage}"),
-        ("micro-batch", f"{t.micro_batch}", f"sequences of {cfg.data.seq_len} tokens = "
-         f"{t.micro_batch * cfg.data.seq_len:,} tokens"),
-        ("accumulation steps", f"{micro_batches}", "micro-batches per replica per optimizer step"
-         + (" (pipeline micro-batches)" if dims.pp > 1 else "")),
-        ("global batch", f"{global_seqs}", f"sequences = {tokens:,} tokens "
-         f"(micro {t.micro_batch} x accumulation {micro_batches} x data-parallel {dims.dp})"),
-        ("optimizer steps", f"{t.steps}", f"{t.steps * tokens / 1e6:,.1f}M tokens in all"),
-    ]
-    width = max(len(r[0]) for r in rows)
-    lines = [f"  {name:<{width}}  {count:>7}  {detail}" for name, count, detail in rows]
+    units = step_units(dims.world_size, dims.world_size // num_nodes, dims.tp, dims.pp, n_layers, t.micro_batch, seq,
+                       cfg.microbatches(dims.dp), t.steps * cfg.global_batch_seqs * seq, dims.cp)
+    shown = asdict(units) | {"gpus_per_node": dims.world_size // num_nodes, "tp": dims.tp, "cp": dims.cp,
+                             "pp": dims.pp, "micro_batch": t.micro_batch, "seq_len": seq,
+                             "pp_virtual_stages": p.pp_virtual_stages}
+    lines = render_units({"units": shown, "problem": {"accelerator": "process"}})
+    lines.append(f"data parallelism dp_replicate={dims.dp_replicate} x dp_shard={dims.dp_shard}, ZeRO stage "
+                 f"{p.zero_stage}; sequence parallel {'on' if p.sequence_parallel and dims.tp > 1 else 'off'}; "
+                 f"pipeline schedule {p.pp_schedule if dims.pp > 1 else 'none'}")
     if dims.pp > 1:
-        lines += [f"  {'':<{width}}           {text}" for text in layer_text]
-    return "units of this run:\n" + "\n".join(lines)
+        stages = dims.pp * p.pp_virtual_stages
+        counts = stage_layer_counts(n_layers, stages, p.pp_fewer_edge_layers)
+        ranks = stage_ranks(dims.pp, p.pp_virtual_stages, p.pp_schedule)
+        starts = [sum(counts[:s]) for s in range(stages)]
+        lines += [f"stage {s} (pp rank {ranks[s]}): layers {starts[s]}-{starts[s] + counts[s] - 1}"
+                  for s in range(stages)]
+    return "\n".join(lines)
 
 
 def run_summary(cfg: Config, dims: ParallelDims, num_nodes: int, num_params: int, flops_per_token: float,
