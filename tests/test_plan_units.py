@@ -241,6 +241,16 @@ def test_fsdp_prefetch_overlap():
 
 # ---- specs ----
 
+@pytest.mark.parametrize("device, spec", [
+    ("NVIDIA H100 80GB HBM3", "H100-SXM"), ("NVIDIA H100 PCIe", "H100-PCIe"), ("NVIDIA A100-SXM4-40GB", "A100-40GB"),
+    ("NVIDIA A100 80GB PCIe", "A100-80GB"), ("NVIDIA H200", "H200"), ("Tesla V100-SXM2-32GB", "V100"),
+    ("NVIDIA L40S", "L40S"), ("NVIDIA GeForce RTX 4090", None)])
+def test_the_runtime_finds_its_device_in_the_planners_table(device, spec):
+    """What MFU divides by at run time is the planner's peak for the same part (torch's names)."""
+    found = specs.accelerator_of_device(device)
+    assert (found.name if found else None) == spec
+
+
 def test_accelerator_lookup():
     assert specs.accelerator("h100") is specs.ACCELERATORS["H100-SXM"]
     assert specs.accelerator("H100 PCIe").bf16_tflops == 756

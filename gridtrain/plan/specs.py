@@ -69,6 +69,8 @@ ACCELERATORS: dict[str, AcceleratorSpec] = {
         AcceleratorSpec("H100-PCIe", 756, 80, 2000, 350, 600),
         AcceleratorSpec("H200", 989, 141, 4800, 700, 900),
         AcceleratorSpec("B200", 2250, 192, 8000, 1000, 1800),
+        # No NVLink: PCIe Gen4 x16, 64 GB/s both directions.
+        AcceleratorSpec("L40S", 362, 48, 864, 350, 64),
         # Google does not publish a per-chip power for v5p; ICI is 4,800 Gb/s = 600 GB/s.
         AcceleratorSpec("TPU-v5p", 459, 95, 2765, 0, 600),
     )
@@ -79,6 +81,16 @@ ACCELERATOR_ALIASES = {"h100": "H100-SXM", "a100": "A100-80GB", "v5p": "TPU-v5p"
 
 def _key(name: str) -> str:
     return name.lower().replace("_", "-").replace(" ", "-")
+
+
+def accelerator_of_device(device_name: str) -> AcceleratorSpec | None:
+    """The spec of a device as torch names it ('NVIDIA H100 80GB HBM3' is the SXM part, 'NVIDIA
+    H100 PCIe', 'NVIDIA A100-SXM4-40GB'): the specs whose model (H100) the name holds, the one
+    whose every part (PCIe, 40GB) it holds first; None for a device not in the table."""
+    key = _key(device_name)
+    found = [spec for spec in ACCELERATORS.values() if _key(spec.name).split("-")[0] in key]
+    exact = [spec for spec in found if all(part in key for part in _key(spec.name).split("-"))]
+    return (exact or found or [None])[0]
 
 
 def accelerator(name: str, extra: dict[str, AcceleratorSpec] | None = None) -> AcceleratorSpec:

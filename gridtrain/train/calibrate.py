@@ -20,14 +20,9 @@ from datetime import timedelta
 import torch
 
 from gridtrain.plan.machine import calibration_path, machine_key
+from gridtrain.plan.specs import ACCELERATORS, accelerator_of_device
 
 log = logging.getLogger(__name__)
-
-# Dense (no sparsity) 16-bit tensor-core peaks, FLOP/s, from the vendors' data sheets.
-ACCELERATOR_BF16_PEAK = {
-    "H200": 989e12, "H100 PCIe": 756e12, "H100": 989e12, "A100": 312e12, "B200": 2250e12,
-    "V100": 125e12, "L40S": 362e12, "A10G": 70e12,
-}
 
 CALIBRATION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -177,9 +172,9 @@ def peak_flops(device: torch.device, device_name: str, precision: str) -> float:
     """The dense peak that MFU divides by: the precision's matmul peak on this device."""
     if device.type == "cpu":
         return cpu_peak_flops(precision)
-    for name, peak in ACCELERATOR_BF16_PEAK.items():
-        if name in device_name:
-            # fp32 runs on TF32 tensor cores at half the 16-bit rate on these parts.
-            return peak / 2 if precision == "fp32" else peak
-    log.warning("unknown accelerator %r: MFU is reported against the H100 peak", device_name)
-    return ACCELERATOR_BF16_PEAK["H100"]
+    spec = accelerator_of_device(device_name)
+    if spec is None:
+        spec = ACCELERATORS["H100-SXM"]
+        log.warning("unknown accelerator %r: MFU is reported against the H100 peak", device_name)
+    # fp32 runs on TF32 tensor cores at half the 16-bit rate on these parts.
+    return spec.peak_flops / 2 if precision == "fp32" else spec.peak_flops
