@@ -11,11 +11,12 @@ import traceback
 from pathlib import Path
 from typing import Callable
 
-from gridtrain.validate import tokenizer_vocab, validate
 from gridtrain.config import ConfigError, all_keys, load_config, parse_overrides
 from gridtrain.errors import BadInput, UserError, one_line
 from gridtrain.launch import launch
+from gridtrain.names import PRECISIONS
 from gridtrain.rundir import check_run_dir, unwritable
+from gridtrain.validate import tokenizer_vocab, validate
 
 log = logging.getLogger("gridtrain")
 
@@ -274,7 +275,7 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top", type=number(int, 1), default=10, help="layouts to rank")
     p.add_argument("--hbm-usable", type=number(float, 0, 1, low_open=True), default=0.9, help="share of HBM a layout may plan for")
     p.add_argument("--no-flash", action="store_true", help="attention keeps its s x s scores")
-    p.add_argument("--precision", default="bf16", choices=["fp32", "bf16", "fp16"],
+    p.add_argument("--precision", default="bf16", choices=PRECISIONS,
                    help="training precision (gridtrain's train.precision)")
     p.add_argument("--any-layout", action="store_true",
                    help="also rank layouts gridtrain train refuses (context parallelism, ...), labelled")

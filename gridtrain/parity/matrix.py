@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from gridtrain.config import ConfigError, load_config
 from gridtrain.layout.schedules import RUNTIME_SCHEDULES, SCHEDULES
-from gridtrain.names import RECOMPUTE
+from gridtrain.names import PRECISIONS, RECOMPUTE
 from gridtrain.validate import validate
 
 STEPS = 3
@@ -55,7 +55,7 @@ PP_CHOICES: dict[str, dict[str, object]] = {
            "parallel.pp_virtual_stages": SCHEDULES[s].stages_per_rank or 2} for s in RUNTIME_SCHEDULES},
 }
 EMBEDDING_CHOICES = {"untied": {"model.tie_embeddings": False}, "tied": {"model.tie_embeddings": True}}
-PRECISION_CHOICES = {p: {"train.precision": p} for p in ("fp32", "bf16", "fp16")}
+PRECISION_CHOICES = {p: {"train.precision": p} for p in PRECISIONS}
 RECOMPUTE_CHOICES = {m: {"train.recompute": m} for m in RECOMPUTE}
 ACCUMULATION_CHOICES = ("one", "many")
 

@@ -35,7 +35,7 @@ from gridtrain.layout.dims import stage_layer_counts
 from gridtrain.layout.schedules import forwards_held, in_flight, schedule, stage_ranks
 from gridtrain.plan.activations import block_bytes_per_token, head_bytes_per_token, held_bytes
 from gridtrain.plan.census import peak_dp_index, rank_elements
-from gridtrain.names import PLAN_RECOMPUTE
+from gridtrain.names import PLAN_RECOMPUTE, RECOMPUTE
 from gridtrain.plan.layout import Layout
 from gridtrain.plan.shape import ModelShape, norm_params
 
@@ -178,7 +178,7 @@ def kv_heads_per_rank(shape: ModelShape, tp: int) -> int:
 def measured_census(shape: ModelShape, flash: bool, recompute: str) -> bool:
     """Whether activations.py's census (measured on gridtrain's runtime) covers the case:
     gridtrain's Llama block with fused attention under the runtime's recomputation modes."""
-    return shape.block == "llama" and flash and recompute in ("none", "selective", "full")
+    return shape.block == "llama" and flash and recompute in RECOMPUTE
 
 
 @functools.lru_cache(maxsize=8192)
