@@ -50,7 +50,7 @@ def main() -> None:
     print(f"search: min {min(times):.3f} s, median {statistics.median(times):.3f} s over {args.repeats} cold runs")
     print(f"space: {result.enumerated:,} layouts; timed {result.evaluated:,}; ranked {len(result.ranked)}")
     print(f"best: tp={lay.tp} cp={lay.cp} pp={lay.pp} dp={lay.dp} zero={lay.zero_stage} mb={lay.micro_batch} "
-          f"m={lay.num_microbatches} {lay.schedule} v={lay.pp_virtual_stages} recompute={lay.recompute}")
+          f"m={lay.num_microbatches} {lay.pp_schedule} v={lay.pp_virtual_stages} recompute={lay.recompute}")
     print(f"      step {st.total_s:.3f} s, MFU {st.mfu:.1%}, peak {best.memory.total / 2**30:.1f} GiB on "
           f"pipeline rank {best.memory.rank} (limit {problem.memory_limit / 2**30:.1f} GiB of 80 GB)")
 

@@ -112,6 +112,6 @@ def test_counts_and_layout_parsing():
     with pytest.raises(PlanError, match="whole number"):
         batch_sequences("1000", 8192)
     assert parse_layout("tp=8, pp=16,zero=1,mb=2,recompute=full,schedule=zbv,v=2") == Constraints(
-        tp=8, pp=16, zero_stage=1, micro_batch=2, recompute="full", schedule="zbv", pp_virtual_stages=2)
+        tp=8, pp=16, zero_stage=1, micro_batch=2, recompute="full", pp_schedule="zbv", pp_virtual_stages=2)
     with pytest.raises(PlanError, match="choose one of"):
         parse_layout("recompute=some")

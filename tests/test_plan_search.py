@@ -64,12 +64,12 @@ def test_branch_and_bound_equals_brute_force():
 
 def test_constraints_are_kept():
     problem = Problem(S405, DGX, 16384, 8192, 2048)
-    fixed = Constraints(tp=8, pp=16, cp=1, schedule="interleaved-1f1b")
+    fixed = Constraints(tp=8, pp=16, cp=1, pp_schedule="interleaved-1f1b")
     result = search.search(problem, fixed, top=5)
     assert result.ranked
     for c in result.ranked:
         assert (c.layout.tp, c.layout.pp, c.layout.cp, c.layout.dp) == (8, 16, 1, 128)
-        assert c.layout.schedule == "interleaved-1f1b" and c.layout.pp_virtual_stages >= 2
+        assert c.layout.pp_schedule == "interleaved-1f1b" and c.layout.pp_virtual_stages >= 2
 
 
 def test_nothing_fits_reports_the_leanest():
@@ -92,7 +92,7 @@ def test_schedule_options_follow_the_runtime():
     assert ("zbv", 2) not in search.schedule_options(8, 32, 8, free)
     assert not [p for p in search.schedule_options(4, 32, 9, free) if p[0] == "interleaved-zb"]  # 2 rounds, 9 % 2
     # A named schedule is the only one tried; without a pipeline the name is moot.
-    named = Constraints(schedule="interleaved-1f1b")
+    named = Constraints(pp_schedule="interleaved-1f1b")
     assert {s for s, _ in search.schedule_options(4, 32, 8, named)} == {"interleaved-1f1b"}
     assert search.schedule_options(1, 32, 8, named) == [("1f1b", 1)]
 
@@ -112,14 +112,14 @@ def test_zero_options_and_degrees():
 def test_edge_ranks_and_rank_subsets():
     # memory.edge_ranks in O(1) names the owners stage_ranks gives the first and last stage.
     for pp, v, sched in [(4, 1, "1f1b"), (4, 3, "interleaved-1f1b"), (4, 2, "zbv"), (1, 1, "1f1b")]:
-        lay = Layout(pp=pp, pp_virtual_stages=v, schedule=sched)
+        lay = Layout(pp=pp, pp_virtual_stages=v, pp_schedule=sched)
         owners = stage_ranks(pp, v, sched)
         assert memory.edge_ranks(lay) == (owners[0], owners[-1])
     lay = Layout(tp=8, pp=16, dp_replicate=128, seq_len=8192, num_microbatches=16, sequence_parallel=True)
     full = memory.rank_memory(S405, lay)
     assert memory.rank_memory(S405, lay, ranks=(0, 15)) == [full[0], full[15]]
     assert memory.state_bytes_per_param(1, 64) == pytest.approx(4 + 12 / 64)
-    assert memory.rank_layers(S405, replace(lay, schedule="interleaved-1f1b", pp_virtual_stages=2)) == list(
+    assert memory.rank_layers(S405, replace(lay, pp_schedule="interleaved-1f1b", pp_virtual_stages=2)) == list(
         memory.layers_per_rank(126, 16, 2, "interleaved-1f1b"))
 
 

@@ -116,7 +116,7 @@ def test_single_gpu_step_by_hand():
 def test_tp_and_bubble_by_hand():
     s = shape.from_args(llama3_405b())
     lay = Layout(tp=8, pp=16, dp_replicate=128, micro_batch=1, seq_len=8192, num_microbatches=16,
-                 schedule="interleaved-1f1b", pp_virtual_stages=2, sequence_parallel=True, recompute="full")
+                 pp_schedule="interleaved-1f1b", pp_virtual_stages=2, sequence_parallel=True, recompute="full")
     pt = steptime.pipeline_time(s, lay, DGX, EFF)
     # TP: 6 all-reduces (full recomputation) of 8,192 x 16,384 x 2 bytes per layer, ring of 8 on NVLink.
     one = 2 * 7 / 8 * (8192 * 16384 * 2) / (450 * GB * EFF.intra_node) + 13e-6
@@ -152,7 +152,7 @@ def test_dp_hides_behind_backward():
 def test_monotone_in_the_constants():
     s = shape.from_args(llama3_405b())
     lay = Layout(tp=8, pp=16, dp_replicate=128, micro_batch=1, seq_len=8192, num_microbatches=16,
-                 schedule="1f1b", sequence_parallel=True, recompute="full")
+                 pp_schedule="1f1b", sequence_parallel=True, recompute="full")
     base = steptime.step_time(s, lay, DGX).total_s
     assert steptime.step_time(s, lay, DGX, replace(EFF, matmul=0.8)).total_s < base
     assert steptime.step_time(s, lay, DGX, replace(EFF, intra_node=0.9)).total_s < base

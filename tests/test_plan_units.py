@@ -201,8 +201,8 @@ def test_search_pays_for_the_split_backward():
     s = shape.from_args(llama3_8b())
     cluster = specs.cluster("dgx-h100")
     kw = dict(tp=2, pp=4, dp_replicate=1, micro_batch=1, seq_len=4096, num_microbatches=16, pp_virtual_stages=2)
-    zbv = steptime.pipeline_time(s, Layout(schedule="zbv", **kw), cluster, steptime.CALIBRATED)
-    il = steptime.pipeline_time(s, Layout(schedule="interleaved-1f1b", **kw), cluster, steptime.CALIBRATED)
+    zbv = steptime.pipeline_time(s, Layout(pp_schedule="zbv", **kw), cluster, steptime.CALIBRATED)
+    il = steptime.pipeline_time(s, Layout(pp_schedule="interleaved-1f1b", **kw), cluster, steptime.CALIBRATED)
     assert zbv.layers == il.layers == 8
     assert zbv.micro_s == approx(il.micro_s * 3.22 / 2.95)
 

@@ -58,7 +58,7 @@ def predict_activations(args: ModelArgs, dims: ParallelDims, cfg: Config, pp_ran
     shape, layout = from_args(args), run_layout(args, dims, cfg)
     v = layout.pp_virtual_stages
     counts = stage_layer_counts(args.n_layers, dims.pp * v, cfg.parallel.pp_fewer_edge_layers)
-    held = forwards_held(layout.schedule, dims.pp, v, layout.num_microbatches, pp_rank)
+    held = forwards_held(layout.pp_schedule, dims.pp, v, layout.num_microbatches, pp_rank)
     total = held_bytes(shape, held, counts, layout.micro_batch * layout.seq_len, cfg.train.precision,
                        layout.recompute, dims.tp, layout.sequence_parallel, fsdp_gathers(layout))
     # A pipeline chunks the whole local batch into views of one storage: ids and targets count whole.
@@ -71,7 +71,7 @@ def microbatch_activations(args: ModelArgs, dims: ParallelDims, cfg: Config, pp_
     shape, layout = from_args(args), run_layout(args, dims, cfg)
     v = layout.pp_virtual_stages
     counts = stage_layer_counts(args.n_layers, dims.pp * v, cfg.parallel.pp_fewer_edge_layers)
-    held = forwards_held(layout.schedule, dims.pp, v, layout.num_microbatches, pp_rank)
+    held = forwards_held(layout.pp_schedule, dims.pp, v, layout.num_microbatches, pp_rank)
     return sum(stage_bytes(shape, counts[s], s == len(counts) - 1, layout.micro_batch * layout.seq_len,
                            cfg.train.precision, cfg.train.recompute, dims.tp,
                            layout.sequence_parallel) for s in held)
@@ -177,7 +177,7 @@ def estimate_collectives(args: ModelArgs, dims: ParallelDims, cfg: Config, pp_ra
     seq, mb, m, v = layout.seq_len, layout.micro_batch, layout.num_microbatches, layout.pp_virtual_stages
     parts = rank_stage_shapes(from_args(args), dims.pp, v, p.pp_schedule, p.pp_fewer_edge_layers, pp_rank)
     shapes = {name: s for part in parts for name, s in part.items()}
-    stages = list(forwards_held(layout.schedule, dims.pp, v, m, pp_rank)) if dims.pp > 1 else [0]
+    stages = list(forwards_held(layout.pp_schedule, dims.pp, v, m, pp_rank)) if dims.pp > 1 else [0]
     first, last = 0 in stages, dims.pp * v - 1 in stages
     blocks = len({name.split(".")[1] for name in shapes if name.startswith("layers.")})
     activation, sp = 4 * mb * seq * args.dim, p.sequence_parallel and dims.tp > 1

@@ -37,7 +37,7 @@ class Layout:
     """Tokens per sequence."""
     num_microbatches: int = 1
     """Micro-batches per optimizer step per data-parallel rank (gradient accumulation steps)."""
-    schedule: ScheduleName = DEFAULT_SCHEDULE
+    pp_schedule: ScheduleName = DEFAULT_SCHEDULE
     """Pipeline schedule: a name of gridtrain.layout.schedules.SCHEDULES."""
     pp_virtual_stages: int = 1
     """Stages per pipeline rank (interleaving)."""

@@ -257,7 +257,7 @@ STATE_BUCKETS = BUCKETS[:3]
 
 def rank_layers(shape: ModelShape, layout: Layout) -> list[int]:
     """Transformer blocks on each pipeline rank (a rank sums its virtual stages)."""
-    return list(layers_per_rank(shape.num_layers, layout.pp, layout.pp_virtual_stages, layout.schedule,
+    return list(layers_per_rank(shape.num_layers, layout.pp, layout.pp_virtual_stages, layout.pp_schedule,
                                 layout.fewer_edge_layers))
 
 
@@ -282,7 +282,7 @@ def layers_per_rank(num_layers: int, pp: int, virtual: int, schedule: str,
 def edge_ranks(layout: Layout) -> tuple[int, int]:
     """(rank holding the embedding, rank holding the head): 0 and pp-1, or 0 and 0 for V schedules
     (the owners of the first and last stage in stage_ranks, without building the whole list)."""
-    return 0, (0 if schedule(layout.schedule).v_shape else layout.pp - 1)
+    return 0, (0 if schedule(layout.pp_schedule).v_shape else layout.pp - 1)
 
 
 def rank_params(shape: ModelShape, layout: Layout, rank: int, layers: int) -> float:
@@ -311,7 +311,7 @@ def rank_state(shape: ModelShape, layout: Layout, rank: int, state: StateBytes,
     runtime), tensor by tensor (census.py) for the data-parallel rank `dp_index`, by default the one
     that holds the most; otherwise the even split of model_state_bytes."""
     if state.exact and shape.block == "llama":
-        where = (shape, layout.tp, layout.pp, layout.pp_virtual_stages, layout.schedule, layout.fewer_edge_layers,
+        where = (shape, layout.tp, layout.pp, layout.pp_virtual_stages, layout.pp_schedule, layout.fewer_edge_layers,
                  layout.zero_stage, layout.dp_replicate, layout.dp_shard, rank)
         held = rank_elements(*where, peak_dp_index(*where) if dp_index is None else dp_index)
         return ModelState(held.params * state.weights, held.grads * state.gradients,
@@ -400,12 +400,12 @@ def rank_activations(shape: ModelShape, layout: Layout, rank: int, layers: int, 
     measured census on gridtrain's schedules, else `layers` x `per_layer` per micro-batch in
     flight (in_flight) and the head on the `last` rank."""
     if measured_census(shape, layout.flash_attention or layout.cp > 1, layout.recompute) and \
-            schedule(layout.schedule).runnable:
+            schedule(layout.pp_schedule).runnable:
         return census_activations(shape, layout, rank, act_bytes)
-    held = in_flight(layout.schedule, layout.pp, rank, layout.num_microbatches, layout.pp_virtual_stages)
+    held = in_flight(layout.pp_schedule, layout.pp, rank, layout.num_microbatches, layout.pp_virtual_stages)
     acts = layers * per_layer * held
     if rank == last:
-        acts += head * (layout.num_microbatches if schedule(layout.schedule).all_forwards_first else 1)
+        acts += head * (layout.num_microbatches if schedule(layout.pp_schedule).all_forwards_first else 1)
     return acts
 
 
@@ -416,7 +416,7 @@ def census_activations(shape: ModelShape, layout: Layout, rank: int, act_bytes: 
     saves (activations.held_bytes), and the token ids and targets of its micro-batches."""
     v = layout.pp_virtual_stages if layout.pp > 1 else 1
     counts = stage_counts(shape.num_layers, layout.pp * v, layout.fewer_edge_layers)
-    held = forwards_held(layout.schedule, layout.pp, v, layout.num_microbatches, rank, peak=True)
+    held = forwards_held(layout.pp_schedule, layout.pp, v, layout.num_microbatches, rank, peak=True)
     tokens = layout.micro_batch * layout.seq_len / layout.cp
     acts = held_bytes(shape, held, counts, tokens, "fp32" if act_bytes == 4 else "bf16", layout.recompute,
                       layout.tp, layout.sequence_parallel, fsdp_gathers(layout))

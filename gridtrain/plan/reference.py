@@ -65,7 +65,7 @@ def sc21_problem(row: Sc21Row, eff: Efficiency = CALIBRATED) -> tuple[Problem, C
                       row.global_batch_seqs, flash_attention=False, sequence_parallel=False, eff=eff,
                       state=STATE)
     fixed = Constraints(tp=row.tp, pp=row.pp, cp=1, zero_stage=0, recompute="full",
-                        schedule="interleaved-1f1b")
+                        pp_schedule="interleaved-1f1b")
     return problem, fixed
 
 

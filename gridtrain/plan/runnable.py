@@ -41,7 +41,7 @@ def run_keys(model_keys: tuple[tuple[str, object], ...], global_batch_seqs: int,
                  "parallel.dp_replicate": layout.dp_replicate, "parallel.dp_shard": layout.dp_shard,
                  "parallel.zero_stage": layout.zero_stage, "parallel.sequence_parallel": layout.sequence_parallel})
     if layout.pp > 1:
-        keys.update({"parallel.pp_schedule": layout.schedule, "parallel.pp_virtual_stages": layout.pp_virtual_stages,
+        keys.update({"parallel.pp_schedule": layout.pp_schedule, "parallel.pp_virtual_stages": layout.pp_virtual_stages,
                      "parallel.pp_fewer_edge_layers": layout.fewer_edge_layers})
     if load_config(None, dict(model_keys)).model.args().max_seq_len < layout.seq_len:
         keys["model.max_seq_len"] = layout.seq_len

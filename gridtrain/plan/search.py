@@ -87,7 +87,7 @@ class Constraints:
     zero_stage: int | None = None
     micro_batch: int | None = None
     recompute: str | None = None
-    schedule: str | None = None
+    pp_schedule: str | None = None
     pp_virtual_stages: int | None = None
 
     def given(self) -> dict[str, object]:
@@ -171,7 +171,7 @@ def schedule_options(pp: int, num_layers: int, m: int, c: Constraints) -> list[t
     vs = [v for v in range(2, 9) if pp * v <= num_layers]
     pairs = []
     for row in SCHEDULES.values():
-        if not row.runnable or (row.name != c.schedule if c.schedule else not row.searched):
+        if not row.runnable or (row.name != c.pp_schedule if c.pp_schedule else not row.searched):
             continue
         if row.stages_per_rank == 1 and m >= pp:
             pairs.append((row.name, 1))
@@ -206,7 +206,7 @@ class Family:
     pp: int
     dp: int
     recompute: str
-    schedule: str
+    pp_schedule: str
     pp_virtual_stages: int
     micro_batches: tuple[int, ...]
     per_replica: int
@@ -215,7 +215,7 @@ class Family:
     def layout(self, problem: Problem, micro_batch: int) -> Layout:
         return Layout(tp=self.tp, pp=self.pp, cp=self.cp, dp_replicate=self.dp, zero_stage=0,
                       micro_batch=micro_batch, seq_len=problem.seq_len,
-                      num_microbatches=self.per_replica // micro_batch, schedule=self.schedule,
+                      num_microbatches=self.per_replica // micro_batch, pp_schedule=self.pp_schedule,
                       pp_virtual_stages=self.pp_virtual_stages,
                       sequence_parallel=self.tp > 1 and problem.sequence_parallel,
                       recompute=self.recompute, flash_attention=problem.flash_attention)

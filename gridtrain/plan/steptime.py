@@ -243,7 +243,7 @@ def pipeline_time(shape: ModelShape, layout: Layout, cluster: ClusterSpec, eff: 
     """m micro-batches through the pipeline on its slowest rank, with sends and the bubble."""
     lc = layer_cost(shape, cluster, eff, layout.seq_len, layout.micro_batch, layout.tp, layout.cp,
                     layout.sequence_parallel, layout.recompute, layout.flash_attention, act_bytes)
-    counts = layers_per_rank(shape.num_layers, layout.pp, layout.pp_virtual_stages, layout.schedule,
+    counts = layers_per_rank(shape.num_layers, layout.pp, layout.pp_virtual_stages, layout.pp_schedule,
                              layout.fewer_edge_layers)
     _, last = edge_ranks(layout)
     head = head_seconds(shape, cluster, eff, layout)
@@ -253,11 +253,11 @@ def pipeline_time(shape: ModelShape, layout: Layout, cluster: ClusterSpec, eff: 
     m, pp, v = layout.num_microbatches, layout.pp, layout.pp_virtual_stages
     pp_s = bubble_s = 0.0
     if pp > 1:
-        micro *= split_cost(layout.schedule)  # zero-bubble schedules' split backward
+        micro *= split_cost(layout.pp_schedule)  # zero-bubble schedules' split backward
         act = layout.tokens_per_microbatch / layout.cp * shape.hidden * act_bytes / layout.tp
         send = placement.p2p_time(act, cluster, pp, layout.tp * layout.cp, eff.intra_node, eff.inter_node)
         pp_s = 2 * m * v * send
-        frac = schedule_bubble(layout.schedule, pp, m, v)
+        frac = schedule_bubble(layout.pp_schedule, pp, m, v)
         bubble_s = frac / (1 - frac) * m * micro
     return PipelineTime(micro, lc, critical, counts[critical], head if critical == last else 0.0,
                         pp_s, bubble_s)

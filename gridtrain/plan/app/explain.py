@@ -87,10 +87,10 @@ def pipeline_lines(problem: Problem, cand: Candidate) -> list[str]:
              f"{_ms(pt.layer.total_s)}" + (f" + head {_ms(pt.head_s)}" if pt.head_s else "")
              + f" = {_ms(pt.micro_s)}; x m = {m}: {_ms(m * pt.micro_s)}"]
     if p > 1:
-        f, sc = schedule_bubble(layout.schedule, p, m, v), split_cost(layout.schedule)
+        f, sc = schedule_bubble(layout.pp_schedule, p, m, v), split_cost(layout.pp_schedule)
         if sc != 1.0:
             lines.append(f"split backward (F + I + W over F + B, measured): micro-batch x {sc:.3f}")
-        lines.append(f"bubble ({layout.schedule}, p={p}, v={v}, m={m}): (p-1)/v x {bubble_scale(layout.schedule):.2f} "
+        lines.append(f"bubble ({layout.pp_schedule}, p={p}, v={v}, m={m}): (p-1)/v x {bubble_scale(layout.pp_schedule):.2f} "
                      f"(measured on gridtrain's runtime) over m x {sc:.3f} + that: fraction f = {f:.4f}; "
                      f"f/(1-f) x m x micro-batch = {_ms(st.bubble_s)}")
         lines.append(f"pipeline sends = 2 x m x v x send(b s/cp x h x 2 B / tp) = 2 x {m} x {v} x "
@@ -135,7 +135,7 @@ def memory_lines(problem: Problem, cand: Candidate) -> list[str]:
             + (f" / {n}" if layout.zero_stage >= 2 else "") + f" = {m.gradients / GiB:.2f} GiB; "
             f"optimizer = params x {sb.optimizer:g} B" + (f" / {n}" if layout.zero_stage >= 1 else "")
             + f" = {m.optimizer / GiB:.2f} GiB",
-            f"activations = layers x per-layer bytes x micro-batches in flight ({layout.schedule}) "
+            f"activations = layers x per-layer bytes x micro-batches in flight ({layout.pp_schedule}) "
             f"= {m.activations / GiB:.2f} GiB; buffers {m.buffers / GiB:.2f} GiB; "
             f"total {m.total / GiB:.2f} GiB of {problem.memory_limit / GiB:.1f} GiB usable"]
 

@@ -22,8 +22,8 @@ SUFFIXES = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
 
 LAYOUT_KEYS = {"tp": "tp", "cp": "cp", "pp": "pp", "dp": "dp", "dp_shard": "dp_shard", "shard": "dp_shard",
                "zero": "zero_stage", "zero_stage": "zero_stage", "mb": "micro_batch",
-               "micro_batch": "micro_batch", "recompute": "recompute", "schedule": "schedule",
-               "v": "pp_virtual_stages", "pp_virtual_stages": "pp_virtual_stages", "pp_schedule": "schedule"}
+               "micro_batch": "micro_batch", "recompute": "recompute", "schedule": "pp_schedule",
+               "v": "pp_virtual_stages", "pp_virtual_stages": "pp_virtual_stages", "pp_schedule": "pp_schedule"}
 
 
 def parse_count(text: str, what: str) -> float:
@@ -96,7 +96,7 @@ def _layout_value(name: str, value: str) -> object:
         if value not in PLAN_RECOMPUTE:
             raise PlanError(f"--layout recompute={value}: choose one of {', '.join(PLAN_RECOMPUTE)}")
         return value
-    if name == "schedule":
+    if name == "pp_schedule":
         if value not in RUNTIME_SCHEDULES:
             near = difflib.get_close_matches(value, RUNTIME_SCHEDULES, n=1)
             hint = f" (did you mean {near[0]!r}?)" if near else ""
@@ -214,5 +214,5 @@ def _product_problems(problem: Problem, c: Constraints) -> list[str]:
 
 def constraints_label(c: Constraints) -> str:
     names = {f.name: f.name for f in fields(Constraints)} | {"zero_stage": "zero", "micro_batch": "mb",
-                                                            "pp_virtual_stages": "v"}
+                                                            "pp_virtual_stages": "v", "pp_schedule": "schedule"}
     return ",".join(f"{names[k]}={v}" for k, v in c.given().items())

@@ -27,7 +27,7 @@ def layout_label(layout: dict) -> str:
     dp = f"dp={layout['dp']}" if layout["dp_shard"] in (1, layout["dp"]) else (
         f"dp={layout['dp']},dp_shard={layout['dp_shard']}")
     return (f"tp={layout['tp']},cp={layout['cp']},pp={layout['pp']},{dp},zero={layout['zero_stage']},"
-            f"mb={layout['micro_batch']},recompute={layout['recompute']},schedule={layout['schedule']},"
+            f"mb={layout['micro_batch']},recompute={layout['recompute']},schedule={layout['pp_schedule']},"
             f"v={layout['pp_virtual_stages']}")
 
 
@@ -79,7 +79,7 @@ def render_ranked(r: dict) -> list[str]:
     for i, c in enumerate(r["ranked"], 1):
         lay = c["layout"]
         lines.append(f"{i:>2} {lay['tp']:>2} {lay['cp']:>2} {lay['pp']:>3} {lay['dp']:>5} {lay['dp_shard']:>5} "
-                     f"{lay['zero_stage']:>4} {lay['schedule']:<16} {lay['pp_virtual_stages']:>1} "
+                     f"{lay['zero_stage']:>4} {lay['pp_schedule']:<16} {lay['pp_virtual_stages']:>1} "
                      f"{lay['micro_batch']:>3} {lay['num_microbatches']:>4} {lay['recompute']:<9} "
                      f"{c['peak_GiB']:>8.1f} {c['step_s']:>7.3f} {_count(c['tokens_per_s']):>9} {c['mfu']:>6.1%}")
     return lines
