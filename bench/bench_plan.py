@@ -19,13 +19,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gridtrain.model.args import llama3_405b  # noqa: E402
-from gridtrain.plan import activations, census, memory, pipeline, placement, search, shape, specs, steptime  # noqa: E402
+from gridtrain.layout import schedules  # noqa: E402
+from gridtrain.plan import activations, census, memory, placement, search, shape, specs, steptime  # noqa: E402
 
 CACHED = (steptime.layer_cost, steptime.edge_flops_per_token, steptime._busiest, memory.layer_activation_bytes,
           memory.head_activation_bytes, memory.layers_per_rank, memory.state_bytes_per_param,
           memory.census_activations, activations.block_bytes_per_token, census.rank_elements,
           census.zero1_shares, census._local_elements, census.peak_dp_index, memory.stage_counts,
-          pipeline.forwards_held, placement.axis_levels, search._divisors,
+          schedules.forwards_held, placement.axis_levels, search._divisors,
           search.zero_options, search._buffers, search._class_representatives)
 
 

@@ -8,6 +8,7 @@ import math
 import os
 import sys
 import traceback
+import typing
 from pathlib import Path
 from typing import Callable
 
@@ -29,7 +30,8 @@ def setup_logging() -> None:
 def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     if args.help_config:
         for key, (hint, doc) in all_keys().items():
-            print(f"--{key:<36} {doc}")
+            choices = typing.get_args(hint) if typing.get_origin(hint) is typing.Literal else ()
+            print(f"--{key:<36} {doc}" + (f" One of: {', '.join(choices)}." if choices else ""))
         return 0
     overrides = parse_overrides(extra)
     if args.resume:

@@ -20,7 +20,7 @@ from typing import Any
 
 from gridtrain import tomlread
 from gridtrain.errors import UserError
-from gridtrain.layout.schedules import DEFAULT_SCHEDULE, ScheduleName
+from gridtrain.layout.schedules import DEFAULT_SCHEDULE, RuntimeScheduleName
 from gridtrain.model.args import ModelArgs, model_args
 from gridtrain.names import LRSchedule, OnSaveError, Precision, Recompute
 
@@ -205,7 +205,7 @@ class ParallelConfig:
     replicate over dp_replicate (HSDP when both exceed 1)."""
     sequence_parallel: bool = False
     """With tp > 1: also split norms and residual regions along the sequence (Megatron SP)."""
-    pp_schedule: ScheduleName = DEFAULT_SCHEDULE
+    pp_schedule: RuntimeScheduleName = DEFAULT_SCHEDULE
     """The pipeline schedule (gridtrain.layout.schedules has what each one does)."""
     pp_virtual_stages: int = 1
     """Stages per pipeline rank (2 or more interleaves; 'zbv' and 'dualpipev' need exactly 2)."""
@@ -292,7 +292,13 @@ def _keys_of(cls: type, prefix: str) -> tuple[tuple[str, tuple[Any, str]], ...]:
     return tuple(keys)
 
 
+RENAMED = {"train.activation_checkpointing": "train.recompute ('off' is now 'none')"}
+"""Keys an earlier gridtrain had, and what they are called now."""
+
+
 def _unknown_key(key: str) -> str:
+    if key in RENAMED:
+        return f"config key '{key}' is now {RENAMED[key]}"
     close = difflib.get_close_matches(key, list(all_keys()), n=1, cutoff=0.5)
     hint = f"; did you mean '{close[0]}'?" if close else "; see `gridtrain train --help-config`"
     return f"unknown config key '{key}'{hint}"
@@ -424,8 +430,12 @@ BATCH_FORMS = ("train.global_batch", "train.global_batch_tokens")
 
 
 def config_from_dict(table: dict[str, Any]) -> Config:
-    """A Config from its nested dict (dataclasses.asdict's form, as a run record keeps it)."""
-    return load_config(None, _flatten(table))
+    """A Config from its nested dict (dataclasses.asdict's form, as a run record keeps it: both
+    forms of the batch, the one not given None)."""
+    items = _flatten(table)
+    if items.get("train.global_batch_tokens") is not None:
+        items.pop("train.global_batch", None)
+    return load_config(None, items)
 
 
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:

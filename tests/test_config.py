@@ -3,8 +3,9 @@ import json
 import pytest
 
 from gridtrain.cli import main
-from gridtrain.validate import validate
 from gridtrain.config import BARE_FLAG, Config, ConfigError, all_keys, load_config, parse_overrides
+from gridtrain.rundir import RunRecord
+from gridtrain.validate import validate
 
 # (overrides, the key the message must name); each case breaks exactly one relation of the
 # (valid) default configuration.
@@ -27,7 +28,7 @@ INVALID = [
     pytest.param({"train.schedule": "exponential"}, "train.schedule", id="unknown-schedule"),
     pytest.param({"train.precision": "fp8"}, "train.precision", id="unknown-precision"),
     pytest.param({"train.recompute": "some"}, "train.recompute",
-                 id="unknown-activation-checkpointing"),
+                 id="unknown-recompute"),
     pytest.param({"model.n_heads": "12"}, "model.n_heads", id="n-heads-not-dividing-dim"),
     pytest.param({"model.n_kv_heads": "3"}, "model.n_kv_heads", id="n-kv-heads-not-dividing-n-heads"),
     pytest.param({"model.n_heads": "256"}, "model.n_heads", id="odd-head-dim"),
@@ -241,3 +242,22 @@ def test_help_config_into_a_closed_pipe_is_quiet():
                           capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(root)}, timeout=120)
     assert proc.stdout.startswith("--") and proc.stdout.count("\n") == 1
     assert proc.stderr == "", proc.stderr
+
+
+@pytest.mark.parametrize("batch", [{"train.global_batch": 8}, {"train.global_batch_tokens": 8 * 256}])
+def test_a_run_record_reads_back_the_config_and_layout_it_was_written_with(tmp_path, batch):
+    """RunRecord.load gives plan --check and export the Config and ParallelDims the run had,
+    whichever form of the batch it was given in (the record keeps both, one of them None)."""
+    cfg = load_config(None, {"data.seq_len": 256, "train.micro_batch": 2, "train.recompute": "none",
+                             "parallel.pp": 2, "parallel.pp_schedule": "zbv", "parallel.pp_virtual_stages": 2,
+                             **batch})
+    dims = validate(cfg, 2)
+    RunRecord(cfg, dims, "cpu", 3, 8, 1e12).write(tmp_path)
+    back = RunRecord.load(tmp_path)
+    assert back.config == cfg and back.dims == dims and (back.threads, back.cpu_count) == (3, 8)
+    assert back.config.microbatches(dims.dp) == 4 and back.config.train.recompute == "none"
+
+
+def test_a_renamed_key_says_its_new_name():
+    with pytest.raises(ConfigError, match=r"'train.activation_checkpointing' is now train.recompute \('off' is now 'none'\)"):
+        load_config(None, {"train.activation_checkpointing": "off"})

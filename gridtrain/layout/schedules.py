@@ -160,6 +160,7 @@ assert tuple(SCHEDULES) == get_args(ScheduleName)
 DEFAULT_SCHEDULE: ScheduleName = "1f1b"
 RUNTIME_SCHEDULES: tuple[str, ...] = tuple(name for name, s in SCHEDULES.items() if s.runnable)
 """What parallel.pp_schedule accepts: the schedules torch runs."""
+RuntimeScheduleName = Literal[RUNTIME_SCHEDULES]  # type: ignore[valid-type]  # the same names, as a type
 
 
 def schedule(name: str) -> Schedule:

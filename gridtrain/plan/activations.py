@@ -47,9 +47,6 @@ COEFFICIENTS: dict[tuple[str, str], tuple[tuple[int, ...], ...]] = {
 }
 
 
-"""The planner's recomputation names -> the runtime's (train.recompute)."""
-
-
 def _class(precision: str) -> str:
     return "fp32" if precision == "fp32" else "16bit"
 

@@ -35,7 +35,7 @@ def run_layout(args: ModelArgs, dims: ParallelDims, cfg: Config) -> Layout:
     zero = p.zero_stage if dims.dp > 1 else 0
     return Layout(tp=dims.tp, pp=dims.pp, cp=dims.cp, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard,
                   zero_stage=zero, micro_batch=t.micro_batch, seq_len=cfg.data.seq_len,
-                  num_microbatches=cfg.microbatches(dims.dp), schedule=p.pp_schedule,
+                  num_microbatches=cfg.microbatches(dims.dp), pp_schedule=p.pp_schedule,
                   pp_virtual_stages=p.pp_virtual_stages if dims.pp > 1 else 1,
                   sequence_parallel=p.sequence_parallel, recompute=t.recompute,
                   fewer_edge_layers=p.pp_fewer_edge_layers)
@@ -52,7 +52,7 @@ def predict_rank(args: ModelArgs, dims: ParallelDims, cfg: Config, rank: int) ->
 
 def predict_activations(args: ModelArgs, dims: ParallelDims, cfg: Config, pp_rank: int) -> float:
     """Bytes saved on a rank up to its first backward (what `SavedActivations` measures): the
-    forwards its stages ran by then (pipeline.forwards_held), each saving what activations.py's
+    forwards its stages ran by then (schedules.forwards_held), each saving what activations.py's
     census says, with the weight casts or norm copies of its precision, and the token ids and
     targets."""
     shape, layout = from_args(args), run_layout(args, dims, cfg)
@@ -212,7 +212,7 @@ def dp_collectives(args: ModelArgs, dims: ParallelDims, cfg: Config, layout: Lay
         gathered = syncs * params
     elif dims.pp == 1:  # the last block stays gathered from its forward to its backward
         gathered = m * (2 * params - last_block)
-    else:  # under a split backward, the stage's own gathers (pipeline.SplitBackwardStage) serve both passes
+    else:  # under a split backward, the stage's own gathers serve both passes (SplitBackwardStage)
         gathered = (1 if schedule(p.pp_schedule).split_backward else 2) * params
     out = {"dp_shard/all_gather_bytes": gathered * gather_bytes(t.precision) / 4,
            "dp_shard/all_reduce_bytes": syncs * params}

@@ -12,7 +12,7 @@ One optimizer step on one rank:
   recomputation; selective recomputation rebuilds only elementwise work); TP divides them;
 - attention: counted in full (no causal halving), 3 x 4 s^2 d per head, at the rate measured for
   causal SDPA forward + backward (a CPU's attention kernel runs far below its matmul peak);
-- memory-bound work: the census of saved activations (check.microbatch_activations),
+- memory-bound work: the census of saved activations (check_run.microbatch_activations),
   each byte passed HBM_PASSES times at the measured bandwidth of an elementwise add;
 - bubble: GPipe and 1F1B idle p - 1 micro-batch slots per step;
 - collectives: the predicted bytes per collective (check_run.predict_collectives), a ring all-reduce

@@ -412,7 +412,7 @@ def rank_activations(shape: ModelShape, layout: Layout, rank: int, layers: int, 
 @functools.lru_cache(maxsize=8192)
 def census_activations(shape: ModelShape, layout: Layout, rank: int, act_bytes: int) -> float:
     """A pipeline rank's activations at its peak, as gridtrain saves them: the forwards each of
-    its stages holds then (pipeline.forwards_held on torch's schedules) times what a forward
+    its stages holds then (schedules.forwards_held on torch's schedules) times what a forward
     saves (activations.held_bytes), and the token ids and targets of its micro-batches."""
     v = layout.pp_virtual_stages if layout.pp > 1 else 1
     counts = stage_counts(shape.num_layers, layout.pp * v, layout.fewer_edge_layers)

@@ -69,8 +69,9 @@ ACCELERATORS: dict[str, AcceleratorSpec] = {
         AcceleratorSpec("H100-PCIe", 756, 80, 2000, 350, 600),
         AcceleratorSpec("H200", 989, 141, 4800, 700, 900),
         AcceleratorSpec("B200", 2250, 192, 8000, 1000, 1800),
-        # No NVLink: PCIe Gen4 x16, 64 GB/s both directions.
+        # No NVLink: PCIe Gen4 x16, 64 GB/s both directions. The A10G (AWS) has no published power.
         AcceleratorSpec("L40S", 362, 48, 864, 350, 64),
+        AcceleratorSpec("A10G", 70, 24, 600, 0, 64),
         # Google does not publish a per-chip power for v5p; ICI is 4,800 Gb/s = 600 GB/s.
         AcceleratorSpec("TPU-v5p", 459, 95, 2765, 0, 600),
     )

@@ -15,8 +15,8 @@ from typing import TextIO
 from gridtrain.config import BARE_FLAG, ConfigError, parse_overrides
 from gridtrain.plan import budget
 from gridtrain.plan.app import explain, render
-from gridtrain.plan.app.inputs import (batch_sequences, check_constraints, constraints_label, parse_count,
-                                   parse_layout, parse_whole, resolve_cluster, resolve_model)
+from gridtrain.plan.app.inputs import (LAYOUT_LABELS, batch_sequences, check_constraints, constraints_label,
+                                       parse_count, parse_layout, parse_whole, resolve_cluster, resolve_model)
 from gridtrain.plan.app.report import Assumptions, build_report, layout_dict
 from gridtrain.plan.memory import BUCKETS, CONVENTIONS, GiB
 from gridtrain.plan.runnable import train_command
@@ -83,7 +83,7 @@ def _relaxations(problem: Problem, c: Constraints) -> list[str]:
         found = search(problem, replace(c, **{key: None}), top=1)
         if found.ranked:
             best = found.ranked[0]
-            out.append(f"without {key}: {render.layout_label(layout_dict(best.layout))} fits "
+            out.append(f"without {LAYOUT_LABELS[key]}: {render.layout_label(layout_dict(best.layout))} fits "
                        f"({best.memory.total / GiB:.1f} GiB, MFU {best.time.mfu:.1%})")
     return out
 

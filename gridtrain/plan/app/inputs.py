@@ -23,7 +23,8 @@ SUFFIXES = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
 LAYOUT_KEYS = {"tp": "tp", "cp": "cp", "pp": "pp", "dp": "dp", "dp_shard": "dp_shard", "shard": "dp_shard",
                "zero": "zero_stage", "zero_stage": "zero_stage", "mb": "micro_batch",
                "micro_batch": "micro_batch", "recompute": "recompute", "schedule": "pp_schedule",
-               "v": "pp_virtual_stages", "pp_virtual_stages": "pp_virtual_stages", "pp_schedule": "pp_schedule"}
+               "v": "pp_virtual_stages", "pp_virtual_stages": "pp_virtual_stages",
+               "virtual_stages": "pp_virtual_stages", "pp_schedule": "pp_schedule"}
 
 
 def parse_count(text: str, what: str) -> float:
@@ -212,7 +213,10 @@ def _product_problems(problem: Problem, c: Constraints) -> list[str]:
     return []
 
 
+LAYOUT_LABELS = {f.name: f.name for f in fields(Constraints)} | {"zero_stage": "zero", "micro_batch": "mb",
+                                                                "pp_virtual_stages": "v", "pp_schedule": "schedule"}
+"""The --layout key a plan prints for each field of Constraints."""
+
+
 def constraints_label(c: Constraints) -> str:
-    names = {f.name: f.name for f in fields(Constraints)} | {"zero_stage": "zero", "micro_batch": "mb",
-                                                            "pp_virtual_stages": "v", "pp_schedule": "schedule"}
-    return ",".join(f"{names[k]}={v}" for k, v in c.given().items())
+    return ",".join(f"{LAYOUT_LABELS[k]}={v}" for k, v in c.given().items())
