@@ -30,7 +30,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gridtrain.config import load_config  # noqa: E402
+from gridtrain.config_load import load_config  # noqa: E402
 from gridtrain.train.calibrate import cpu_peak_flops  # noqa: E402
 from gridtrain.train.trainer import Trainer  # noqa: E402
 

@@ -12,7 +12,8 @@ import typing
 from pathlib import Path
 from typing import Callable
 
-from gridtrain.config import ConfigError, all_keys, load_config, parse_overrides
+from gridtrain.config import ConfigError
+from gridtrain.config_load import all_keys, load_config, parse_overrides
 from gridtrain.errors import BadInput, UserError, one_line
 from gridtrain.launch import launch
 from gridtrain.names import PRECISIONS

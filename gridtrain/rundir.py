@@ -20,7 +20,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from gridtrain.config import Config, ConfigError, config_from_dict
+from gridtrain.config import Config, ConfigError
+from gridtrain.config_load import config_from_dict
 from gridtrain.errors import BadInput, MissingInput
 from gridtrain.model.args import model_args
 from gridtrain.layout.dims import ParallelDims

@@ -12,7 +12,8 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from gridtrain.config import Config, load_config
+from gridtrain.config import Config
+from gridtrain.config_load import load_config
 from gridtrain.plan.machine import machine_key
 from gridtrain.train import calibrate as hardware
 from gridtrain.train.calibrate import CALIBRATION_DTYPES

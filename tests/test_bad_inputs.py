@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from gridtrain.cli import main
-from gridtrain.config import all_keys
+from gridtrain.config_load import all_keys
 
 PLAN = [
     (["plan", "--top", "0"], "--top: 0 must be >= 1"),
@@ -304,7 +304,8 @@ def test_a_bare_switch_reaches_plan_as_true(capsys):
 def test_the_batch_form_on_the_command_line_replaces_the_files(tmp_path):
     """configs/default.toml gives train.global_batch; --train.global_batch_tokens replaces it
     (both on one source is the refusal), and 'none' clears a form."""
-    from gridtrain.config import ConfigError, load_config
+    from gridtrain.config import ConfigError
+    from gridtrain.config_load import load_config
 
     toml = tmp_path / "c.toml"
     toml.write_text("[train]\nglobal_batch = 16\n")
@@ -320,7 +321,7 @@ def test_the_batch_form_on_the_command_line_replaces_the_files(tmp_path):
 
 
 def test_a_none_batch_form_on_the_command_line_keeps_the_files(tmp_path):
-    from gridtrain.config import load_config
+    from gridtrain.config_load import load_config
 
     toml = tmp_path / "c.toml"
     toml.write_text("[train]\nglobal_batch = 24\n")

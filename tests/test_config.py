@@ -3,7 +3,8 @@ import json
 import pytest
 
 from gridtrain.cli import main
-from gridtrain.config import BARE_FLAG, Config, ConfigError, all_keys, load_config, parse_overrides
+from gridtrain.config import Config, ConfigError
+from gridtrain.config_load import BARE_FLAG, all_keys, load_config, parse_overrides
 from gridtrain.rundir import RunRecord
 from gridtrain.validate import validate
 

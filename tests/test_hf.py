@@ -14,7 +14,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from gridtrain import tomlread
 from gridtrain.cli import main
-from gridtrain.config import Config, load_config
+from gridtrain.config import Config
+from gridtrain.config_load import load_config
 from gridtrain.model import llama
 from gridtrain.model.args import PRESETS, ModelArgs, model_args
 from gridtrain.model.llama import Transformer

@@ -18,8 +18,8 @@ def modules(folder: str) -> list[str]:
 
 
 TORCH_FREE = modules("plan") + modules("layout") + [
-    "gridtrain.config", "gridtrain.validate", "gridtrain.rundir", "gridtrain.errors", "gridtrain.model.args",
-    "gridtrain.parity.matrix"]
+    "gridtrain.config", "gridtrain.config_load", "gridtrain.names", "gridtrain.validate", "gridtrain.rundir",
+    "gridtrain.errors", "gridtrain.model.args", "gridtrain.parity.matrix"]
 
 
 def test_the_planner_and_the_layout_core_import_no_torch():

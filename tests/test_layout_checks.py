@@ -9,7 +9,8 @@ import pytest
 
 from gridtrain import cli
 from gridtrain.validate import parallel_dims, validate
-from gridtrain.config import ConfigError, load_config
+from gridtrain.config import ConfigError
+from gridtrain.config_load import load_config
 from gridtrain.layout.dims import stage_layer_counts
 from gridtrain.layout.schedules import stage_ranks
 

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from gridtrain.config import load_config
+from gridtrain.config_load import load_config
 from gridtrain.model.args import model_args
 from gridtrain.layout.dims import ParallelDims
 from gridtrain.plan.localtime import CPU_MATMUL, LocalMachine, collective_seconds, local_step, microbatch_seconds

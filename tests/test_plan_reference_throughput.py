@@ -12,7 +12,7 @@ import pytest
 
 from gridtrain.validate import validate
 from gridtrain.cli import main
-from gridtrain.config import load_config
+from gridtrain.config_load import load_config
 from gridtrain.plan import reference
 from gridtrain.plan.steptime import CALIBRATED
 

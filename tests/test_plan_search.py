@@ -138,7 +138,7 @@ def test_plan_ranks_only_what_train_runs_and_prints_its_command(argv):
 
     from gridtrain.validate import validate
     from gridtrain.cli import main
-    from gridtrain.config import load_config, parse_overrides
+    from gridtrain.config_load import load_config, parse_overrides
 
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):

@@ -10,7 +10,8 @@ import re
 import pytest
 import torch
 
-from gridtrain.config import ConfigError, FaultConfig, load_config
+from gridtrain.config import ConfigError, FaultConfig
+from gridtrain.config_load import load_config
 from gridtrain.validate import validate
 from gridtrain.train.resilience import Guard, TrainingDiverged, auto_interval, inject_fault
 

@@ -23,7 +23,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from gridtrain.config import ConfigError, load_config
+from gridtrain.config import ConfigError
+from gridtrain.config_load import load_config
 from gridtrain.layout.schedules import RUNTIME_SCHEDULES, SCHEDULES
 from gridtrain.names import PRECISIONS, RECOMPUTE
 from gridtrain.validate import validate

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from gridtrain.config import load_config
+from gridtrain.config_load import load_config
 
 
 @dataclass

@@ -9,7 +9,8 @@ from __future__ import annotations
 import functools
 import shlex
 
-from gridtrain.config import ConfigError, load_config
+from gridtrain.config import ConfigError
+from gridtrain.config_load import load_config
 from gridtrain.names import RECOMPUTE
 from gridtrain.plan.layout import Layout
 from gridtrain.validate import validate

@@ -20,7 +20,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 
-from gridtrain.config import CheckpointConfig, ModelConfig, TrainConfig, load_config
+from gridtrain.config import CheckpointConfig, ModelConfig, TrainConfig
+from gridtrain.config_load import load_config
 from gridtrain.model.args import PRESETS, ModelArgs
 from gridtrain.model.hf import (InterchangeError, args_from_hf_config, from_hf_state_dict, hf_config,
                                 to_hf_state_dict)

@@ -12,7 +12,8 @@ import time
 from dataclasses import replace
 from typing import TextIO
 
-from gridtrain.config import BARE_FLAG, ConfigError, parse_overrides
+from gridtrain.config import ConfigError
+from gridtrain.config_load import BARE_FLAG, parse_overrides
 from gridtrain.plan import budget
 from gridtrain.plan.app import explain, render
 from gridtrain.plan.app.inputs import (LAYOUT_LABELS, batch_sequences, check_constraints, constraints_label,

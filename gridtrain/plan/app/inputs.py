@@ -11,7 +11,8 @@ import math
 from dataclasses import dataclass, fields
 
 from gridtrain import tomlread
-from gridtrain.config import ConfigError, load_config
+from gridtrain.config import ConfigError
+from gridtrain.config_load import load_config
 from gridtrain.model.args import PRESETS
 from gridtrain.layout.schedules import RUNTIME_SCHEDULES
 from gridtrain.plan import shape, specs
