@@ -214,7 +214,8 @@ def cmd_plot(args: argparse.Namespace, extra: list[str]) -> int:
 def cmd_export(args: argparse.Namespace, extra: list[str]) -> int:
     from gridtrain.train.hf_run import export_run
 
-    out = export_run(Path(args.run_dir), Path(args.out), args.step)  # InterchangeError: one line, exit 2
+    # InterchangeError: one line, exit 2
+    out = export_run(Path(args.run_dir), Path(args.out), args.step, round(args.max_shard_gb * 1e9))
     print(f"wrote {out} (transformers: LlamaForCausalLM.from_pretrained('{out}'))")
     return 0
 
@@ -231,10 +232,13 @@ def cmd_import(args: argparse.Namespace, extra: list[str]) -> int:
 def add_interchange_parsers(sub: argparse._SubParsersAction) -> None:
     """`gridtrain export` and `gridtrain import`: Hugging Face Llama directories."""
     p = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face Llama directory "
-                       "(model.safetensors, config.json)")
+                       "(config.json, safetensors files)")
     p.add_argument("run_dir")
     p.add_argument("out", help="output directory (must not exist, or be empty)")
     p.add_argument("--step", type=number(int, 0), help="the checkpoint of this step (default: the newest)")
+    p.add_argument("--max-shard-gb", type=number(float, 0, low_open=True), default=5.0,
+                   help="largest safetensors file, GB (default 5, as transformers): a larger model is written "
+                   "as several files with model.safetensors.index.json, one file in memory at a time")
     p.set_defaults(func=cmd_export)
     p = sub.add_parser("import", help="turn a Hugging Face Llama directory (safetensors) into a run "
                        "with a step-0 checkpoint and imported.toml")

@@ -162,6 +162,8 @@ OTHERS = [
     (["export", "{d}/missing", "{d}/out"], "is not a gridtrain run directory (no config.json)"),
     (["export", "{d}/afile", "{d}/out"], "is not a gridtrain run directory (no config.json)"),
     (["export", "run", "out", "--step", "-3"], "--step: -3 must be >= 0"),
+    (["export", "run", "out", "--max-shard-gb", "0"], "--max-shard-gb: 0 must be > 0"),
+    (["export", "run", "out", "--max-shard-gb", "inf"], "--max-shard-gb: inf must be > 0"),
     (["export", "{d}/badrun", "{d}/out"], "{d}/badrun/config.json is not a gridtrain run record"),
     (["export", "{d}/run", "{d}/out"], "no intact checkpoint in {d}/run/checkpoints"),
     (["plot", "--out", "/proc/curves.png", "{d}/run"], "--out /proc/curves.png: /proc cannot be written"),

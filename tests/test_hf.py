@@ -107,6 +107,31 @@ def test_export_gives_transformers_the_same_logits(runs, name, tmp_path):
         assert "lm_head.weight" in stored
 
 
+def test_a_sharded_export_loads_as_the_single_file_one(runs, tmp_path):
+    """With --max-shard-gb below the model's size, export writes several files, none over the
+    limit unless one weight is larger, and transformers' index; transformers loads them to the
+    same logits as the single file, and gridtrain import reads them back to the same weights."""
+    run = runs["gqa"]
+    single = load_file(hf_run.export_run(run.run_dir, tmp_path / "one") / "model.safetensors")
+    limit = 200_000  # bytes: the tiny model's 509,184 bytes of weights make three files
+    out = hf_run.export_run(run.run_dir, tmp_path / "many", max_shard_bytes=limit)
+    files = sorted(out.glob("model-*.safetensors"))
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(files) > 2 and sorted(set(index["weight_map"].values())) == [f.name for f in files]
+    assert files[-1].name.endswith(f"-of-{len(files):05d}.safetensors")
+    sharded = {}
+    for f in files:
+        part = load_file(f)
+        assert sum(t.numel() * t.element_size() for t in part.values()) <= limit or len(part) == 1
+        sharded.update(part)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in single.values())
+    assert sharded.keys() == single.keys() and all(torch.equal(sharded[k], single[k]) for k in single)
+    with torch.no_grad():
+        assert max_diff(load_hf(out)(token_ids()).logits, run.model()(token_ids())) < 1e-5
+    _, weights = hf_run.read_hf_dir(out)
+    assert weights.keys() == single.keys()
+
+
 def test_parity_fails_without_the_rope_permutation(runs, tmp_path):
     """The parity check above can fail: q_proj/k_proj in gridtrain's row order are far off."""
     run = runs["gqa"]

@@ -92,29 +92,66 @@ def find_checkpoint(root: Path, step: int | None = None) -> Path:
     return path
 
 
-def load_model_weights(path: Path, args: ModelArgs) -> dict[str, torch.Tensor]:
-    """The full (unsharded) model weights of a DCP checkpoint, read in this one process."""
+MAX_SHARD_BYTES = 5 * 10**9
+"""What transformers' save_pretrained writes per safetensors file by default (5 GB)."""
+
+
+def model_shapes(args: ModelArgs) -> dict[str, torch.Tensor]:
+    """The model's weights as meta tensors (names, shapes, dtypes; nothing allocated), a tied head
+    left out: the checkpoint holds it under both names, and it is the embedding."""
     with torch.device("meta"):
         model = Transformer(args)
-    model.to_empty(device="cpu")
-    # A tied head is the embedding: read it once (the checkpoint holds it under both names).
-    wanted = {k: v for k, v in model.state_dict().items()
-              if not (args.tie_embeddings and k == "output.weight")}
-    # Reads only these keys (DCP's notice: see checkpoint.py); .metadata through the safe unpickler.
+    return {k: v for k, v in model.state_dict().items() if not (args.tie_embeddings and k == "output.weight")}
+
+
+def plan_shards(shapes: dict[str, torch.Tensor], max_bytes: int) -> list[list[str]]:
+    """Consecutive weights grouped into files of at most `max_bytes` (a larger weight alone)."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, meta in shapes.items():
+        nbytes = meta.numel() * meta.element_size()
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
+def load_model_weights(path: Path, args: ModelArgs, names: list[str] | None = None) -> dict[str, torch.Tensor]:
+    """The full (unsharded) model weights of a DCP checkpoint, or only `names`, read in this one
+    process: DCP reads just the keys asked for, and .metadata through the safe unpickler."""
+    shapes = model_shapes(args)
+    wanted = {k: torch.empty_like(shapes[k], device="cpu") for k in (names or shapes)}
     dcp.load({"model": wanted}, storage_reader=SafeReader(path))
     return wanted
 
 
-def export_run(run_dir: Path, out: Path, step: int | None = None) -> Path:
+def export_run(run_dir: Path, out: Path, step: int | None = None, max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
     """Write a run's checkpoint (the newest, or `step`'s) as a transformers Llama directory:
-    model.safetensors and config.json. Returns `out`."""
+    config.json and model.safetensors, or model-0000i-of-0000N.safetensors files of at most
+    `max_shard_bytes` with transformers' index file. One file's weights are in memory at a time.
+    Returns `out`."""
     _require_free(Path(out))
     args, root = read_run(Path(run_dir))
     path = find_checkpoint(root, step)
-    tensors = {k: v.contiguous() for k, v in to_hf_state_dict(load_model_weights(path, args), args).items()}
-    dtype = str(tensors["model.embed_tokens.weight"].dtype).removeprefix("torch.")
+    shards = plan_shards(model_shapes(args), max_shard_bytes)
+    files = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    weight_map, total, dtype = {}, 0, "float32"
     with _atomic_dir(Path(out)) as tmp:
-        save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+        for file, names in zip(files, shards):
+            weights = to_hf_state_dict(load_model_weights(path, args, names), args)
+            tensors = {k: v.contiguous() for k, v in weights.items()}
+            save_file(tensors, tmp / file, metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(tensors, file))
+            total += sum(t.numel() * t.element_size() for t in tensors.values())
+            if "model.embed_tokens.weight" in tensors:
+                dtype = str(tensors["model.embed_tokens.weight"].dtype).removeprefix("torch.")
+            del weights, tensors
+        if len(files) > 1:
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
         (tmp / "config.json").write_text(json.dumps(hf_config(args, dtype), indent=2) + "\n")
     return Path(out)
 
