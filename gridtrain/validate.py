@@ -17,7 +17,6 @@ from gridtrain.model.args import PRESETS
 from gridtrain.names import LR_SCHEDULES, ON_SAVE_ERROR, PRECISIONS, RECOMPUTE
 
 
-
 def _choice(key: str, value: str, options: tuple[str, ...]) -> list[str]:
     if value in options:
         return []

@@ -28,7 +28,6 @@ from gridtrain.plan.shape import from_args
 from gridtrain.rundir import RunRecord
 
 
-
 def run_layout(args: ModelArgs, dims: ParallelDims, cfg: Config) -> Layout:
     """The planner's Layout of a gridtrain run (its config.json record)."""
     t, p = cfg.train, cfg.parallel

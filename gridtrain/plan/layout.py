@@ -14,7 +14,6 @@ from gridtrain.layout.schedules import DEFAULT_SCHEDULE, ScheduleName
 from gridtrain.names import PlanRecompute
 
 
-
 @dataclass(frozen=True)
 class Layout:
     tp: int = 1

@@ -16,7 +16,6 @@ from gridtrain.plan.layout import Layout
 from gridtrain.validate import validate
 
 
-
 @functools.lru_cache(maxsize=8192)
 def refusal(model_keys: tuple[tuple[str, object], ...], global_batch_seqs: int, precision: str,
             layout: Layout) -> str:

@@ -22,7 +22,6 @@ from gridtrain.config import TrainConfig
 from gridtrain.parallel.parallelize import COMPUTE_DTYPES
 
 
-
 class ShardAwareGradScaler(torch.amp.GradScaler):
     """torch.amp.GradScaler that also unscales DTensor gradients (FSDP, TP), through their local
     shards; the overflow flag is then all-reduced by `Precision.unscale_`."""

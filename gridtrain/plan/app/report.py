@@ -17,7 +17,6 @@ from gridtrain.plan.search import Candidate, Problem, SearchResult
 from gridtrain.plan.shape import param_counts
 
 
-
 @dataclass(frozen=True)
 class Assumptions:
     """What the plan assumes beyond its inputs (each printed with the plan)."""
