@@ -240,6 +240,27 @@ def test_init_weights_is_deterministic_in_the_seed():
     assert matrices and all(not torch.equal(a[name], c[name]) for name in matrices)
 
 
+def test_a_part_of_the_model_initialises_to_its_slice_of_the_whole():
+    """A pipeline stage built on the meta device and initialised alone (layers 2-3 and the head,
+    no embedding) gets the values the whole model's initialisation gives those names, and the
+    RNG ends where the whole model's leaves it: what initialising a rank's share without ever
+    holding the whole model rests on."""
+    args = model_args("tiny", n_layers=4)
+    whole = build_model(args, seed=5, device=CPU)
+    after_whole = torch.get_rng_state()
+    with torch.device("meta"):
+        stage = Transformer(args)
+    del stage.layers["0"], stage.layers["1"]
+    stage.tok_embeddings = None
+    stage.to_empty(device=CPU)
+    stage.init_weights(5)
+    assert torch.equal(torch.get_rng_state(), after_whole)
+    want = whole.state_dict()
+    got = stage.state_dict()
+    assert sorted(got) == sorted(k for k in want if not k.startswith(("layers.0.", "layers.1.", "tok_embeddings")))
+    assert all(torch.equal(got[k], want[k]) for k in got)
+
+
 def test_init_weights_scales():
     args = model_args("tiny")
     model = build_model(args, seed=0, device=CPU)

@@ -8,6 +8,7 @@ tensor-parallel plans and checkpoint converters can address them by name.
 from __future__ import annotations
 
 import math
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -58,9 +59,6 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).type_as(x)
 
-    def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
-
 
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
@@ -85,11 +83,6 @@ class Attention(nn.Module):
         out = out.transpose(1, 2).reshape(B, T, -1)  # (B, T, n_heads * head_dim)
         return self.wo(out)
 
-    def reset_parameters(self, out_std: float, std: float) -> None:
-        for w in (self.wq, self.wk, self.wv):
-            nn.init.trunc_normal_(w.weight, std=std, a=-3 * std, b=3 * std)
-        nn.init.trunc_normal_(self.wo.weight, std=out_std, a=-3 * out_std, b=3 * out_std)
-
 
 class FeedForward(nn.Module):
     """SwiGLU: w2(silu(w1 x) * w3 x)."""
@@ -103,11 +96,6 @@ class FeedForward(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
-    def reset_parameters(self, out_std: float, std: float) -> None:
-        for w in (self.w1, self.w3):
-            nn.init.trunc_normal_(w.weight, std=std, a=-3 * std, b=3 * std)
-        nn.init.trunc_normal_(self.w2.weight, std=out_std, a=-3 * out_std, b=3 * out_std)
-
 
 class TransformerBlock(nn.Module):
     def __init__(self, layer_id: int, args: ModelArgs) -> None:
@@ -117,18 +105,10 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.hidden_dim)
-        # Output projections shrink with depth (GPT-2 / torchtitan "depth init").
-        self._out_std = args.init_std / math.sqrt(2 * (layer_id + 1))
 
     def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), freqs)
         return h + self.feed_forward(self.ffn_norm(h))
-
-    def reset_parameters(self, std: float) -> None:
-        self.attention_norm.reset_parameters()
-        self.ffn_norm.reset_parameters()
-        self.attention.reset_parameters(self._out_std, std)
-        self.feed_forward.reset_parameters(self._out_std, std)
 
 
 class Transformer(nn.Module):
@@ -162,22 +142,49 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:
-        """Initialise every parameter (and rebuild RoPE tables): call after `to_empty()`."""
-        if seed is not None:
-            torch.manual_seed(seed)
-        std = self.args.init_std
+        """Initialise every parameter this module holds (a pipeline stage: its own) to the values
+        `init_values` gives them, and rebuild the RoPE table: call after `to_empty()`."""
         if self.args.tie_embeddings and self.output is not None and self.tok_embeddings is not None:
             # `to_empty()` materialises each module's parameters separately: tie them again.
             self.output.weight = self.tok_embeddings.weight
         self.freqs_cis = rope_frequencies(self.args).to(self.freqs_cis.device)
-        if self.tok_embeddings is not None:
-            # A tied matrix is also the output head, so it gets the head's small scale.
-            emb_std = std if self.args.tie_embeddings else 1.0
-            nn.init.normal_(self.tok_embeddings.weight, std=emb_std)
-        for layer in self.layers.values():
-            layer.reset_parameters(std)
-        if self.norm is not None:
-            self.norm.reset_parameters()
-        if self.output is not None and not self.args.tie_embeddings:
-            # Small logits at the start, so the loss begins at ln(vocab_size) (GPT-2's init).
-            nn.init.trunc_normal_(self.output.weight, std=std, a=-3 * std, b=3 * std)
+        own = dict(self.named_parameters())
+        for name, value in init_values(self.args, seed):
+            if name in own:
+                own[name].copy_(value)
+
+
+def init_values(args: ModelArgs, seed: int | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full initial value) of every parameter, one at a time, in a fixed order from the
+    global RNG seeded with `seed`, on the CPU: the same numbers on every device and whatever part
+    of the model a process holds (a process skips the values that are not its own).
+
+    The embedding is N(0, 1) (N(0, init_std) when tied: it is also the output head); q, k, v, w1
+    and w3 are normal with std init_std truncated at 3 std; output projections (wo, w2) shrink with
+    depth, std init_std / sqrt(2 (layer + 1)) (GPT-2's scaled init, torchtitan's depth init); norms
+    are ones; the untied head is truncated normal with std init_std, so the loss starts at
+    ln(vocab_size)."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    std, dim, head, kv = args.init_std, args.dim, args.head_dim, args.n_kv_heads * args.head_dim
+
+    def normal(shape: tuple[int, ...], sd: float, truncated: bool = True) -> torch.Tensor:
+        value = torch.empty(shape)
+        if not truncated:
+            return nn.init.normal_(value, std=sd)
+        return nn.init.trunc_normal_(value, std=sd, a=-3 * sd, b=3 * sd)
+
+    yield "tok_embeddings.weight", normal((args.vocab_size, dim), std if args.tie_embeddings else 1.0, False)
+    for i in range(args.n_layers):
+        out_std = std / math.sqrt(2 * (i + 1))
+        yield f"layers.{i}.attention_norm.weight", torch.ones(dim)
+        yield f"layers.{i}.ffn_norm.weight", torch.ones(dim)
+        for name, rows in (("wq", args.n_heads * head), ("wk", kv), ("wv", kv)):
+            yield f"layers.{i}.attention.{name}.weight", normal((rows, dim), std)
+        yield f"layers.{i}.attention.wo.weight", normal((dim, args.n_heads * head), out_std)
+        for name in ("w1", "w3"):
+            yield f"layers.{i}.feed_forward.{name}.weight", normal((args.hidden_dim, dim), std)
+        yield f"layers.{i}.feed_forward.w2.weight", normal((dim, args.hidden_dim), out_std)
+    yield "norm.weight", torch.ones(dim)
+    if not args.tie_embeddings:
+        yield "output.weight", normal((args.vocab_size, dim), std)
