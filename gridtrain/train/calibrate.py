@@ -19,7 +19,7 @@ from datetime import timedelta
 
 import torch
 
-from gridtrain.plan.machine import calibration_path, machine_key
+from gridtrain.plan.machine import cached_entry, calibration_path, machine_key
 from gridtrain.plan.specs import ACCELERATORS, accelerator_of_device
 
 log = logging.getLogger(__name__)
@@ -144,9 +144,7 @@ def calibrate(threads: int | None = None, seconds: float = 2.0,
 def cpu_peak_flops(precision: str, threads: int | None = None) -> float:
     """The cached measured peak for this CPU and thread count; measured now if not cached."""
     threads = threads or torch.get_num_threads()
-    path = calibration_path()
-    cache = json.loads(path.read_text()) if path.exists() else {}
-    peaks = cache.get(machine_key(threads), {}).get("peak_flops", {})
+    peaks = cached_entry(threads).get("peak_flops", {})
     if precision not in peaks:
         log.info("no %s calibration for this CPU with %d threads: measuring the matmul peak now "
                  "(`gridtrain calibrate` does it ahead)", precision, threads)
@@ -156,15 +154,13 @@ def cpu_peak_flops(precision: str, threads: int | None = None) -> float:
 
 def local_machine(threads: int) -> dict:
     """The cached calibration of this CPU at `threads` per rank (calibrate() fills it)."""
-    path = calibration_path()
-    cache = json.loads(path.read_text()) if path.exists() else {}
-    entry = cache.get(machine_key(threads), {})
+    entry = cached_entry(threads)
     if "gloo_bytes_per_s" not in entry:
         log.info("no full calibration for this CPU with %d threads: measuring it now "
                  "(`gridtrain calibrate --threads %d` does it ahead)", threads, threads)
         torch.set_num_threads(threads)
         calibrate(threads, seconds=2.0)
-        entry = json.loads(calibration_path().read_text())[machine_key(threads)]
+        entry = cached_entry(threads)
     return entry
 
 

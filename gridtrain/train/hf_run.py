@@ -118,11 +118,12 @@ def plan_shards(shapes: dict[str, torch.Tensor], max_bytes: int) -> list[list[st
     return shards
 
 
-def load_model_weights(path: Path, args: ModelArgs, names: list[str] | None = None) -> dict[str, torch.Tensor]:
-    """The full (unsharded) model weights of a DCP checkpoint, or only `names`, read in this one
-    process: DCP reads just the keys asked for, and .metadata through the safe unpickler."""
-    shapes = model_shapes(args)
-    wanted = {k: torch.empty_like(shapes[k], device="cpu") for k in (names or shapes)}
+def load_model_weights(path: Path, args: ModelArgs, shapes: dict[str, torch.Tensor] | None = None
+                       ) -> dict[str, torch.Tensor]:
+    """The full (unsharded) model weights of a DCP checkpoint, or only those of `shapes` (a part of
+    model_shapes), read in this one process: DCP reads just the keys asked for, and .metadata
+    through the safe unpickler."""
+    wanted = {k: torch.empty_like(meta, device="cpu") for k, meta in (shapes or model_shapes(args)).items()}
     dcp.load({"model": wanted}, storage_reader=SafeReader(path))
     return wanted
 
@@ -135,13 +136,14 @@ def export_run(run_dir: Path, out: Path, step: int | None = None, max_shard_byte
     _require_free(Path(out))
     args, root = read_run(Path(run_dir))
     path = find_checkpoint(root, step)
-    shards = plan_shards(model_shapes(args), max_shard_bytes)
+    shapes = model_shapes(args)
+    shards = plan_shards(shapes, max_shard_bytes)
     files = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
     weight_map, total, dtype = {}, 0, "float32"
     with _atomic_dir(Path(out)) as tmp:
         for file, names in zip(files, shards):
-            weights = to_hf_state_dict(load_model_weights(path, args, names), args)
+            weights = to_hf_state_dict(load_model_weights(path, args, {k: shapes[k] for k in names}), args)
             tensors = {k: v.contiguous() for k, v in weights.items()}
             save_file(tensors, tmp / file, metadata={"format": "pt"})
             weight_map.update(dict.fromkeys(tensors, file))

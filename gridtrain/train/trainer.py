@@ -217,8 +217,9 @@ class Trainer:
         """The global batch's mean loss: the ranks' shares summed over data parallelism, taken
         from the last pipeline stage."""
         for axis in ("pp", "dp"):
-            if group(self.mesh, axis) is not None:
-                dist.all_reduce(loss, group=group(self.mesh, axis))
+            axis_group = group(self.mesh, axis)
+            if axis_group is not None:
+                dist.all_reduce(loss, group=axis_group)
         return loss.item()
 
     # -- the run -----------------------------------------------------------------------------
