@@ -21,7 +21,8 @@ from gridtrain.model.args import PRESETS, ModelArgs, model_args
 from gridtrain.model.llama import Transformer
 from gridtrain.model import hf
 from gridtrain.train import hf_run
-from gridtrain.train.trainer import Trainer, build_model, loss_fn
+from gridtrain.train.build import build_model, loss_fn
+from gridtrain.train.trainer import Trainer
 
 from conftest import tiny_overrides
 

@@ -88,7 +88,8 @@ def test_subset_really_ran_parallel_layouts(verdicts):
 def test_parity_check_fails_on_other_data_and_without_clipping(tmp_path_factory, corpus_dir, precision):
     """The check can fail: FSDP 2 runs on another corpus, and without the reference's gradient
     clipping, each differ from one process beyond the tolerance (in losses and in the weights'
-    updates); the same layout on the same data does not."""
+    updates); from another seed, its initial weights differ; the same layout on the same data
+    does not."""
     from conftest import write_corpus
 
     work = tmp_path_factory.mktemp(f"detect-{precision}")
@@ -97,7 +98,7 @@ def test_parity_check_fails_on_other_data_and_without_clipping(tmp_path_factory,
                       "precision": precision, "recompute": "none", "accumulation": "many"})
     same = case_overrides(case, refs)
     spec = {"same": same, "other-data": {**same, "data.corpus": str(write_corpus(work / "other", seed=1))},
-            "no-clip": {**same, "train.grad_clip": 0.0}}
+            "no-clip": {**same, "train.grad_clip": 0.0}, "other-init": {**same, "train.seed": 1}}
     proc = launch(2, spec, work / "runs")
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = {name: verdict(case, load_result(work / "runs", name), "", refs) for name in spec}
@@ -107,6 +108,8 @@ def test_parity_check_fails_on_other_data_and_without_clipping(tmp_path_factory,
         assert rec["status"] == "failed", name
         assert any("loss" in p for p in rec["problems"]), (name, rec["problems"])
         assert any("update differs" in p or "elements differ" in p for p in rec["problems"]), (name, rec["problems"])
+    assert not any("initial weights" in p for p in found["no-clip"]["problems"])
+    assert any("initial weights are not one process's" in p for p in found["other-init"]["problems"]), found["other-init"]
 
 
 def test_adam_ratio_bound_holds_and_is_attained():

@@ -14,7 +14,8 @@ from gridtrain.train import checkpoint
 from gridtrain.train.metrics import MetricsWriter, format_line, read_metrics
 from gridtrain.train.optim import lr_at
 from gridtrain.train.precision import Precision
-from gridtrain.train.trainer import Trainer, build_model, loss_fn
+from gridtrain.train.build import build_model, loss_fn
+from gridtrain.train.trainer import Trainer
 
 from conftest import FAKE_PEAK_FLOPS
 

@@ -90,11 +90,17 @@ def sum_gradients(group, bucket):  # noqa: ANN001, ANN201 - DDP compares real an
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
+def uses_ddp(zero_stage: int, tp: int, pp: int) -> bool:
+    """Whether data parallelism is DDP (applied to real weights: it broadcasts them at start) or
+    FSDP (applied on the meta device, before each rank allocates its shards)."""
+    return zero_stage in (0, 1) and tp == 1 and pp == 1
+
+
 def apply_data_parallel(model: nn.Module, mesh: Mesh, zero_stage: int, dp_replicate: int,
                         tp: int, pp: int, param_dtype: torch.dtype | None = None) -> None:
     """DDP, ZeRO-1/2/3 or HSDP over the data-parallel axes; `param_dtype` is the training
     precision's (bf16, fp16) in which FSDP gathers parameters, None for fp32."""
-    if zero_stage in (0, 1) and tp == 1 and pp == 1:
+    if uses_ddp(zero_stage, tp, pp):
         apply_ddp(model, mesh["dp_replicate"])
     elif zero_stage == 0:
         apply_fsdp(model, mesh["dp_replicate", "dp_shard"], reshard_after_forward=False, param_dtype=param_dtype)

@@ -17,6 +17,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from gridtrain.config import Config
 from gridtrain.layout.dims import ParallelDims
 from gridtrain.model.llama import Transformer
+from gridtrain.parallel.materialize import is_meta, materialize
 
 if TYPE_CHECKING:
     from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
@@ -111,9 +112,10 @@ class ParallelModel:
 def parallelize(model: Transformer, cfg: Config, dims: ParallelDims | None = None, mesh: Mesh | None = None,
                 loss_fn: LossFn | None = None, n_microbatches: int = 1,
                 device: torch.device | None = None) -> ParallelModel:
-    """Apply, in order: pipeline split, tensor parallel, activation checkpointing, compile,
-    data parallel. `cfg` is the run's Config; without `dims` (a world of one) only the middle
-    two apply."""
+    """Apply, in order: pipeline split, tensor parallel, activation checkpointing, compile, FSDP;
+    then give the model memory (each rank its own shards, initialised from cfg.train.seed) if it
+    is still on the meta device; then DDP, which needs real weights to start. `cfg` is the run's
+    Config; without `dims` (a world of one) only recomputation and compile apply."""
     p, t = cfg.parallel, cfg.train
     if dims is not None and dims.pp > 1:
         from gridtrain.parallel.pipeline_parallel import build_stages
@@ -121,6 +123,11 @@ def parallelize(model: Transformer, cfg: Config, dims: ParallelDims | None = Non
         stages = build_stages(model, mesh["pp"], p.pp_virtual_stages, p.pp_schedule, p.pp_fewer_edge_layers)
     else:
         stages = [(0, model)]
+    data_parallel = dims is not None and dims.dp > 1
+    if data_parallel:
+        from gridtrain.parallel.data_parallel import apply_data_parallel, uses_ddp
+
+        ddp = uses_ddp(p.zero_stage, dims.tp, dims.pp)
     for _, part in stages:
         if dims is not None and dims.tp > 1:
             from gridtrain.parallel.tensor_parallel import apply_tp
@@ -129,12 +136,15 @@ def parallelize(model: Transformer, cfg: Config, dims: ParallelDims | None = Non
         apply_recompute(part, t.recompute)
         if t.compile:
             apply_compile(part)
-        if dims is not None and dims.dp > 1:
-            from gridtrain.parallel.data_parallel import apply_data_parallel
-
+        if data_parallel and not ddp:
             apply_data_parallel(part, mesh, p.zero_stage, dims.dp_replicate, dims.tp, dims.pp,
                                 COMPUTE_DTYPES.get(t.precision))
-    result = ParallelModel([m for _, m in stages], [s for s, _ in stages])
+    parts = [m for _, m in stages]
+    if is_meta(parts):
+        materialize(parts, model.args, t.seed, device or torch.device("cpu"))
+    if data_parallel and ddp:
+        apply_data_parallel(model, mesh, p.zero_stage, dims.dp_replicate, dims.tp, dims.pp)
+    result = ParallelModel(parts, [s for s, _ in stages])
     if dims is not None and dims.pp > 1:
         from gridtrain.parallel.pipeline_parallel import PipelineTraffic, build_schedule
 

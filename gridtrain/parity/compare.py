@@ -74,6 +74,7 @@ class Deviation:
     update: dict[str, float]  # relative error of the update (`update_error`)
     numel: dict[str, int]
     unmatched: list[str]  # weights one side has and the other lacks, or of another shape
+    init_differs: list[str]  # weights whose initial values are not one process's, bit for bit
 
     def summary(self) -> dict[str, float]:
         """The largest deviation of each kind (relative loss and norm, update error, element)."""
@@ -88,9 +89,11 @@ def _relative(pairs: list[tuple[float, float]]) -> list[float]:
     return [abs(g - w) / max(abs(w), 1e-30) if math.isfinite(g) else math.inf for g, w in pairs]
 
 
-def deviation(run: Result, ref: Result, initial: dict[str, torch.Tensor]) -> Deviation:
+def deviation(run: Result, ref: Result) -> Deviation:
     dev = Deviation(list(zip(run.losses, ref.losses)), list(zip(run.grad_norms, ref.grad_norms)),
-                    {}, {}, {}, {}, [])
+                    {}, {}, {}, {}, [], [])
+    dev.init_differs = [key for key, value in ref.initial.items()
+                        if key not in run.initial or not torch.equal(run.initial[key], value)]
     if len(run.losses) != len(ref.losses) or len(run.grad_norms) != len(ref.grad_norms):
         dev.unmatched.append(f"{len(run.losses)} steps where one process has {len(ref.losses)}")
     for key in sorted(set(ref.weights) | set(run.weights)):
@@ -102,7 +105,7 @@ def deviation(run: Result, ref: Result, initial: dict[str, torch.Tensor]) -> Dev
         diff = (got - want).abs()
         dev.max_abs[key] = diff.max().item() if diff.numel() else 0.0
         dev.beyond[key] = int((diff > FP32_TOL + FP32_TOL * want.abs()).sum())
-        dev.update[key] = update_error(got, want, initial[key].float())
+        dev.update[key] = update_error(got, want, ref.initial[key].float())
         dev.numel[key] = diff.numel()
     return dev
 
@@ -110,6 +113,7 @@ def deviation(run: Result, ref: Result, initial: dict[str, torch.Tensor]) -> Dev
 def problems(dev: Deviation, tol: Tolerance) -> list[str]:
     """What differs beyond the tolerance (empty: the run is the reference's training)."""
     out = [f"not in both: {what}" for what in dev.unmatched]
+    out += [f"{key}: the initial weights are not one process's, bit for bit" for key in dev.init_differs]
     for what, pairs, rtol in (("loss", dev.losses, tol.loss_rtol), ("gradient norm", dev.grad_norms, tol.norm_rtol)):
         for step, ((g, w), rel) in enumerate(zip(pairs, _relative(pairs)), start=1):
             if not rel <= rtol:  # also catches NaN
@@ -125,9 +129,9 @@ def problems(dev: Deviation, tol: Tolerance) -> list[str]:
     return out
 
 
-def compare(run: Result, ref: Result, initial: dict[str, torch.Tensor], tol: Tolerance) -> list[str]:
+def compare(run: Result, ref: Result, tol: Tolerance) -> list[str]:
     """`problems` of the run's `deviation` from the reference."""
-    return problems(deviation(run, ref, initial), tol)
+    return problems(deviation(run, ref), tol)
 
 
 def update_error(got: torch.Tensor, want: torch.Tensor, start: torch.Tensor) -> float:

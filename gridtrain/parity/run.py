@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from gridtrain.config_load import load_config
+from gridtrain.train.live_bytes import LiveBytes
 
 
 @dataclass
@@ -34,36 +35,64 @@ class Result:
     grad_norms: list[float]
     weights: dict[str, torch.Tensor]
     lrs: list[float]
+    initial: dict[str, torch.Tensor]
 
 
 def run_case(name: str, overrides: dict[str, object], out: Path) -> None:
     import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from gridtrain.train.trainer import Trainer
 
     cfg = load_config(None, {**overrides, "run_dir": str(out / name)})
-    trainer = Trainer(cfg)
+    with LiveBytes() as live:
+        trainer = Trainer(cfg)
+    built, live.peak = live.peak, live.live
     if trainer.world.rank == 0:
         trainer.write_record()
+    initial = gathered_weights(trainer)
     losses, norms, lrs, records = [], [], [], []
-    for _ in range(cfg.train.steps):
-        metrics = trainer.train_step()
+    for step in range(cfg.train.steps):
+        if step == 0:
+            with live:
+                metrics = trainer.train_step()
+            write_bytes(out / f"{name}.rank{trainer.world.rank}.bytes.json", trainer, built, live.peak)
+        else:
+            metrics = trainer.train_step()
         losses.append(metrics["loss/train"])
         norms.append(metrics["grad/norm"])
         lrs.append(metrics["lr"])
         records.append(json.dumps({"step": trainer.step, **metrics}))
     if trainer.world.rank == 0:  # what Trainer.run logs, for `gridtrain plan --check`'s step time
         (out / name / "metrics.jsonl").write_text("\n".join(records) + "\n")
+    weights = gathered_weights(trainer)
+    if trainer.coords["dp"] == 0 and trainer.coords["tp"] == 0:
+        torch.save({"losses": losses, "grad_norms": norms, "lrs": lrs, "weights": weights, "initial": initial},
+                   out / f"{name}.pp{trainer.coords['pp']}.pt")
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def write_bytes(path: Path, trainer, built: int, stepped: int) -> None:  # noqa: ANN001 - a Trainer
+    """What this rank held, measured (LiveBytes): the peak tensor bytes while the Trainer was
+    built and during the first step; and the bytes of its parameters, gradients and optimizer
+    state after that step."""
+    from gridtrain.parallel.accounting import grad_bytes, optimizer_bytes, param_bytes
+
+    params = trainer.pmodel.parameters()
+    path.write_text(json.dumps({"build_peak": built, "step_peak": stepped, "params": param_bytes(params),
+                                "grads": grad_bytes(params), "optimizer": optimizer_bytes(trainer.optimizers)}))
+
+
+def gathered_weights(trainer) -> dict[str, torch.Tensor]:  # noqa: ANN001 - a Trainer
+    """The full weights of the stages this rank holds, gathered over the data- and
+    tensor-parallel ranks (a collective: every rank calls it)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
     weights: dict[str, torch.Tensor] = {}
     for part in trainer.pmodel.parts:
         full = get_model_state_dict(part, options=StateDictOptions(full_state_dict=True))
         weights.update({k: v.detach().cpu().clone() for k, v in full.items()})
-    if trainer.coords["dp"] == 0 and trainer.coords["tp"] == 0:
-        torch.save({"losses": losses, "grad_norms": norms, "lrs": lrs, "weights": weights},
-                   out / f"{name}.pp{trainer.coords['pp']}.pt")
-    if dist.is_initialized():
-        dist.barrier()
+    return weights
 
 
 def worker(spec_path: Path, out: Path) -> None:
@@ -110,14 +139,16 @@ def load_result(out: Path, name: str) -> Result | None:
     if not files:
         return None
     weights: dict[str, torch.Tensor] = {}
+    initial: dict[str, torch.Tensor] = {}
     for f in files:
         part = torch.load(f, weights_only=True)
         weights.update(part["weights"])
-    return Result(part["losses"], part["grad_norms"], weights, part["lrs"])
+        initial.update(part["initial"])
+    return Result(part["losses"], part["grad_norms"], weights, part["lrs"], initial)
 
 
-def run_reference(overrides: dict[str, object]) -> tuple[Result, dict[str, torch.Tensor]]:
-    """The same run in this process (no process group), and the initial weights."""
+def run_reference(overrides: dict[str, object]) -> Result:
+    """The same run in this process (no process group)."""
     from gridtrain.train.trainer import Trainer
 
     cfg = load_config(None, overrides)
@@ -126,7 +157,7 @@ def run_reference(overrides: dict[str, object]) -> tuple[Result, dict[str, torch
     metrics = [trainer.train_step() for _ in range(cfg.train.steps)]
     weights = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
     return Result([m["loss/train"] for m in metrics], [m["grad/norm"] for m in metrics], weights,
-                  [m["lr"] for m in metrics]), initial
+                  [m["lr"] for m in metrics], initial)
 
 
 if __name__ == "__main__":

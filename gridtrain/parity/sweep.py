@@ -17,7 +17,6 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Iterable
 
-import torch
 
 from gridtrain.parity.compare import deviation, problems, tolerance
 from gridtrain.parity.matrix import GLOBAL_BATCH, Case, base_overrides
@@ -31,13 +30,13 @@ class References:
 
     def __init__(self, corpus: Path, cache_dir: Path, work: Path) -> None:
         self.corpus, self.cache_dir, self.work = corpus, cache_dir, work
-        self._runs: dict[tuple, tuple[Result, dict[str, torch.Tensor]]] = {}
+        self._runs: dict[tuple, Result] = {}
 
     @staticmethod
     def key(overrides: dict[str, object]) -> tuple:
         return (overrides["train.precision"], overrides["train.micro_batch"], overrides["model.tie_embeddings"])
 
-    def get(self, overrides: dict[str, object]) -> tuple[Result, dict[str, torch.Tensor]]:
+    def get(self, overrides: dict[str, object]) -> Result:
         key = self.key(overrides)
         if key not in self._runs:
             one = {k: v for k, v in overrides.items()
@@ -60,10 +59,10 @@ def verdict(case: Case, result: Result | None, error: str, refs: References) -> 
     if result is None:
         return {**line, "status": "crashed", "problems": [last_error_line(error)]}
     overrides = case_overrides(case, refs)
-    ref, initial = refs.get(overrides)
+    ref = refs.get(overrides)
     tol = tolerance(str(overrides["train.precision"]), GLOBAL_BATCH * int(overrides["data.seq_len"]),
                     ref.lrs, float(overrides.get("train.beta1", 0.9)), float(overrides.get("train.beta2", 0.95)))
-    dev = deviation(result, ref, initial)
+    dev = deviation(result, ref)
     found = problems(dev, tol)
     return {**line, "status": "failed" if found else "passed", "problems": found[:8], **dev.summary()}
 

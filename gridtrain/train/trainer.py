@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from gridtrain.config import Config
-from gridtrain.model.stats import count_parameters, flops_per_token
+from gridtrain.model.stats import build_meta, count_parameters, flops_per_token
 from gridtrain.parallel.accounting import CollectiveLog
 from gridtrain.parallel.parallelize import parallelize
 from gridtrain.parallel.data_parallel import set_gradient_sync
@@ -32,7 +32,7 @@ from gridtrain.parallel.grads import clip_grad_norm
 from gridtrain.parallel.mesh import build_mesh, group
 from gridtrain.parallel.tensor_parallel import loss_context
 from gridtrain.rundir import RunRecord
-from gridtrain.train.build import build_data, build_model, loss_fn, scalar
+from gridtrain.train.build import build_data, loss_fn, scalar
 from gridtrain.train.calibrate import peak_flops
 from gridtrain.train.checkpointer import Checkpointer
 from gridtrain.train.device import device_name, memory_gib
@@ -79,7 +79,7 @@ class Trainer:
         self.accum = cfg.microbatches(self.dims.dp)
         self.micro_batches = self.accum * self.dims.dp  # in the global batch
         self.args = cfg.model.args()
-        full = build_model(self.args, t.seed, self.device)
+        full = build_meta(self.args)  # parallelize gives each rank memory for its shards only
         counts = count_parameters(full)
         self.num_params = counts.total
         self.flops_per_token = flops_per_token(self.args, cfg.data.seq_len, counts)
