@@ -40,6 +40,8 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     if args.nproc is not None:
         overrides["parallel.nproc"] = str(args.nproc)
     cfg = load_config(args.config, overrides)
+    if args.dry_run or args.world is not None:
+        return cmd_dry_run(cfg, args.world, args.rank)
     dims = validate(cfg)  # every rank checks again, but nothing starts if this fails
     check_run_dir(cfg)  # before any rank writes into it
     if cfg.parallel.nproc > 1 and "LOCAL_RANK" not in os.environ:
@@ -78,6 +80,27 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     if "loss/val" in final and trainer.is_writer:
         print(f"final validation loss {final['loss/val']:.4f} (perplexity {final['loss/val_ppl']:.2f})")
     del dims
+    return 0
+
+
+def cmd_dry_run(cfg, world: int | None, rank: int) -> int:  # noqa: ANN001 - a Config
+    if world is None:
+        print("gridtrain: --dry-run needs --world N, the number of ranks of the job to rehearse", file=sys.stderr)
+        return 2
+    import resource
+
+    from gridtrain.plan.check_run import check_run, format_check
+    from gridtrain.train.dry_run import dry_run
+
+    result = dry_run(cfg, world, rank)
+    rec, coords = result.record, validate(cfg, world).coordinates(rank)
+    print(f"dry run of rank {rank} of {world} (coordinates {', '.join(f'{k} {v}' for k, v in coords.items())}): one step on fake "
+          f"tensors in {result.seconds:.1f} s, this process's peak RSS "
+          f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
+    print(f"the rank's tensors: {rec['memory/built_bytes'] / 2**30:,.3f} GiB once built, "
+          f"{rec['memory/peak_bytes'] / 2**30:,.3f} GiB at the step's peak")
+    print(format_check([row for row in check_run(result.run_dir) if row.rank == rank]))
+    print(f"written to {result.run_dir} (`gridtrain plan --check {result.run_dir}` lists every rank dry-run there)")
     return 0
 
 
@@ -322,6 +345,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-restarts", type=number(int, 0), default=0,
                    help="with --nproc: torchrun restarts the run up to this many times after a failure, "
                         "each time resuming from the newest intact checkpoint")
+    p.add_argument("--dry-run", action="store_true",
+                   help="run one step of one rank (--rank) of a --world-rank job on fake tensors and a fake process "
+                        "group: its bytes per memory bucket and collectives per axis beside the plan's")
+    p.add_argument("--world", type=number(int, 1), help="with --dry-run: the job's number of ranks")
+    p.add_argument("--rank", type=number(int, 0), default=0, help="with --dry-run: the rank to run (default 0)")
     p.set_defaults(func=cmd_train, argv=None)
     p = sub.add_parser("model", help="parameter count and FLOPs per token of a model preset")
     p.add_argument("preset", nargs="?")

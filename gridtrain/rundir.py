@@ -45,12 +45,15 @@ class RunRecord:
     cpu_count: int | None = None
     peak_flops: float | None = None
     """Per process, what MFU is reported against."""
+    backend: str = "gloo"
+    """What ran the collectives: 'gloo' (CPU: it has no reduce-scatter and all-reduces instead),
+    'nccl', or 'fake' (a dry run: every collective as the code issues it)."""
 
     def write(self, run_dir: Path) -> None:
         """Whole or not at all: a kill mid-write leaves the old record, and --resume still works."""
         record = {"config": dataclasses.asdict(self.config), "world_size": self.dims.world_size,
                   "dims": dataclasses.asdict(self.dims), "device": self.device, "threads": self.threads,
-                  "cpu_count": self.cpu_count, "peak_flops": self.peak_flops}
+                  "cpu_count": self.cpu_count, "peak_flops": self.peak_flops, "backend": self.backend}
         path = Path(run_dir) / "config.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp")
@@ -71,7 +74,7 @@ class RunRecord:
         except (KeyError, TypeError) as err:
             raise BadInput(f"{path} is not a gridtrain run record ({type(err).__name__}: {err})") from None
         return cls(cfg, dims, record.get("device", "cpu"), record.get("threads") or 1, record.get("cpu_count"),
-                   record.get("peak_flops"))
+                   record.get("peak_flops"), record.get("backend", "gloo"))
 
 
 def saved_record(run_dir: Path) -> dict | None:

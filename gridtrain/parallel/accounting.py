@@ -20,12 +20,14 @@ from __future__ import annotations
 import json
 import time
 from collections import defaultdict
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import is_fake
 from torch.autograd.graph import saved_tensors_hooks
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from gridtrain.parallel.parallelize import SELECTIVE_SAVE_OBSERVERS
 
@@ -64,11 +66,15 @@ class SavedActivations:
     (1F1B), or all of them (GPipe). Nothing saved is freed before that turn, so a storage address
     seen twice is the same storage."""
 
-    def __init__(self, params: Iterable[torch.Tensor], buffers: Iterable[torch.Tensor] = ()) -> None:
+    def __init__(self, params: Iterable[torch.Tensor], buffers: Iterable[torch.Tensor] = (),
+                 modules: Iterable[torch.nn.Module] = ()) -> None:
         # Parameters and buffers (RoPE tables) are saved by reference, not held for backward.
         # (Collecting FSDP's gathered storages by address instead is unsound: FSDP frees them
-        # after each block and the allocator hands the addresses to later activations.)
+        # after each block and the allocator hands the addresses to later activations.) The
+        # gathered parameters FSDP registers on `modules` while a block runs are looked up there
+        # when something is saved: a matmul saves its gathered weight, which is not an activation.
         self._param_ptrs = {_storage_ptr(p) for p in (*params, *buffers)}
+        self._modules = list(modules)
         self._seen: set[tuple[int, int]] = set()
         self._in_backward = False
         self.bytes = 0
@@ -91,10 +97,15 @@ class SavedActivations:
         except RuntimeError:  # a tensor without a plain storage (a wrapper subclass): its own bytes
             self.bytes += local.numel() * local.element_size()
             return t
-        if ptr not in self._param_ptrs and key not in self._seen:
+        if ptr not in self._param_ptrs and key not in self._seen and not self._gathered(ptr):
             self._seen.add(key)
             self.bytes += key[1]
         return t
+
+    def _gathered(self, ptr: int) -> bool:
+        """Whether `ptr` is the storage of a parameter registered on the modules now (FSDP's
+        gathered copy while its block runs)."""
+        return any(_storage_ptr(p) == ptr for module in self._modules for p in module.parameters())
 
     def _selective(self, output: object) -> None:
         """Outputs that selective checkpointing keeps in its own cache (parallelize.py)."""
@@ -115,6 +126,8 @@ class SavedActivations:
 def _storage_ptr(t: torch.Tensor) -> int:
     if isinstance(t, DTensor):
         t = t.to_local()
+    if is_fake(t):  # no address: the storage object stands for it (alive as long as the storage)
+        return id(t.untyped_storage())
     try:
         return t.untyped_storage().data_ptr()
     except RuntimeError:
@@ -211,6 +224,76 @@ class CollectiveLog:
                             "age_s": round((now - e["time_created_ns"]) / 1e9, 3),
                             "timeout_ms": e.get("timeout_ms")})
         return records
+
+
+_FR_DTYPES = {torch.float32: "Float", torch.bfloat16: "BFloat16", torch.float16: "Half", torch.float64: "Double",
+              torch.int64: "Long", torch.int32: "Int", torch.int16: "Short", torch.int8: "Char",
+              torch.uint8: "Byte", torch.bool: "Bool"}
+
+
+def _collective_ops() -> dict[object, tuple[str, Callable]]:
+    """op -> (kind, args -> (tensors whose sizes are the payload, process group or its name,
+    size multiplier of dim 0)): the collectives FSDP, DDP and DTensor issue, as the flight
+    recorder would log them (all-gathers by their output, the rest by their input). Point-to-point
+    sends are left to PipelineTraffic, as on a real run."""
+    c10d, fn = torch.ops.c10d, torch.ops._c10d_functional
+    return {
+        c10d._allgather_base_.default: ("all_gather", lambda a: ([a[0]], a[2], 1)),
+        c10d.allgather_.default: ("all_gather", lambda a: ([t for ts in a[0] for t in ts], a[2], 1)),
+        c10d.allgather_into_tensor_coalesced_.default: ("all_gather", lambda a: (a[0], a[2], 1)),
+        c10d._reduce_scatter_base_.default: ("reduce_scatter", lambda a: ([a[1]], a[2], 1)),
+        c10d.reduce_scatter_.default: ("reduce_scatter", lambda a: ([t for ts in a[1] for t in ts], a[2], 1)),
+        c10d.reduce_scatter_tensor_coalesced_.default: ("reduce_scatter", lambda a: (a[1], a[2], 1)),
+        c10d.allreduce_.default: ("all_reduce", lambda a: (a[0], a[1], 1)),
+        c10d.broadcast_.default: ("broadcast", lambda a: (a[0], a[1], 1)),
+        c10d.alltoall_base_.default: ("all_to_all", lambda a: ([a[1]], a[2], 1)),
+        fn.all_gather_into_tensor.default: ("all_gather", lambda a: ([a[0]], a[2], a[1])),
+        fn.all_gather_into_tensor_coalesced.default: ("all_gather", lambda a: (a[0], a[2], a[1])),
+        fn.reduce_scatter_tensor.default: ("reduce_scatter", lambda a: ([a[0]], a[3], 1)),
+        fn.reduce_scatter_tensor_coalesced.default: ("reduce_scatter", lambda a: (a[0], a[3], 1)),
+        fn.all_reduce.default: ("all_reduce", lambda a: ([a[0]], a[2], 1)),
+        fn.all_reduce_.default: ("all_reduce", lambda a: ([a[0]], a[2], 1)),
+        fn.all_to_all_single.default: ("all_to_all", lambda a: ([a[0]], a[3], 1)),
+        fn.broadcast.default: ("broadcast", lambda a: ([a[0]], a[2], 1)),
+    }
+
+
+class DispatchedCollectives(CollectiveLog, TorchDispatchMode):
+    """The same log, kept by watching the collective ops go by instead of reading the flight
+    recorder: for a fake process group (a dry run), which has none. The records have the flight
+    recorder's fields, so the sums are CollectiveLog's."""
+
+    def __init__(self, axis_groups: dict[str, dist.ProcessGroup]) -> None:
+        CollectiveLog.__init__(self, axis_groups)
+        TorchDispatchMode.__init__(self)
+        self.records: list[dict] = []
+        self._ops = _collective_ops()
+
+    def _entries(self) -> list[dict]:  # type: ignore[override]
+        return self.records
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch's protocol
+        if any(t is DTensor for t in types):
+            return NotImplemented  # DTensor's own collectives come back here as functional ops
+        if func in self._ops:
+            self._record(*self._ops[func], args)
+        return func(*args, **(kwargs or {}))
+
+    def _record(self, kind: str, extract: Callable, args: tuple) -> None:
+        tensors, pg, gathered = extract(args)
+        if isinstance(pg, str):  # a functional collective names its group
+            named = {name: group for group, name in dist.distributed_c10d._world.pg_names.items()}
+            pg = named.get(pg)  # None: a group torch made for itself and did not name: its name only
+        elif not isinstance(pg, dist.ProcessGroup):
+            pg = dist.ProcessGroup.unbox(pg)
+        group = [pg.group_name, pg.group_desc] if pg is not None else [extract(args)[1], ""]
+        sizes = [list(t.shape) for t in tensors]
+        if gathered > 1:  # a functional all-gather is logged by its output, `gathered` times its input
+            sizes = [[s[0] * gathered, *s[1:]] for s in sizes]
+        dtypes = [_FR_DTYPES.get(t.dtype, str(t.dtype)) for t in tensors]
+        self.records.append({"record_id": len(self.records), "profiling_name": f"fake:{kind}",
+                             "process_group": group, "input_sizes": sizes,
+                             "output_sizes": sizes, "input_dtypes": dtypes, "output_dtypes": dtypes})
 
 
 def flatten_comm(comm: dict[str, dict[str, float]]) -> dict[str, float]:

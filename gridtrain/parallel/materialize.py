@@ -15,8 +15,11 @@ process exact, at the cost of each rank drawing the whole model's numbers once.)
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
 from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -39,14 +42,19 @@ def is_meta(parts: list[nn.Module]) -> bool:
 
 
 @torch.no_grad()
-def materialize(parts: list[Transformer], args: ModelArgs, seed: int, device: torch.device) -> None:
+def materialize(parts: list[Transformer], args: ModelArgs, seed: int, device: torch.device,
+                fake: FakeTensorMode | None = None) -> None:
     """Allocate this rank's shards of `parts` (meta until now) on `device` and initialise them to
-    their slices of the one-process initial weights for `seed`; rebuild the RoPE tables."""
+    their slices of the one-process initial weights for `seed`; rebuild the RoPE tables. With
+    `fake` (a dry run) the shards are fake tensors of that mode: no memory, and no values to fill."""
     own: dict[str, torch.Tensor] = {}
     for part in parts:
-        part.to_empty(device=device)
-        part.after_to_empty()
+        with fake or contextlib.nullcontext():
+            part.to_empty(device=device)
+            part.after_to_empty()
         own.update((model_name(name), p) for name, p in part.named_parameters())
+    if fake is not None:
+        return
     for name, value in init_values(args, seed):
         param = own.get(name)
         if param is None:  # another rank's stage

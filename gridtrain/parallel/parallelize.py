@@ -20,6 +20,7 @@ from gridtrain.model.llama import Transformer
 from gridtrain.parallel.materialize import is_meta, materialize
 
 if TYPE_CHECKING:
+    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
     from gridtrain.parallel.mesh import Mesh
@@ -111,11 +112,12 @@ class ParallelModel:
 
 def parallelize(model: Transformer, cfg: Config, dims: ParallelDims | None = None, mesh: Mesh | None = None,
                 loss_fn: LossFn | None = None, n_microbatches: int = 1,
-                device: torch.device | None = None) -> ParallelModel:
+                device: torch.device | None = None, fake: FakeTensorMode | None = None) -> ParallelModel:
     """Apply, in order: pipeline split, tensor parallel, activation checkpointing, compile, FSDP;
     then give the model memory (each rank its own shards, initialised from cfg.train.seed) if it
     is still on the meta device; then DDP, which needs real weights to start. `cfg` is the run's
-    Config; without `dims` (a world of one) only recomputation and compile apply."""
+    Config; without `dims` (a world of one) only recomputation and compile apply. With `fake`
+    (a dry run), the shards are that mode's fake tensors."""
     p, t = cfg.parallel, cfg.train
     if dims is not None and dims.pp > 1:
         from gridtrain.parallel.pipeline_parallel import build_stages
@@ -141,7 +143,7 @@ def parallelize(model: Transformer, cfg: Config, dims: ParallelDims | None = Non
                                 COMPUTE_DTYPES.get(t.precision))
     parts = [m for _, m in stages]
     if is_meta(parts):
-        materialize(parts, model.args, t.seed, device or torch.device("cpu"))
+        materialize(parts, model.args, t.seed, device or torch.device("cpu"), fake)
     if data_parallel and ddp:
         apply_data_parallel(model, mesh, p.zero_stage, dims.dp_replicate, dims.tp, dims.pp)
     result = ParallelModel(parts, [s for s, _ in stages])

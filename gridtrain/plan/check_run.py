@@ -89,8 +89,13 @@ def predict_collectives(args: ModelArgs, dims: ParallelDims, cfg: Config, pp_ran
     return collectives(args, dims, cfg, pp_rank)[0]
 
 
-def collectives(args: ModelArgs, dims: ParallelDims, cfg: Config, pp_rank: int) -> tuple[dict[str, float], bool]:
-    """(predict_collectives' bytes, whether they are exact rather than estimated)."""
+def collectives(args: ModelArgs, dims: ParallelDims, cfg: Config, pp_rank: int,
+                gloo: bool = True) -> tuple[dict[str, float], bool]:
+    """(predict_collectives' bytes, whether they are exact rather than estimated). These are the
+    bytes gloo's flight recorder logs: it has no reduce-scatter (it all-reduces the same tensor)
+    and logs tensor parallelism's all-gathers by their input. Without `gloo` (NCCL, or a dry
+    run's fake process group, which log every collective as the code issues it), the
+    reduce-scatters are reduce-scatters and an all-gather counts what it gathers, tp times."""
     exact = _predict_collectives(args, dims, cfg, pp_rank)
     out = exact or estimate_collectives(args, dims, cfg, pp_rank)
     if out and cfg.train.precision == "fp16" and dims.world_size > 1:
@@ -98,7 +103,39 @@ def collectives(args: ModelArgs, dims: ParallelDims, cfg: Config, pp_rank: int) 
         parts = len(forwards_held(cfg.parallel.pp_schedule, dims.pp, cfg.parallel.pp_virtual_stages
                                   if dims.pp > 1 else 1, 1, pp_rank))
         out[f"{world}/all_reduce_bytes"] = out.get(f"{world}/all_reduce_bytes", 0.0) + 4.0 * parts
+    if not gloo:
+        if "tp/all_gather_bytes" in out:
+            out["tp/all_gather_bytes"] *= dims.tp
+        for axis, moved in reduce_scattered(args, dims, cfg, pp_rank).items():
+            out[f"{axis}/all_reduce_bytes"] -= moved
+            out[f"{axis}/reduce_scatter_bytes"] = moved
+            if not out[f"{axis}/all_reduce_bytes"]:
+                del out[f"{axis}/all_reduce_bytes"]
     return out, bool(exact)
+
+
+def reduce_scattered(args: ModelArgs, dims: ParallelDims, cfg: Config, pp_rank: int) -> dict[str, float]:
+    """Bytes per axis of the reductions the code issues as reduce-scatters: FSDP's gradients
+    (ZeRO 2 and 3, per sync: every micro-batch, or once per step under a pipeline), and under
+    sequence parallelism every activation reduction of tensor parallelism (the output of wo and
+    w2 forward, the embedding's forward, the head input's backward, one more per recomputed
+    block). gloo has no reduce-scatter: it all-reduces the same tensors, and the predictions above
+    count them as all-reduces."""
+    p = cfg.parallel
+    layout = run_layout(args, dims, cfg)
+    m, v = layout.num_microbatches, layout.pp_virtual_stages
+    parts = rank_stage_shapes(from_args(args), dims.pp, v, p.pp_schedule, p.pp_fewer_edge_layers, pp_rank)
+    shapes = {name: s for part in parts for name, s in part.items()}
+    out: dict[str, float] = {}
+    if p.zero_stage in (2, 3) and dims.dp_shard > 1:
+        out["dp_shard"] = (1 if dims.pp > 1 else m) * 4 * sum(numel(tp_local(n, s, dims.tp)) for n, s in shapes.items())
+    if dims.tp > 1 and p.sequence_parallel:
+        stages = list(forwards_held(layout.pp_schedule, dims.pp, v, m, pp_rank)) if dims.pp > 1 else [0]
+        first, last = 0 in stages, dims.pp * v - 1 in stages
+        blocks = len({name.split(".")[1] for name in shapes if name.startswith("layers.")})
+        again = blocks if cfg.train.recompute != "none" else 0
+        out["tp"] = m * (4 * blocks + first + last + again) * 4 * layout.micro_batch * layout.seq_len * args.dim
+    return out
 
 
 def _predict_collectives(args: ModelArgs, dims: ParallelDims, cfg: Config, pp_rank: int) -> dict[str, float]:
@@ -134,7 +171,10 @@ def _predict_collectives(args: ModelArgs, dims: ParallelDims, cfg: Config, pp_ra
         # value per token; then one norm scalar per sharded tensor (7 per block and the head).
         # With SP each of those activation all-reduces is a reduce-scatter, which gloo runs as an
         # all-reduce of the same tensor; the norms' inputs are all-gathered (2 per block and the
-        # final one), and the norms' weight gradients, partial per sequence shard, all-reduced once.
+        # final one) forward, and the gradients of the reduce-scatters' outputs as many times
+        # backward (gloo's flight recorder logs a DTensor all-gather by its input, 1/tp of what it
+        # gathers: see `collectives`), and the norms' weight gradients, partial per sequence
+        # shard, all-reduced once.
         # Recomputation (selective or full) repeats one of each block's forward collectives (and
         # with SP one all-gather): torch's checkpoint stops recomputing once backward has what it
         # needs, before the block's last all-reduce.
@@ -144,7 +184,7 @@ def _predict_collectives(args: ModelArgs, dims: ParallelDims, cfg: Config, pp_ra
         if not p.sequence_parallel:
             return {"tp/all_reduce_bytes": reduced}
         return {"tp/all_reduce_bytes": reduced + norms * 4 * args.dim,
-                "tp/all_gather_bytes": m * (norms + again) * activation}
+                "tp/all_gather_bytes": 2 * m * (norms + again) * activation / dims.tp}
     if only("pp") and dims.pp > 1 and schedule(p.pp_schedule).stages_per_rank == 1 and not recomputed:
         first, last = pp_rank == 0, pp_rank == dims.pp - 1
         return {"pp/all_reduce_bytes": 4.0, "pp/send_bytes": m * activation * ((not last) + (not first))}
@@ -160,7 +200,8 @@ def estimate_collectives(args: ModelArgs, dims: ParallelDims, cfg: Config, pp_ra
     - tp: per micro-batch 4 activation all-reduces per block (and one more when recomputed), the
       embedding's forward on the first stage, the head input's backward and loss_parallel's three
       values per token on the last; with SP an all-gather per norm (2 per block and the final one,
-      one more per block recomputed) and the norms' weight gradients once; one fp32 norm scalar
+      one more per block recomputed) forward and as many backward (logged by gloo at 1/tp of
+      their output), and the norms' weight gradients once; one fp32 norm scalar
       per sharded tensor (7 per block, the head);
     - pp: each stage sends its output forward (unless last) and its input gradient back (unless
       first), 1/tp of the activation under SP; one norm scalar;
@@ -187,7 +228,7 @@ def estimate_collectives(args: ModelArgs, dims: ParallelDims, cfg: Config, pp_ra
         norms = 2 * blocks + last
         out["tp/all_reduce_bytes"] = m * per_micro + 4 * (7 * blocks + last) + sp * norms * 4 * args.dim
         if sp:
-            out["tp/all_gather_bytes"] = m * (norms + again) * activation
+            out["tp/all_gather_bytes"] = 2 * m * (norms + again) * activation / dims.tp
     if dims.pp > 1:
         sends = sum((s < dims.pp * v - 1) + (s > 0) for s in stages)
         out["pp/send_bytes"] = m * sends * activation / (dims.tp if sp else 1)
@@ -252,7 +293,7 @@ def check_run(run_dir: Path) -> list[CheckRow]:
         pp_rank = dims.coordinates(measured["rank"])["pp"]
         acts = predict_activations(args, dims, cfg, pp_rank)
         rows.append(CheckRow(measured["rank"], "activations", acts, measured["memory/activations_bytes"]))
-        predicted, exact = collectives(args, dims, cfg, pp_rank)
+        predicted, exact = collectives(args, dims, cfg, pp_rank, gloo=record.backend == "gloo")
         for key, value in predicted.items():
             rows.append(CheckRow(measured["rank"], key, value, measured.get(f"comm/{key}", 0.0), not exact))
     if not rows:

@@ -12,6 +12,8 @@ import weakref
 from typing import Any, Callable
 
 import torch
+from torch._guards import active_fake_mode
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
@@ -33,6 +35,7 @@ class LiveBytes(TorchDispatchMode):
         self._sizes: dict[int, int] = {}  # storage key -> bytes counted
         self._refs: dict[int, weakref.ref] = {}
         self._resize: Callable | None = None
+        self._fake_on_entry = None
 
     def reset_peak(self) -> None:
         self.peak = self.live
@@ -42,7 +45,7 @@ class LiveBytes(TorchDispatchMode):
         tree_map_only(torch.Tensor, self._add, tensors)
 
     def _add(self, t: torch.Tensor) -> None:
-        if hasattr(t, "_local_tensor"):  # a DTensor: its memory is its local shard's
+        if isinstance(t, DTensor):  # its memory is its local shard's
             t = t._local_tensor
         if t.is_meta or (type(t) is not torch.Tensor and not hasattr(t, "fake_mode")):
             return  # no memory behind it, or a wrapper subclass whose inner tensors are seen when made
@@ -64,11 +67,16 @@ class LiveBytes(TorchDispatchMode):
         self._refs.pop(key, None)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch's protocol
+        if any(t is DTensor for t in types):
+            return NotImplemented  # let DTensor run its local ops, which come back here one by one
         out = func(*args, **(kwargs or {}))
-        tree_map_only(torch.Tensor, self._add, out)
+        # DTensor's sharding propagation runs ops under a fake mode of its own: not memory.
+        if active_fake_mode() is self._fake_on_entry:
+            tree_map_only(torch.Tensor, self._add, out)
         return out
 
     def __enter__(self) -> LiveBytes:
+        self._fake_on_entry = active_fake_mode()
         original = self._resize = torch.UntypedStorage.resize_
         live = self
 

@@ -35,7 +35,7 @@ class StepAccount:
             yield
             return
         parts = self.pmodel.parts
-        meter = SavedActivations(self.pmodel.parameters(), [b for part in parts for b in part.buffers()])
+        meter = SavedActivations(self.pmodel.parameters(), [b for part in parts for b in part.buffers()], parts)
         if self.comm_log:
             self.comm_log.start()
         traffic = self.pmodel.traffic

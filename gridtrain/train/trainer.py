@@ -19,6 +19,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -26,7 +27,7 @@ import torch.distributed as dist
 from gridtrain.config import Config
 from gridtrain.model.stats import build_meta, count_parameters, flops_per_token
 from gridtrain.parallel.accounting import CollectiveLog
-from gridtrain.parallel.parallelize import parallelize
+from gridtrain.parallel.parallelize import ParallelModel, parallelize
 from gridtrain.parallel.data_parallel import set_gradient_sync
 from gridtrain.parallel.grads import clip_grad_norm
 from gridtrain.parallel.mesh import build_mesh, group
@@ -57,6 +58,36 @@ class Phase:
 
     step: int
     doing: str
+
+
+def forward_backward(pmodel: ParallelModel, read: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]],
+                     first: int, local_batch: int, micro_batch: int, micro_batches: int, precision: Precision,
+                     tp: int, device: torch.device) -> torch.Tensor:
+    """Forward and backward over `local_batch` sequences from sample `first` (`read(first, n)` gives
+    inputs and targets), in micro-batches of `micro_batch` (a pipeline's schedule splits them
+    itself), each loss divided by the global batch's `micro_batches`; returns this rank's share of
+    the global batch's mean loss (zero on pipeline ranks without the last stage)."""
+    precision.begin_step()
+    if pmodel.schedule is not None:
+        inputs, targets = read(first, local_batch)
+        losses: list[torch.Tensor] = []
+        with precision.autocast(), loss_context(tp):
+            pmodel.schedule.step(inputs.to(device), target=targets.to(device), losses=losses, return_outputs=False)
+        if not losses:
+            return torch.zeros((), device=device)
+        return sum(scalar(l).detach() for l in losses) / precision.loss_scale
+    model, accum = pmodel.parts[0], local_batch // micro_batch
+    loss_sum = torch.zeros((), device=device)
+    for micro in range(accum):
+        set_gradient_sync(model, micro == accum - 1)
+        inputs, targets = read(first + micro * micro_batch, micro_batch)
+        with loss_context(tp):
+            with precision.autocast():
+                logits = model(inputs.to(device))
+            loss = loss_fn(logits, targets.to(device)) / micro_batches
+            precision.backward(loss)
+        loss_sum += scalar(loss).detach()
+    return loss_sum
 
 
 class Trainer:
@@ -148,29 +179,9 @@ class Trainer:
     def forward_backward(self) -> torch.Tensor:
         """Forward and backward over this rank's slice of the step's global batch; returns its share
         of the global batch's mean loss (zero on pipeline ranks without the last stage)."""
-        mb = self.cfg.train.micro_batch
         first = self.step * self.global_batch + self.coords["dp"] * self.local_batch
-        self.precision.begin_step()
-        if self.pmodel.schedule is not None:
-            inputs, targets = self.data.train.read(first, self.local_batch)
-            losses: list[torch.Tensor] = []
-            with self.precision.autocast(), loss_context(self.dims.tp):
-                self.pmodel.schedule.step(inputs.to(self.device), target=targets.to(self.device),
-                                          losses=losses, return_outputs=False)
-            if not losses:
-                return torch.zeros((), device=self.device)
-            return sum(scalar(l).detach() for l in losses) / self.precision.loss_scale
-        loss_sum = torch.zeros((), device=self.device)
-        for micro in range(self.accum):
-            set_gradient_sync(self.model, micro == self.accum - 1)
-            inputs, targets = self.data.train.read(first + micro * mb, mb)
-            with loss_context(self.dims.tp):
-                with self.precision.autocast():
-                    logits = self.model(inputs.to(self.device))
-                loss = loss_fn(logits, targets.to(self.device)) / self.micro_batches
-                self.precision.backward(loss)
-            loss_sum += scalar(loss).detach()
-        return loss_sum
+        return forward_backward(self.pmodel, self.data.train.read, first, self.local_batch, self.cfg.train.micro_batch,
+                                self.micro_batches, self.precision, self.dims.tp, self.device)
 
     def train_step(self) -> dict[str, float]:
         """One optimizer step over the global batch; returns its metrics."""
@@ -226,7 +237,7 @@ class Trainer:
 
     def write_record(self) -> None:
         RunRecord(self.cfg, self.dims, device_name(self.device), torch.get_num_threads(), os.cpu_count(),
-                  self.peak).write(Path(self.cfg.run_dir))
+                  self.peak, "gloo" if self.device.type == "cpu" else "nccl").write(Path(self.cfg.run_dir))
 
     def should(self, interval: int) -> bool:
         return interval > 0 and (self.step % interval == 0 or self.step == self.cfg.train.steps)
