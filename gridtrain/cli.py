@@ -40,8 +40,12 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     if args.nproc is not None:
         overrides["parallel.nproc"] = str(args.nproc)
     cfg = load_config(args.config, overrides)
-    if args.dry_run or args.world is not None:
-        return cmd_dry_run(cfg, args.world, args.rank)
+    if args.dry_run:
+        return cmd_dry_run(cfg, args.world, args.rank or 0)
+    if args.world is not None or args.rank is not None:
+        print("gridtrain: --world and --rank go with --dry-run (to train on several processes: --nproc)",
+              file=sys.stderr)
+        return 2
     dims = validate(cfg)  # every rank checks again, but nothing starts if this fails
     check_run_dir(cfg)  # before any rank writes into it
     if cfg.parallel.nproc > 1 and "LOCAL_RANK" not in os.environ:
@@ -207,6 +211,9 @@ def cmd_plan(args: argparse.Namespace, extra: list[str]) -> int:
             print(format_check(check_run(run_dir)))
         except FileNotFoundError as err:
             print(f"memory and collectives: {err}")
+        if record.backend == "fake":
+            print("step time: none to check, a dry run computes nothing")
+            return 0
         try:
             local_machine(record.threads)  # measured now if not cached
             print(format_step_time(*check_step_time(run_dir)))
@@ -349,7 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run one step of one rank (--rank) of a --world-rank job on fake tensors and a fake process "
                         "group: its bytes per memory bucket and collectives per axis beside the plan's")
     p.add_argument("--world", type=number(int, 1), help="with --dry-run: the job's number of ranks")
-    p.add_argument("--rank", type=number(int, 0), default=0, help="with --dry-run: the rank to run (default 0)")
+    p.add_argument("--rank", type=number(int, 0), help="with --dry-run: the rank to run (default 0)")
     p.set_defaults(func=cmd_train, argv=None)
     p = sub.add_parser("model", help="parameter count and FLOPs per token of a model preset")
     p.add_argument("preset", nargs="?")

@@ -79,6 +79,16 @@ MODEL = [
 ]
 
 TRAIN = [
+    (["train", "--dry-run", "--model.preset", "tiny"], "--dry-run needs --world N"),
+    (["train", "--world", "4", "--model.preset", "tiny"], "--world and --rank go with --dry-run"),
+    (["train", "--dry-run", "--world", "0"], "--world: 0 must be >= 1"),
+    (["train", "--dry-run", "--world", "4", "--rank", "4", "--model.preset", "tiny"],
+     "--rank 4 is not a rank of a 4-rank job: give 0 to 3"),
+    (["train", "--dry-run", "--world", "4", "--parallel.zero_stage", "0", "--model.preset", "tiny"],
+     "torch's DDP, whose reducer needs real gradients: a dry run cannot run it"),
+    (["train", "--dry-run", "--world", "4", "--run_dir", "{d}/run", "--model.preset", "tiny"],
+     "holds a training run: give the dry run another --run_dir"),
+    (["train", "--dry-run", "--world", "3", "--parallel.tp", "2", "--model.preset", "tiny"], "cannot fill world size 3"),
     (["train", "--max-restarts", "-1"], "--max-restarts: -1 must be >= 0"),
     (["train", "--nproc", "0"], "--nproc: 0 must be >= 1"),
     (["train", "--nproc", "two"], "--nproc: 'two' is not a whole number"),

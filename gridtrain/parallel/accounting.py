@@ -97,7 +97,11 @@ class SavedActivations:
         except RuntimeError:  # a tensor without a plain storage (a wrapper subclass): its own bytes
             self.bytes += local.numel() * local.element_size()
             return t
-        if ptr not in self._param_ptrs and key not in self._seen and not self._gathered(ptr):
+        if ptr in self._param_ptrs or key in self._seen:
+            return t
+        # A gathered weight under TP is the plain local tensor of a DTensor parameter: a leaf
+        # that needs no gradient (checked first: looking it up costs a pass over the parameters).
+        if not (local.is_leaf and not local.requires_grad and self._gathered(ptr)):
             self._seen.add(key)
             self.bytes += key[1]
         return t

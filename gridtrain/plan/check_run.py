@@ -128,13 +128,14 @@ def reduce_scattered(args: ModelArgs, dims: ParallelDims, cfg: Config, pp_rank: 
     shapes = {name: s for part in parts for name, s in part.items()}
     out: dict[str, float] = {}
     if p.zero_stage in (2, 3) and dims.dp_shard > 1:
-        out["dp_shard"] = (1 if dims.pp > 1 else m) * 4 * sum(numel(tp_local(n, s, dims.tp)) for n, s in shapes.items())
+        out["dp_shard"] = (1 if dims.pp > 1 else m) * sum(fsdp_padded(shapes, dims).values())
     if dims.tp > 1 and p.sequence_parallel:
         stages = list(forwards_held(layout.pp_schedule, dims.pp, v, m, pp_rank)) if dims.pp > 1 else [0]
         first, last = 0 in stages, dims.pp * v - 1 in stages
         blocks = len({name.split(".")[1] for name in shapes if name.startswith("layers.")})
         again = blocks if cfg.train.recompute != "none" else 0
-        out["tp"] = m * (4 * blocks + first + last + again) * 4 * layout.micro_batch * layout.seq_len * args.dim
+        reduced = tp_activation_traffic(blocks, first, last, again, cfg.train.precision, dims.dp > 1)[0]
+        out["tp"] = m * reduced * 4 * layout.micro_batch * layout.seq_len * args.dim
     return out
 
 
@@ -166,29 +167,41 @@ def _predict_collectives(args: ModelArgs, dims: ParallelDims, cfg: Config, pp_ra
             out["dp_replicate/all_reduce_bytes"] = m * shard
         return out
     if only("tp") and dims.tp > 1 and t.precision == "fp32":
-        # Per micro-batch: two all-reduces per block forward and two backward, the embedding's
-        # forward and the head input's backward (Megatron), plus loss_parallel's three of one
-        # value per token; then one norm scalar per sharded tensor (7 per block and the head).
-        # With SP each of those activation all-reduces is a reduce-scatter, which gloo runs as an
-        # all-reduce of the same tensor; the norms' inputs are all-gathered (2 per block and the
-        # final one) forward, and the gradients of the reduce-scatters' outputs as many times
-        # backward (gloo's flight recorder logs a DTensor all-gather by its input, 1/tp of what it
-        # gathers: see `collectives`), and the norms' weight gradients, partial per sequence
-        # shard, all-reduced once.
-        # Recomputation (selective or full) repeats one of each block's forward collectives (and
-        # with SP one all-gather): torch's checkpoint stops recomputing once backward has what it
-        # needs, before the block's last all-reduce.
-        norms, again = 2 * args.n_layers + 1, args.n_layers if recomputed else 0
-        per_micro = (4 * args.n_layers + 2 + again) * activation + 3 * 4 * mb * seq
-        reduced = m * per_micro + 4 * (7 * args.n_layers + 1)
+        # Then one norm scalar per sharded tensor (7 per block and the head), and with SP the
+        # norms' weight gradients, partial per sequence shard, all-reduced once.
+        reduced, gathered = tp_activation_traffic(args.n_layers, True, True, args.n_layers if recomputed else 0,
+                                                  t.precision, False)
+        reduced = m * (reduced * activation + 3 * 4 * mb * seq) + 4 * (7 * args.n_layers + 1)
         if not p.sequence_parallel:
             return {"tp/all_reduce_bytes": reduced}
-        return {"tp/all_reduce_bytes": reduced + norms * 4 * args.dim,
-                "tp/all_gather_bytes": 2 * m * (norms + again) * activation / dims.tp}
+        return {"tp/all_reduce_bytes": reduced + (2 * args.n_layers + 1) * 4 * args.dim,
+                "tp/all_gather_bytes": m * gathered * activation / dims.tp}
     if only("pp") and dims.pp > 1 and schedule(p.pp_schedule).stages_per_rank == 1 and not recomputed:
         first, last = pp_rank == 0, pp_rank == dims.pp - 1
         return {"pp/all_reduce_bytes": 4.0, "pp/send_bytes": m * activation * ((not last) + (not first))}
     return {}
+
+
+def tp_activation_traffic(blocks: int, first: bool, last: bool, again: int, precision: str,
+                          fsdp: bool) -> tuple[float, float]:
+    """(reductions, all-gathers) of tensor parallelism's activations per micro-batch over `blocks`
+    blocks, in B x T x dim fp32 activations (Megatron's f and g; Korthikanti et al. 2022 for SP).
+    Reductions: the outputs of wo and w2 forward, the gradients of their inputs' norms backward,
+    the embedding's output forward (first stage), the head input's gradient backward (last);
+    all-reduces, or with SP reduce-scatters. All-gathers (SP only): the norms' outputs forward
+    (2 per block, the final norm on the last stage) and, backward, the gradients of every
+    reduce-scatter's output (2 per block, the embedding's). Recomputation repeats a block's
+    forward up to its last reduction (torch's checkpoint stops once backward has what it needs):
+    one reduction and, with SP, both norms' all-gathers.
+    Under bf16 and fp16 autocast the matmul outputs move in 16 bits: wo's and w2's outputs
+    forward (and their recomputation) and their gradients backward, and, when FSDP gathers the
+    embedding in 16 bits (`fsdp`, data parallelism beside TP), its output and gradient too; the
+    rest stays fp32 (the residual stream and the norms are fp32)."""
+    h = 0.5 if precision in ("bf16", "fp16") else 1.0
+    embedding = first * (h if fsdp else 1.0)
+    reductions = 2 * blocks * h + 2 * blocks + embedding + last + again * h
+    gathers = 2 * blocks + last + 2 * again + 2 * blocks * h + embedding
+    return reductions, gathers
 
 
 def estimate_collectives(args: ModelArgs, dims: ParallelDims, cfg: Config, pp_rank: int) -> dict[str, float]:
@@ -210,8 +223,8 @@ def estimate_collectives(args: ModelArgs, dims: ParallelDims, cfg: Config, pp_ra
       including its replicate for DDP with TP) or once (DDP's buckets); ZeRO-2 gathers each unit
       once per sync, ZeRO-3 twice (but the last block once without a pipeline, and everything
       once under a split-backward schedule, whose stage gathers before its two passes).
-    Tensor-parallel traffic is counted at fp32 activations in every precision: under bf16 and
-    fp16 part of it moves in 16 bits (measured 25-32% fewer bytes than this estimate)."""
+    Under bf16 and fp16, the part of tensor-parallel traffic that carries matmul outputs moves in
+    16 bits (tp_activation_traffic)."""
     t, p = cfg.train, cfg.parallel
     layout = run_layout(args, dims, cfg)
     seq, mb, m, v = layout.seq_len, layout.micro_batch, layout.num_microbatches, layout.pp_virtual_stages
@@ -224,11 +237,12 @@ def estimate_collectives(args: ModelArgs, dims: ParallelDims, cfg: Config, pp_ra
     again = blocks if t.recompute != "none" else 0
     out: dict[str, float] = {}
     if dims.tp > 1:
-        per_micro = (4 * blocks + first + last + again) * activation + last * 3 * 4 * mb * seq
+        reduced, gathered = tp_activation_traffic(blocks, first, last, again, t.precision, dims.dp > 1)
         norms = 2 * blocks + last
-        out["tp/all_reduce_bytes"] = m * per_micro + 4 * (7 * blocks + last) + sp * norms * 4 * args.dim
+        out["tp/all_reduce_bytes"] = (m * (reduced * activation + last * 3 * 4 * mb * seq) + 4 * (7 * blocks + last)
+                                      + sp * norms * 4 * args.dim)
         if sp:
-            out["tp/all_gather_bytes"] = 2 * m * (norms + again) * activation / dims.tp
+            out["tp/all_gather_bytes"] = m * gathered * activation / dims.tp
     if dims.pp > 1:
         sends = sum((s < dims.pp * v - 1) + (s > 0) for s in stages)
         out["pp/send_bytes"] = m * sends * activation / (dims.tp if sp else 1)
@@ -244,21 +258,38 @@ def dp_collectives(args: ModelArgs, dims: ParallelDims, cfg: Config, layout: Lay
     t, p, m = cfg.train, cfg.parallel, layout.num_microbatches
     params = 4 * sum(numel(tp_local(name, s, dims.tp)) for name, s in shapes.items())
     syncs = 1 if dims.pp > 1 else m
-    last_block = 4 * sum(numel(tp_local(name, s, dims.tp)) for name, s in shapes.items()
-                         if name.startswith(f"layers.{args.n_layers - 1}."))
     if p.zero_stage in (0, 1):
         return {"dp_replicate/all_reduce_bytes": syncs * params if fsdp_gathers(layout) else params}
+    padded = fsdp_padded(shapes, dims)
+    params = sum(padded.values())
+    last_block = sum(b for name, b in padded.items() if name.startswith(f"layers.{args.n_layers - 1}."))
+    row = schedule(p.pp_schedule)
     if p.zero_stage == 2:
         gathered = syncs * params
     elif dims.pp == 1:  # the last block stays gathered from its forward to its backward
         gathered = m * (2 * params - last_block)
+    elif row.stages_per_rank == 1 and not row.split_backward:
+        # Every micro-batch's forward gathers the stage's blocks again (but its last, which stays
+        # gathered), and the first backward once more (measured by dry runs of 70B and 405B
+        # layouts at 8 and 16 micro-batches, on the first and the last stage alike).
+        stage_last = max(int(name.split(".")[1]) for name in shapes if name.startswith("layers."))
+        last = sum(b for name, b in padded.items() if name.startswith(f"layers.{stage_last}."))
+        gathered = (m + 1) * (params - last) + last
     else:  # under a split backward, the stage's own gathers serve both passes (SplitBackwardStage)
-        gathered = (1 if schedule(p.pp_schedule).split_backward else 2) * params
+        gathered = (1 if row.split_backward else 2) * params
+    # The gradients reduced, and one norm scalar per sharded tensor.
     out = {"dp_shard/all_gather_bytes": gathered * gather_bytes(t.precision) / 4,
-           "dp_shard/all_reduce_bytes": syncs * params}
+           "dp_shard/all_reduce_bytes": syncs * params + 4 * len(shapes)}
     if dims.dp_replicate > 1:
         out["dp_replicate/all_reduce_bytes"] = syncs * params / dims.dp_shard
     return out
+
+
+def fsdp_padded(shapes: dict[str, tuple[int, ...]], dims: ParallelDims) -> dict[str, int]:
+    """fp32 bytes FSDP gathers and reduces per tensor of the rank's (tensor-parallel) parameters:
+    each padded to a multiple of dp_shard rows."""
+    return {name: 4 * dims.dp_shard * numel(fsdp_local(tp_local(name, s, dims.tp), dims.dp_shard, 0))
+            for name, s in shapes.items()}
 
 
 def gather_bytes(precision: str) -> int:

@@ -1,0 +1,87 @@
+"""Dry runs of full-width Llama 3 layouts (gridtrain/train/dry_run.py): one rank of a job of many,
+on this CPU, under a fake process group and fake tensors, checked against the planner.
+
+That a dry run measures what a real run of the same layout measures is tests/test_parallel.py's
+(test_dry_run_measures_what_the_run_measured, every multi-rank layout there). Here: the full
+Llama 3 8B on FSDP 8, and the 70B's width and layout (TP 8 with sequence parallelism, PP 4, data
+parallel 2 over 64 ranks) with 8 of its 80 layers, so the suite stays fast; the full-depth runs
+and the 405B are bench/bench_dry_run.py's, with their figures in the README.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gridtrain.plan.check_run import check_run
+
+COMMON = ["--data.seq_len=8192", "--train.micro_batch=1", "--train.precision=bf16"]
+LLAMA3_8B_FSDP8 = ["--model.preset=llama3-8b", "--train.global_batch=8"]
+LLAMA3_70B_TP8_PP4_DP2 = ["--model.preset=llama3-70b", "--model.n_layers=8", "--train.global_batch=16",
+                          "--parallel.tp=8", "--parallel.pp=4", "--parallel.sequence_parallel=true"]
+
+
+def dry_run(run_dir: Path, world: int, rank: int, args: list[str]) -> str:
+    cmd = [sys.executable, "-m", "gridtrain", "train", "--dry-run", f"--world={world}", f"--rank={rank}",
+           *COMMON, *args, f"--run_dir={run_dir}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def peak_rss_gib(stdout: str) -> float:
+    return float(stdout.split("peak RSS ")[1].split(" GiB")[0])
+
+
+def test_llama3_8b_on_fsdp8_one_rank_is_the_plan_to_the_byte(tmp_path):
+    """Rank 3 of Llama 3 8B on 8 ranks (FSDP 8, seq 8192, bf16), dry-run in well under a GB of
+    this machine's memory: its parameter, gradient and optimizer bytes, its saved activations and
+    every collective's bytes are the planner's, to the byte. What it builds is its shard only (an
+    eighth of 16 GB of fp32 weights, plus the RoPE table)."""
+    out = dry_run(tmp_path / "run", 8, 3, LLAMA3_8B_FSDP8)
+    assert peak_rss_gib(out) < 1.5
+    rows = check_run(tmp_path / "run")
+    assert {r.rank for r in rows} == {3}
+    assert {r.bucket for r in rows} >= {"weights", "gradients", "optimizer", "activations",
+                                        "dp_shard/all_gather_bytes", "dp_shard/reduce_scatter_bytes"}
+    for row in rows:
+        assert row.measured == row.predicted, (row.bucket, row.predicted, row.measured)
+    record = json.loads((tmp_path / "run" / "accounting" / "rank3.jsonl").read_text())
+    weights = record["memory/weights_bytes"]
+    assert weights == pytest.approx(8.03e9 * 4 / 8, rel=0.01)
+    assert weights <= record["memory/built_bytes"] <= weights + 8192 * 64 * 8  # + the complex64 RoPE table
+
+
+def test_llama3_70b_layout_first_and_last_pipeline_rank_are_the_plan(tmp_path):
+    """The 70B's width on its 64-rank layout (TP 8 + SP, PP 4, DP 2), first and last pipeline rank
+    into one run directory: state, activations and every collective per axis as planned, to the
+    byte; `gridtrain plan --check` lists both ranks and says there is no step time to check."""
+    for rank in (0, 63):
+        out = dry_run(tmp_path / "run", 64, rank, LLAMA3_70B_TP8_PP4_DP2)
+        assert f"dry run of rank {rank} of 64" in out and peak_rss_gib(out) < 1.5
+    rows = check_run(tmp_path / "run")
+    assert {r.rank for r in rows} == {0, 63}
+    for row in rows:
+        assert row.measured == pytest.approx(row.predicted, rel=1e-6, abs=8), (row.rank, row.bucket)
+    assert {r.bucket for r in rows} >= {"tp/all_gather_bytes", "tp/reduce_scatter_bytes", "pp/send_bytes",
+                                        "dp_shard/all_gather_bytes", "dp_shard/reduce_scatter_bytes"}
+    proc = subprocess.run([sys.executable, "-m", "gridtrain", "plan", "--check", str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "a dry run computes nothing" in proc.stdout and "  63  pp/send_bytes" in proc.stdout
+
+
+def test_a_dry_run_does_not_mix_with_another_job(tmp_path):
+    """Ranks of one job share a run directory; another job's dry run is refused there, and the
+    directory keeps the first job's records."""
+    dry_run(tmp_path / "run", 8, 0, LLAMA3_8B_FSDP8[:1] + ["--model.n_layers=2", "--train.global_batch=8"])
+    before = (tmp_path / "run" / "config.json").read_text()
+    cmd = [sys.executable, "-m", "gridtrain", "train", "--dry-run", "--world=16", *COMMON, "--model.preset=llama3-8b",
+           "--model.n_layers=2", "--train.global_batch=16", f"--run_dir={tmp_path / 'run'}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "holds the dry run of another job" in proc.stderr
+    assert (tmp_path / "run" / "config.json").read_text() == before
