@@ -98,9 +98,9 @@ def cmd_dry_run(cfg, world: int | None, rank: int) -> int:  # noqa: ANN001 - a C
 
     result = dry_run(cfg, world, rank)
     rec, coords = result.record, validate(cfg, world).coordinates(rank)
-    print(f"dry run of rank {rank} of {world} (coordinates {', '.join(f'{k} {v}' for k, v in coords.items())}): one step on fake "
-          f"tensors in {result.seconds:.1f} s, this process's peak RSS "
-          f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
+    where = ", ".join(f"{axis} {index}" for axis, index in coords.items())
+    print(f"dry run of rank {rank} of {world} (coordinates {where}): one step on fake tensors in "
+          f"{result.seconds:.1f} s, this process's peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
     print(f"the rank's tensors: {rec['memory/built_bytes'] / 2**30:,.3f} GiB once built, "
           f"{rec['memory/peak_bytes'] / 2**30:,.3f} GiB at the step's peak")
     print(format_check([row for row in check_run(result.run_dir) if row.rank == rank]))

@@ -19,7 +19,7 @@ from gridtrain.model.args import model_args
 from gridtrain.model.stats import build_meta
 from gridtrain.parity.compare import deviation, problems, tolerance
 from gridtrain.parity.matrix import base_overrides as parity_base
-from gridtrain.parity.run import launch, load_result, run_reference
+from gridtrain.parity.run import MEASURE, launch, load_result, run_reference
 
 pytestmark = pytest.mark.dist
 
@@ -45,7 +45,8 @@ def overrides(tmp: Path, corpus: Path) -> dict[str, object]:
 def launched(tmp_path_factory: pytest.TempPathFactory, corpus_dir: Path) -> tuple[Path, dict[str, object]]:
     tmp = tmp_path_factory.mktemp("sharded-init")
     base = overrides(tmp, corpus_dir)
-    proc = launch(WORLD, {name: {**base, **layout} for name, layout in LAYOUTS.items()}, tmp / "out", timeout_s=900)
+    spec = {name: {**base, **layout, MEASURE: True} for name, layout in LAYOUTS.items()}
+    proc = launch(WORLD, spec, tmp / "out", timeout_s=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return tmp / "out", base
 

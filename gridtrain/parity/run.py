@@ -6,12 +6,15 @@ time), and the single-process reference each is compared with.
 SPEC.json maps a case name to its config overrides. For each case the worker trains the steps and
 saves, from one rank per pipeline rank (data- and tensor-parallel coordinate 0), the per-step
 losses, the per-step gradient norms (before clipping) and the gathered full weights of the stages
-that rank holds: OUT_DIR/NAME.pp<r>.pt. A case that raises leaves OUT_DIR/NAME.error.txt (rank 0)
-and ends the launch.
+that rank holds, initial and final: OUT_DIR/NAME.pp<r>.pt; and, for a case whose overrides hold
+MEASURE = true, from every rank the tensor bytes it held at most while the Trainer was built and
+during the first step: OUT_DIR/NAME.rank<r>.bytes.json (a dispatch mode follows every op then).
+A case that raises leaves OUT_DIR/NAME.error.txt (rank 0) and ends the launch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -25,6 +28,9 @@ import torch
 
 from gridtrain.config_load import load_config
 from gridtrain.train.live_bytes import LiveBytes
+
+MEASURE = "measure_bytes"
+"""A case key, not a config key: measure the case's tensor bytes (`write_bytes`)."""
 
 
 @dataclass
@@ -43,16 +49,19 @@ def run_case(name: str, overrides: dict[str, object], out: Path) -> None:
 
     from gridtrain.train.trainer import Trainer
 
+    overrides = dict(overrides)
+    measure = bool(overrides.pop(MEASURE, False))
     cfg = load_config(None, {**overrides, "run_dir": str(out / name)})
-    with LiveBytes() as live:
+    with LiveBytes() if measure else contextlib.nullcontext() as live:
         trainer = Trainer(cfg)
-    built, live.peak = live.peak, live.live
+    if measure:
+        built, live.peak = live.peak, live.live
     if trainer.world.rank == 0:
         trainer.write_record()
     initial = gathered_weights(trainer)
     losses, norms, lrs, records = [], [], [], []
     for step in range(cfg.train.steps):
-        if step == 0:
+        if step == 0 and measure:
             with live:
                 metrics = trainer.train_step()
             write_bytes(out / f"{name}.rank{trainer.world.rank}.bytes.json", trainer, built, live.peak)
@@ -74,13 +83,13 @@ def run_case(name: str, overrides: dict[str, object], out: Path) -> None:
 
 def write_bytes(path: Path, trainer, built: int, stepped: int) -> None:  # noqa: ANN001 - a Trainer
     """What this rank held, measured (LiveBytes): the peak tensor bytes while the Trainer was
-    built and during the first step; and the bytes of its parameters, gradients and optimizer
-    state after that step."""
-    from gridtrain.parallel.accounting import grad_bytes, optimizer_bytes, param_bytes
+    built and during the first step; and the bytes of its parameters and optimizer state after
+    that step (its gradients, as many bytes as its parameters, are freed by then)."""
+    from gridtrain.parallel.accounting import optimizer_bytes, param_bytes
 
-    params = trainer.pmodel.parameters()
-    path.write_text(json.dumps({"build_peak": built, "step_peak": stepped, "params": param_bytes(params),
-                                "grads": grad_bytes(params), "optimizer": optimizer_bytes(trainer.optimizers)}))
+    path.write_text(json.dumps({"build_peak": built, "step_peak": stepped,
+                                "params": param_bytes(trainer.pmodel.parameters()),
+                                "optimizer": optimizer_bytes(trainer.optimizers)}))
 
 
 def gathered_weights(trainer) -> dict[str, torch.Tensor]:  # noqa: ANN001 - a Trainer

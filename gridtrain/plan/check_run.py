@@ -210,19 +210,19 @@ def estimate_collectives(args: ModelArgs, dims: ParallelDims, cfg: Config, pp_ra
     recomputation): each axis's traffic over this rank's own stages, composed. Measured against the
     accounting on 12 layouts of 4 ranks: most axes exact, a pipeline's SP all-gathers off by up to
     13% (they move between its ranks), ZeRO-3's gathers on ZB-V's first rank by 19%. Per axis:
-    - tp: per micro-batch 4 activation all-reduces per block (and one more when recomputed), the
-      embedding's forward on the first stage, the head input's backward and loss_parallel's three
-      values per token on the last; with SP an all-gather per norm (2 per block and the final one,
-      one more per block recomputed) forward and as many backward (logged by gloo at 1/tp of
-      their output), and the norms' weight gradients once; one fp32 norm scalar
-      per sharded tensor (7 per block, the head);
+    - tp: per micro-batch the activation traffic of the rank's blocks (tp_activation_traffic;
+      gloo logs the all-gathers at 1/tp) and loss_parallel's three values per token on the last
+      stage; with SP the norms' weight gradients once; one fp32 norm scalar per sharded tensor
+      (7 per block, the head);
     - pp: each stage sends its output forward (unless last) and its input gradient back (unless
       first), 1/tp of the activation under SP; one norm scalar;
     - data parallelism: the rank's own (tensor-parallel) parameters, gradients reduced in fp32;
       under a pipeline torch's stage syncs once per step, otherwise every micro-batch (FSDP2,
-      including its replicate for DDP with TP) or once (DDP's buckets); ZeRO-2 gathers each unit
-      once per sync, ZeRO-3 twice (but the last block once without a pipeline, and everything
-      once under a split-backward schedule, whose stage gathers before its two passes).
+      including its replicate for DDP with TP) or once (DDP's buckets), each tensor padded to a
+      multiple of dp_shard rows; ZeRO-2 gathers each unit once per sync, ZeRO-3 twice (but the
+      last block once without a pipeline; under GPipe and 1F1B once per micro-batch and once
+      more; everything once under a split-backward schedule, whose stage gathers before its two
+      passes).
     Under bf16 and fp16, the part of tensor-parallel traffic that carries matmul outputs moves in
     16 bits (tp_activation_traffic)."""
     t, p = cfg.train, cfg.parallel

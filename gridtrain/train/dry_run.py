@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import os
 import time
 from dataclasses import dataclass
@@ -48,7 +47,6 @@ from gridtrain.train.step_account import StepAccount
 from gridtrain.train.trainer import forward_backward
 from gridtrain.validate import validate
 
-log = logging.getLogger("gridtrain")
 CPU = torch.device("cpu")
 
 
@@ -69,7 +67,7 @@ def dry_run(cfg: Config, world: int, rank: int) -> DryRunResult:
     start = time.perf_counter()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
-        record = _step(cfg, dims, rank)
+        record = _step(cfg, dims)
     finally:
         dist.destroy_process_group()
     run_dir = Path(cfg.run_dir)
@@ -101,7 +99,7 @@ def check_dry_run(cfg: Config, dims: ParallelDims, rank: int) -> None:
         raise ConfigError(problems)
 
 
-def _step(cfg: Config, dims: ParallelDims, rank: int) -> dict[str, float]:
+def _step(cfg: Config, dims: ParallelDims) -> dict[str, float]:
     t = cfg.train
     mesh = build_mesh(dims, "cpu")
     fake = FakeTensorMode(allow_non_fake_inputs=True)  # the mesh's own (real) index tensors meet fake ones
