@@ -50,7 +50,8 @@ def worker(out: Path, overrides: dict[str, object]) -> None:
     torch.set_num_threads(1)
     with LiveBytes() as live:
         trainer = Trainer(load_config(None, overrides))
-    built, built_tensors, live.peak = peak_rss(), live.peak, live.live
+    built, built_tensors = peak_rss(), live.peak
+    live.reset_peak()
     with live:
         for _ in range(trainer.cfg.train.steps):
             trainer.train_step()

@@ -55,7 +55,8 @@ def run_case(name: str, overrides: dict[str, object], out: Path) -> None:
     with LiveBytes() if measure else contextlib.nullcontext() as live:
         trainer = Trainer(cfg)
     if measure:
-        built, live.peak = live.peak, live.live
+        built = live.peak
+        live.reset_peak()
     if trainer.world.rank == 0:
         trainer.write_record()
     initial = gathered_weights(trainer)

@@ -38,6 +38,7 @@ class LiveBytes(TorchDispatchMode):
         self._fake_on_entry = None
 
     def reset_peak(self) -> None:
+        """Start the peak afresh from what is alive now (to measure a later phase alone)."""
         self.peak = self.live
 
     def track(self, tensors: Any) -> None:
