@@ -1,13 +1,16 @@
-"""Peak memory of `gridtrain export` on a model of about 0.78B parameters (3.1 GB of fp32 weights).
+"""Peak memory of `gridtrain export` and `gridtrain import` on a model of about 0.78B parameters
+(3.1 GB of fp32 weights).
 
     python bench/bench_export.py                     # work files under /tmp/gridtrain-bench-export
     python bench/bench_export.py --max-shard-gb 0.5 --work DIR
 
 Writes a run directory once: the model's initial weights as a step-0 DCP checkpoint (weights
 only: export reads nothing else) and its run record. Then runs `gridtrain export` in a fresh
-process twice, into one file and into files of at most --max-shard-gb, and reports each process's
-peak RSS (GNU time's %M: the kernel's high-water mark), the largest file it wrote, and the RSS of a
-bare interpreter that has imported torch: what export adds is the difference.
+process twice, into one file and into files of at most --max-shard-gb, and `gridtrain import` of
+each export into a new run (its weights and a fresh AdamW's moments: 12.4 GB of checkpoint). It
+reports each process's peak RSS (GNU time's %M: the kernel's high-water mark), the largest
+safetensors file, and the RSS of a bare interpreter that has imported torch: what export or
+import adds is the difference.
 """
 
 from __future__ import annotations
@@ -66,14 +69,20 @@ def main() -> None:
     print(f"model: {params / 1e9:.3f}B parameters, {4 * params / 1e9:.2f} GB of fp32 weights")
     bare, _ = peak_rss_gb([sys.executable, "-c", "import torch"])
     print(f"bare interpreter with torch imported: peak RSS {bare:.2f} GB")
-    export = [sys.executable, "-m", "gridtrain", "export", str(run_dir)]
+    gridtrain = [sys.executable, "-m", "gridtrain"]
     for label, extra in ((f"files of at most {args.max_shard_gb:g} GB", ["--max-shard-gb", str(args.max_shard_gb)]),
                          ("one file", ["--max-shard-gb", "100"])):
         out = args.work / label.replace(" ", "-")
-        peak, seconds = peak_rss_gb(export + [str(out)] + extra)
-        largest = max(f.stat().st_size for f in out.glob("*.safetensors")) / 1e9
+        peak, seconds = peak_rss_gb(gridtrain + ["export", str(run_dir), str(out)] + extra)
+        files = list(out.glob("*.safetensors"))
+        largest = max(f.stat().st_size for f in files) / 1e9
         print(f"export into {label}: peak RSS {peak:.2f} GB ({peak - bare:.2f} GB above the bare interpreter), "
-              f"largest file {largest:.2f} GB, {len(list(out.glob('*.safetensors')))} file(s), {seconds:.1f} s")
+              f"largest file {largest:.2f} GB, {len(files)} file(s), {seconds:.1f} s")
+        imported = args.work / f"imported-{out.name}"
+        peak, seconds = peak_rss_gb(gridtrain + ["import", str(out), str(imported)])
+        print(f"import from {label}: peak RSS {peak:.2f} GB ({peak - bare:.2f} GB above the bare interpreter, "
+              f"{peak - bare - largest:+.2f} GB beside the largest file), {seconds:.1f} s")
+        shutil.rmtree(imported)
     shutil.rmtree(args.work, ignore_errors=True)
 
 

@@ -251,7 +251,7 @@ def cmd_export(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_import(args: argparse.Namespace, extra: list[str]) -> int:
-    from gridtrain.train.hf_run import import_hf
+    from gridtrain.train.hf_import import import_hf
 
     run_dir = import_hf(Path(args.hf_dir), Path(args.run_dir))  # InterchangeError: one line, exit 2
     print(f"wrote a step-0 checkpoint in {run_dir}; continue training with\n"

@@ -20,8 +20,9 @@ from torch import nn
 from gridtrain.model.args import model_args
 from gridtrain.model.llama import Transformer
 from gridtrain.train import checkpoint
-from gridtrain.train.checkpoint import (FAULT_ENV, AsyncSaver, CheckpointSaveError,
+from gridtrain.train.checkpoint import (AsyncSaver, CheckpointSaveError,
                                         InvalidCheckpointError, latest_valid_checkpoint, load, save)
+from gridtrain.train.checkpoint_writer import FAULT_ENV
 from gridtrain.train.manifest import MANIFEST, verify
 
 SHARD = "__0_0.distcp"  # a world of one writes a single shard

@@ -20,8 +20,9 @@ from gridtrain.model import llama
 from gridtrain.model.args import PRESETS, ModelArgs, model_args
 from gridtrain.model.llama import Transformer
 from gridtrain.model import hf
-from gridtrain.train import hf_run
+from gridtrain.train import hf_import, hf_run
 from gridtrain.train.build import build_model, loss_fn
+from gridtrain.train.live_bytes import LiveBytes
 from gridtrain.train.trainer import Trainer
 
 from conftest import tiny_overrides
@@ -129,8 +130,9 @@ def test_a_sharded_export_loads_as_the_single_file_one(runs, tmp_path):
     assert sharded.keys() == single.keys() and all(torch.equal(sharded[k], single[k]) for k in single)
     with torch.no_grad():
         assert max_diff(load_hf(out)(token_ids()).logits, run.model()(token_ids())) < 1e-5
-    _, weights = hf_run.read_hf_dir(out)
-    assert weights.keys() == single.keys()
+    _, stored = hf_import.read_hf_dir(out)
+    assert stored.keys() == single.keys()
+    assert all(stored[k].shape == tuple(single[k].shape) and stored[k].dtype == "F32" for k in single)
 
 
 def test_parity_fails_without_the_rope_permutation(runs, tmp_path):
@@ -324,10 +326,75 @@ def test_import_reads_sharded_safetensors(runs, tmp_path):
         save_file({k: weights[k] for k in keys}, out / file, metadata={"format": "pt"})
     index = {"metadata": {}, "weight_map": {k: f for f, keys in shards.items() for k in keys}}
     (out / "model.safetensors.index.json").write_text(json.dumps(index))
-    run_dir = hf_run.import_hf(out, tmp_path / "imported")
+    run_dir = hf_import.import_hf(out, tmp_path / "imported")
     loaded = hf_run.load_model_weights(hf_run.find_checkpoint(run_dir / "checkpoints"), run.cfg.model.args())
     for key, value in loaded.items():
         assert torch.equal(value, run.weights[key]), key
+
+
+def test_import_holds_one_weight_at_a_time(runs, tmp_path, monkeypatch):
+    """Measured by a dispatch mode that follows every tensor's storage: the import's tensors never
+    exceed two copies of the largest weight (read, then written), where the model's weights and
+    Adam's moments are 12 bytes a parameter. (The tiny model's weights are small, so the size from
+    which a tensor gets a checkpoint file of its own is lowered to 4 KiB.)"""
+    out = hf_run.export_run(runs["gqa"].run_dir, tmp_path / "hf")
+    weights = load_file(out / "model.safetensors")
+    largest = max(t.numel() * t.element_size() for t in weights.values())
+    total = sum(t.numel() * t.element_size() for t in weights.values())
+    del weights
+    monkeypatch.setattr(hf_import, "OWN_FILE_FROM", 4096)
+    with LiveBytes() as live:
+        run_dir = hf_import.import_hf(out, tmp_path / "imported")
+    print(f"import: peak {live.peak:,} B of tensors; largest weight {largest:,} B, all {total:,} B")
+    assert live.peak <= 2 * largest + 4096 < total / 3
+    loaded = hf_run.load_model_weights(hf_run.find_checkpoint(run_dir / "checkpoints"), runs["gqa"].cfg.model.args())
+    assert all(torch.equal(value, runs["gqa"].weights[key]) for key, value in loaded.items())
+
+
+def test_import_reads_half_precision_weights_as_fp32(runs, tmp_path):
+    out = hf_run.export_run(runs["tied"].run_dir, tmp_path / "hf")
+    weights = load_file(out / "model.safetensors")
+    save_file({k: v.to(torch.bfloat16) for k, v in weights.items()}, out / "model.safetensors")
+    run_dir = hf_import.import_hf(out, tmp_path / "imported")
+    loaded = hf_run.load_model_weights(hf_run.find_checkpoint(run_dir / "checkpoints"), runs["tied"].cfg.model.args())
+    for key, value in loaded.items():
+        assert value.dtype == torch.float32
+        assert torch.equal(value, runs["tied"].weights[key].to(torch.bfloat16).float()), key
+
+
+def _break(name: str, weights: dict[str, torch.Tensor]) -> None:
+    q = "model.layers.0.self_attn.q_proj.weight"
+    if name == "shape":
+        weights[q] = weights[q][:32]
+    elif name == "missing":
+        del weights["model.layers.1.mlp.down_proj.weight"]
+    elif name == "extra":
+        weights["model.layers.9.mlp.gate_proj.weight"] = weights["model.layers.0.mlp.gate_proj.weight"].clone()
+    elif name == "dtype":
+        weights[q] = weights[q].to(torch.int32)
+    elif name == "head":
+        weights["lm_head.weight"] = weights["model.embed_tokens.weight"] + 1
+
+
+@pytest.mark.parametrize("name, message", [
+    ("shape", "model.layers.0.self_attn.q_proj.weight has shape [32, 64], the model [64, 64]"),
+    ("missing", "model.layers.1.mlp.down_proj.weight is missing"),
+    ("extra", "model.layers.9.mlp.gate_proj.weight is not in the model"),
+    ("dtype", "model.layers.0.self_attn.q_proj.weight is stored as I32, not a float type"),
+    ("head", hf.TIED_HEAD_DIFFERS),
+    ("cut", "model.safetensors is not a readable safetensors file"),
+])
+def test_import_checks_every_weight_before_writing(runs, tmp_path, name, message):
+    out = hf_run.export_run(runs["tied" if name == "head" else "gqa"].run_dir, tmp_path / "hf")
+    weights = load_file(out / "model.safetensors")
+    _break(name, weights)
+    save_file(weights, out / "model.safetensors")
+    if name == "cut":
+        data = (out / "model.safetensors").read_bytes()
+        (out / "model.safetensors").write_bytes(data[:-100])  # the header intact, the last weight short
+    with pytest.raises(hf.InterchangeError, match=re.escape(message)):
+        hf_import.import_hf(out, tmp_path / "imported")
+    assert not (tmp_path / "imported").exists()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -377,4 +444,4 @@ def test_import_errors(tmp_path, capsys):
 def test_import_refuses_a_norm_eps_the_config_cannot_hold(tmp_path):
     args = ModelArgs(**{**PRESETS["tiny"]().__dict__, "norm_eps": 1e-6})
     with pytest.raises(hf.InterchangeError, match="rms_norm_eps 1e-06"):
-        hf_run.imported_toml(args, tmp_path, load_config().train)
+        hf_import.imported_toml(args, tmp_path, load_config().train)

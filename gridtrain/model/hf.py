@@ -150,46 +150,67 @@ def _rope_heads(suffix: str, args: ModelArgs) -> int | None:
     return {"attention.wq.weight": args.n_heads, "attention.wk.weight": args.n_kv_heads}.get(suffix)
 
 
+def to_hf_name(name: str) -> str:
+    """transformers' name of a gridtrain weight."""
+    if name in _TOP_NAMES:
+        return _TOP_NAMES[name]
+    match = _GRIDTRAIN_LAYER.match(name)
+    if not match or match.group(2) not in _LAYER_NAMES:
+        raise InterchangeError(f"no Hugging Face name for gridtrain parameter {name!r}")
+    return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
+
+
+def from_hf_name(name: str) -> str | None:
+    """gridtrain's name of a transformers weight; None for a buffer gridtrain recomputes."""
+    if name.endswith("rotary_emb.inv_freq"):
+        return None  # a buffer older transformers saved
+    top = {v: k for k, v in _TOP_NAMES.items()}
+    if name in top:
+        return top[name]
+    layer_names = {v: k for k, v in _LAYER_NAMES.items()}
+    match = _HF_LAYER.match(name)
+    if not match or match.group(2) not in layer_names:
+        raise InterchangeError(f"Hugging Face weight {name!r} has no place in gridtrain's Llama")
+    return f"layers.{match.group(1)}.{layer_names[match.group(2)]}"
+
+
+def _rope_heads_of(name: str, args: ModelArgs) -> int | None:
+    """The heads whose RoPE rows gridtrain weight `name` holds (wq, wk), else None."""
+    match = _GRIDTRAIN_LAYER.match(name)
+    return _rope_heads(match.group(2), args) if match else None
+
+
+def to_hf_tensor(name: str, tensor: torch.Tensor, args: ModelArgs) -> torch.Tensor:
+    """gridtrain weight `name` in transformers' layout (wq's and wk's rows permuted within heads)."""
+    heads = _rope_heads_of(name, args)
+    return _rope_rows_to_hf(tensor, heads) if heads else tensor
+
+
+def from_hf_tensor(name: str, tensor: torch.Tensor, args: ModelArgs) -> torch.Tensor:
+    """The inverse of `to_hf_tensor` (`name` is gridtrain's)."""
+    heads = _rope_heads_of(name, args)
+    return _rope_rows_from_hf(tensor, heads) if heads else tensor
+
+
 def to_hf_state_dict(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
     """gridtrain names and RoPE layout -> transformers'; a tied output head is left out."""
-    out = {}
-    for name, tensor in sd.items():
-        if name == "output.weight" and args.tie_embeddings:
-            continue
-        if name in _TOP_NAMES:
-            out[_TOP_NAMES[name]] = tensor
-            continue
-        match = _GRIDTRAIN_LAYER.match(name)
-        if not match or match.group(2) not in _LAYER_NAMES:
-            raise InterchangeError(f"no Hugging Face name for gridtrain parameter {name!r}")
-        layer, suffix = match.groups()
-        heads = _rope_heads(suffix, args)
-        out[f"model.layers.{layer}.{_LAYER_NAMES[suffix]}"] = \
-            _rope_rows_to_hf(tensor, heads) if heads else tensor
-    return out
+    return {to_hf_name(name): to_hf_tensor(name, tensor, args) for name, tensor in sd.items()
+            if not (name == "output.weight" and args.tie_embeddings)}
 
 
 def from_hf_state_dict(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
     """transformers names and RoPE layout -> gridtrain's (the exact inverse of `to_hf_state_dict`)."""
-    top = {v: k for k, v in _TOP_NAMES.items()}
-    layer_names = {v: k for k, v in _LAYER_NAMES.items()}
     out = {}
     for name, tensor in sd.items():
-        if name.endswith("rotary_emb.inv_freq"):
-            continue  # a buffer older transformers saved; gridtrain recomputes it
-        if name in top:
-            out[top[name]] = tensor
-            continue
-        match = _HF_LAYER.match(name)
-        if not match or match.group(2) not in layer_names:
-            raise InterchangeError(f"Hugging Face weight {name!r} has no place in gridtrain's Llama")
-        layer, suffix = match.group(1), layer_names[match.group(2)]
-        heads = _rope_heads(suffix, args)
-        out[f"layers.{layer}.{suffix}"] = _rope_rows_from_hf(tensor, heads) if heads else tensor
+        ours = from_hf_name(name)
+        if ours is not None:
+            out[ours] = from_hf_tensor(ours, tensor, args)
     if args.tie_embeddings and "tok_embeddings.weight" in out:
         head = out.get("output.weight")
         if head is not None and not torch.equal(head, out["tok_embeddings.weight"]):
-            raise InterchangeError("tie_word_embeddings is true but lm_head.weight differs from "
-                                   "model.embed_tokens.weight")
+            raise InterchangeError(TIED_HEAD_DIFFERS)
         out["output.weight"] = out["tok_embeddings.weight"]
     return out
+
+
+TIED_HEAD_DIFFERS = "tie_word_embeddings is true but lm_head.weight differs from model.embed_tokens.weight"

@@ -21,12 +21,12 @@ byte); the verdict reaches the other ranks as an int64 tensor (a step number or 
 never a pickled object, through an all-reduce / broadcast of 8 bytes over the world.
 
 For tests only: `GRIDTRAIN_FAULT_SAVE_ERROR=ENOSPC` makes the save fail with that OSError while
-writing shards; `ENOSPC:prepare` or `EACCES:manifest` pick another stage, `ENOSPC@1` only rank 1.
+writing shards; `ENOSPC:prepare` or `EACCES:manifest` pick another stage, `ENOSPC@1` only rank 1
+(checkpoint_writer.inject_fault).
 """
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import pickle
@@ -43,11 +43,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-from torch.distributed.checkpoint.storage import WriteResult
-from torch.futures import Future
 
+from gridtrain.train.checkpoint_writer import Writer, fix_for, inject_fault, os_error
 from gridtrain.train.manifest import fsync_dir, verify, write_manifest
 from gridtrain.train.untrusted import SafeReader, UntrustedCheckpointError, check_metadata
 
@@ -59,7 +58,6 @@ whose timeout allows for rank 0 hashing every shard)."""
 # also from the background thread of an asynchronous save (where a local filter would not reach).
 warnings.filterwarnings("ignore", message=".*assuming the intent is to .* in a single process.*")
 
-FAULT_ENV = "GRIDTRAIN_FAULT_SAVE_ERROR"
 _STEP_DIR = re.compile(r"^step-(\d{7})$")
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -154,79 +152,16 @@ def latest_checkpoint(root: Path) -> Path | None:
 
 # -- failures --------------------------------------------------------------------------------
 
-def _inject_fault(stage: str, where: Path) -> None:
-    """For tests only: raise the OSError that $GRIDTRAIN_FAULT_SAVE_ERROR names for this stage
-    ("ENOSPC" = while writing shards, "ENOSPC:prepare", "EACCES:manifest", "ENOSPC@1" = rank 1)."""
-    spec = os.environ.get(FAULT_ENV, "")
-    if not spec:
-        return
-    spec, _, rank = spec.partition("@")
-    name, _, at = spec.partition(":")
-    if (at or "shards") != stage or (rank and int(rank) != _rank()):
-        return
-    code = getattr(errno, name, None)
-    if not isinstance(code, int):
-        raise ValueError(f"{FAULT_ENV}={os.environ[FAULT_ENV]!r}: {name!r} is not an errno name "
-                         "such as ENOSPC or EACCES")
-    raise OSError(code, f"{os.strerror(code)} (injected by {FAULT_ENV})", str(where))
-
-
-class _Writer(dcp.FileSystemWriter):
-    """DCP's file writer, with the test fault hook after this rank's shards are written."""
-
-    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        written = super().write_data(plan, planner)
-        _inject_fault("shards", Path(self.path))
-        return written
-
-
-def _os_error(error: BaseException | None) -> tuple[OSError | None, int | None]:
-    """The first OSError inside `error` (DCP wraps each rank's in a CheckpointException), and
-    the rank it came from when known."""
-    pending: list[tuple[BaseException, int | None]] = [(error, None)] if error else []
-    while pending:
-        exc, rank = pending.pop(0)
-        if isinstance(exc, OSError):
-            return exc, rank
-        if isinstance(exc, CheckpointException):
-            pending += [(e, r) for r, (e, _) in sorted(exc.failures.items())]
-        for nested in (exc.__cause__, exc.__context__):
-            if nested is not None:
-                pending.append((nested, rank))
-    return None, None
-
-
-def _free_space(path: Path) -> str:
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    try:
-        return f"{shutil.disk_usage(path).free:,} bytes free now"
-    except OSError:
-        return "free space unknown"
-
-
-def _fix(code: int | None, where: Path) -> str:
-    if code in (errno.ENOSPC, errno.EDQUOT):
-        return (f"free space on the filesystem of {where} ({_free_space(where)}) or set "
-                "checkpoint.dir to another filesystem")
-    if code in (errno.EACCES, errno.EPERM):
-        return (f"make {where} writable by this user (uid {os.geteuid()}) or set checkpoint.dir "
-                "to a directory it can write")
-    if code == errno.EROFS:
-        return f"remount {where} read-write or set checkpoint.dir to another filesystem"
-    return f"check the filesystem of {where} or set checkpoint.dir to another filesystem"
-
-
 def _save_error(final: Path, step: int, stage: str, error: BaseException | None) -> CheckpointSaveError:
-    os_error, rank = _os_error(error)
-    if os_error is not None:
+    failed, rank = os_error(error)
+    if failed is not None:
         on = f" on rank {rank}" if rank is not None else ""
-        cause = f"{os_error}{on}"
+        cause = f"{failed}{on}"
     elif error is not None:
         cause = f"{type(error).__name__}: {error}"
     else:
         cause = "a failure on another rank (rank 0's log names it)"
-    fix = (_fix(os_error.errno if os_error else None, final.parent) if os_error or error is None
+    fix = (fix_for(failed.errno if failed else None, final.parent) if failed or error is None
            else "see the chained exception (not a filesystem error)")
     return CheckpointSaveError(
         f"checkpoint of step {step} not saved to {_tmp_dir(final)} ({stage} failed: {cause}); the "
@@ -254,8 +189,8 @@ def _stage(final: Path, step: int, stage: str, work: Callable[[], object], all_r
 
 # -- saving ------------------------------------------------------------------------------------
 
-def _state(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
-           trainer_state: dict[str, torch.Tensor]) -> dict[str, object]:
+def state_of(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
+             trainer_state: dict[str, torch.Tensor]) -> dict[str, object]:
     """One state dict for all of this rank's model parts: keys are global parameter names (and
     flattened optimizer keys), so any layout can write and any other can read it."""
     model_sd: dict[str, object] = {}
@@ -269,7 +204,7 @@ def _state(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
 
 def _prepare(final: Path) -> None:
     tmp = _tmp_dir(final)
-    _inject_fault("prepare", tmp)
+    inject_fault("prepare", tmp)
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
@@ -332,7 +267,7 @@ def _commit(root: Path, final: Path, step: int, keep: int, group: Group = None) 
     """Stage 3 (rank 0): manifest, rename, prune; then every rank learns the outcome."""
     def commit() -> None:
         tmp = _tmp_dir(final)
-        _inject_fault("manifest", tmp)
+        inject_fault("manifest", tmp)
         write_manifest(tmp, step, dist.get_world_size() if dist.is_initialized() else 1)
         _replace_dir(tmp, final)
         fsync_dir(root)
@@ -347,11 +282,20 @@ def save(root: Path, step: int, parts: list[nn.Module], optimizers: list[torch.o
     module docstring for the stages) and keep the newest `keep` intact ones. Returns
     `root/step-NNNNNNN`, committed with its manifest. Raises CheckpointSaveError on every rank
     if any rank fails; older checkpoints stay intact."""
+    return save_state(root, step, state_of(parts, optimizers, trainer_state), keep, group)
+
+
+def save_state(root: Path, step: int, state: dict[str, object], keep: int, group: Group = None,
+               planner: SavePlanner | None = None, own_file_from: int | None = None) -> Path:
+    """`save` of a state dict as `state_of` makes it. `planner` may produce the tensors as DCP
+    writes them (SavePlanner.resolve_data), and `own_file_from` gives each tensor of at least
+    that many bytes a file of its own (checkpoint_writer.Writer): together they write a state
+    that is never whole in memory."""
     final = step_dir(root, step)
     _stage(final, step, "prepare", lambda: _prepare(final), all_ranks=False, group=group)
-    state = _state(parts, optimizers, trainer_state)
+    writer = Writer(_tmp_dir(final), own_file_from)
     _stage(final, step, "writing shards",
-           lambda: dcp.save(state, storage_writer=_Writer(_tmp_dir(final)), process_group=group),
+           lambda: dcp.save(state, storage_writer=writer, planner=planner, process_group=group),
            all_ranks=True, group=group)
     _commit(root, final, step, keep, group)
     return final
@@ -382,11 +326,11 @@ class AsyncSaver:
         self.wait()
         final = step_dir(self.root, step)
         _stage(final, step, "prepare", lambda: _prepare(final), all_ranks=False, group=self.group)
-        state = _state(parts, optimizers, trainer_state)
+        state = state_of(parts, optimizers, trainer_state)
         started: list[futures.Future] = []
 
         def start() -> None:
-            response = dcp.async_save(state, storage_writer=_Writer(_tmp_dir(final)), process_group=self.background)
+            response = dcp.async_save(state, storage_writer=Writer(_tmp_dir(final)), process_group=self.background)
             started.append(getattr(response, "upload_completion", response))
 
         _stage(final, step, "staging", start, all_ranks=True, group=self.group)
@@ -440,7 +384,7 @@ def load(path: Path, parts: list[nn.Module], optimizers: list[torch.optim.Optimi
             f"refusing to load checkpoint {path}: {detail}. Resume picks the newest intact "
             "checkpoint by itself (checkpoint.latest_valid_checkpoint); move this one aside to "
             "inspect it")
-    state = _state(parts, optimizers, trainer_state)
+    state = state_of(parts, optimizers, trainer_state)
     dcp.load(state, storage_reader=SafeReader(path), process_group=group)
     for part, opt in zip(parts, optimizers):
         set_state_dict(part, opt, model_state_dict=state["model"], optim_state_dict=state["optim"],
