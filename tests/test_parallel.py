@@ -138,14 +138,15 @@ def test_pipeline_sends_activations_between_stages(runs):
 
 def test_fsdp_gathers_parameters_in_bf16_and_reduces_in_fp32(runs):
     """bf16 under FSDP 2 (ZeRO-3): per micro-batch each unit is gathered in forward and again in
-    backward, except the last block, which stays gathered between the two; 2 bytes an element.
+    backward, except the last block and the head (final norm and output), which stay gathered
+    between the two, and the embedding, whose backward needs no weights; 2 bytes an element.
     Gradients are reduced in fp32 (gloo all-reduces where NCCL would reduce-scatter), plus one
     fp32 scalar per parameter tensor for the gradient norm. 2 micro-batches per rank."""
     weights = load_result(runs[2], "fsdp2_bf16").weights
     numel = sum(t.numel() for t in weights.values())
-    last_block = sum(t.numel() for k, t in weights.items() if k.startswith("layers.3."))
+    once = sum(t.numel() for k, t in weights.items() if k.startswith(("layers.3.", "norm.", "output.", "tok_embeddings.")))
     for rec in accounting(runs[2], "fsdp2_bf16"):
-        assert rec["comm/dp_shard/all_gather_bytes"] == 2 * 2 * (2 * numel - last_block)
+        assert rec["comm/dp_shard/all_gather_bytes"] == 2 * 2 * (2 * numel - once)
         assert rec["comm/dp_shard/all_reduce_bytes"] == 2 * 4 * numel + 4 * len(weights)
         fp32 = accounting(runs[2], "zero2")[rec["rank"]]  # ZeRO-2 gathers once: fp32 bytes per element
         assert fp32["comm/dp_shard/all_gather_bytes"] == 2 * 4 * numel

@@ -54,18 +54,30 @@ def mixed_precision(param_dtype: torch.dtype | None) -> MixedPrecisionPolicy:
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool,
                param_dtype: torch.dtype | None = None) -> None:
-    """fully_shard each transformer block, then the rest (embedding, norm, head) at the root.
+    """fully_shard the embedding, each transformer block, and the final norm with the head, each
+    a unit of its own (as torchtitan does), then the model as the root.
 
-    Each block's parameters are one all-gather (in `param_dtype`, fp32 when None) and one
-    reduce-scatter (fp32); FSDP2 prefetches the next block's all-gather while the current one
-    computes (implicit forward and backward prefetch).
+    Each unit's parameters are one all-gather (in `param_dtype`, fp32 when None) and one
+    reduce-scatter (fp32); FSDP2 prefetches the next unit's all-gather while the current one
+    computes (implicit forward and backward prefetch). As units of their own, the embedding and
+    the head are gathered only while they compute (the embedding not at all in backward, which
+    needs only the token ids), and the head's gradient is reduce-scattered as soon as it is
+    computed, not at the end of backward. A tied head is the embedding's parameter: the two then
+    stay in the root unit.
     """
     policy = mixed_precision(param_dtype)
+    embedding, head = model.tok_embeddings, [m for m in (model.norm, model.output) if m is not None]
+    tied = embedding is not None and model.output is not None and model.output.weight is embedding.weight
+    if embedding is not None and not tied:
+        fully_shard(embedding, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+        embedding.set_unshard_in_backward(False)  # its backward reads the token ids, not the table
     blocks = list(model.layers.values())
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again at once by backward: keep them gathered.
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward and i < len(blocks) - 1,
                     mp_policy=policy)
+    if head and not tied:  # needed again at once by backward, like the last block
+        fully_shard(head, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
     for module in model.modules():
         if isinstance(module, FSDPModule):  # sum, do not average: see the module docstring

@@ -147,7 +147,7 @@ def _predict_collectives(args: ModelArgs, dims: ParallelDims, cfg: Config, pp_ra
                               p.pp_fewer_edge_layers, pp_rank)
     shapes = {name: s for part in parts for name, s in part.items()}
     total = 4 * sum(numel(s) for s in shapes.values())
-    layer = 4 * sum(numel(s) for n, s in shapes.items() if n.startswith(f"layers.{args.n_layers - 1}."))
+    once = 4 * sum(numel(shapes[n]) for names in gathered_once(shapes, args.tie_embeddings) for n in names)
     only = lambda *axes: all(getattr(dims, a) == 1 for a in ("tp", "pp", "dp_replicate", "dp_shard", "cp")
                              if a not in axes)
     activation = 4 * mb * seq * args.dim
@@ -155,11 +155,11 @@ def _predict_collectives(args: ModelArgs, dims: ParallelDims, cfg: Config, pp_ra
         return {"dp_replicate/all_reduce_bytes": total}
     if p.zero_stage in (2, 3) and only("dp_shard", "dp_replicate") and dims.dp_shard > 1:
         # ZeRO-2 gathers every unit once per micro-batch; ZeRO-3 again in backward, except the
-        # last block, which stays gathered from its forward to its backward. Under bf16 and fp16
-        # the parameters are gathered in that dtype (2 bytes) and the gradients reduced in fp32.
-        # HSDP then all-reduces each micro-batch's gradient shard (FSDP2's padded chunks) over
-        # the replicas.
-        gathered = (total if p.zero_stage == 2 else 2 * total - layer) * gather_bytes(t.precision) / 4
+        # last block and the head, which stay gathered, and the embedding (gathered_once). Under
+        # bf16 and fp16 the parameters are gathered in that dtype (2 bytes) and the gradients
+        # reduced in fp32. HSDP then all-reduces each micro-batch's gradient shard (FSDP2's padded
+        # chunks) over the replicas.
+        gathered = (total if p.zero_stage == 2 else 2 * total - once) * gather_bytes(t.precision) / 4
         out = {"dp_shard/all_gather_bytes": m * gathered,
                "dp_shard/all_reduce_bytes": m * total + 4 * len(shapes)}
         if dims.dp_replicate > 1:
@@ -220,9 +220,9 @@ def estimate_collectives(args: ModelArgs, dims: ParallelDims, cfg: Config, pp_ra
       under a pipeline torch's stage syncs once per step, otherwise every micro-batch (FSDP2,
       including its replicate for DDP with TP) or once (DDP's buckets), each tensor padded to a
       multiple of dp_shard rows; ZeRO-2 gathers each unit once per sync, ZeRO-3 twice (but the
-      last block once without a pipeline; under GPipe and 1F1B once per micro-batch and once
-      more; everything once under a split-backward schedule, whose stage gathers before its two
-      passes).
+      last block, the head and the embedding once without a pipeline; under GPipe and 1F1B once
+      per micro-batch and once more, the embedding once per micro-batch; everything once under
+      a split-backward schedule, whose stage gathers before its two passes).
     Under bf16 and fp16, the part of tensor-parallel traffic that carries matmul outputs moves in
     16 bits (tp_activation_traffic)."""
     t, p = cfg.train, cfg.parallel
@@ -262,19 +262,17 @@ def dp_collectives(args: ModelArgs, dims: ParallelDims, cfg: Config, layout: Lay
         return {"dp_replicate/all_reduce_bytes": syncs * params if fsdp_gathers(layout) else params}
     padded = fsdp_padded(shapes, dims)
     params = sum(padded.values())
-    last_block = sum(b for name, b in padded.items() if name.startswith(f"layers.{args.n_layers - 1}."))
+    kept, forward = (sum(padded[name] for name in names) for names in gathered_once(shapes, args.tie_embeddings))
     row = schedule(p.pp_schedule)
     if p.zero_stage == 2:
         gathered = syncs * params
-    elif dims.pp == 1:  # the last block stays gathered from its forward to its backward
-        gathered = m * (2 * params - last_block)
+    elif dims.pp == 1:
+        gathered = m * (2 * params - kept - forward)
     elif row.stages_per_rank == 1 and not row.split_backward:
-        # Every micro-batch's forward gathers the stage's blocks again (but its last, which stays
-        # gathered), and the first backward once more (measured by dry runs of 70B and 405B
-        # layouts at 8 and 16 micro-batches, on the first and the last stage alike).
-        stage_last = max(int(name.split(".")[1]) for name in shapes if name.startswith("layers."))
-        last = sum(b for name, b in padded.items() if name.startswith(f"layers.{stage_last}."))
-        gathered = (m + 1) * (params - last) + last
+        # Every micro-batch's forward gathers the stage's units again (but its last block and
+        # head, which stay gathered), and the first backward once more (measured by dry runs of
+        # 70B and 405B layouts at 8 and 16 micro-batches, on the first and the last stage alike).
+        gathered = (m + 1) * (params - kept - forward) + kept + m * forward
     else:  # under a split backward, the stage's own gathers serve both passes (SplitBackwardStage)
         gathered = (1 if row.split_backward else 2) * params
     # The gradients reduced, and one norm scalar per sharded tensor.
@@ -283,6 +281,20 @@ def dp_collectives(args: ModelArgs, dims: ParallelDims, cfg: Config, layout: Lay
     if dims.dp_replicate > 1:
         out["dp_replicate/all_reduce_bytes"] = syncs * params / dims.dp_shard
     return out
+
+
+def gathered_once(shapes: dict[str, tuple[int, ...]], tie_embeddings: bool) -> tuple[list[str], list[str]]:
+    """ZeRO-3's exceptions to "gathered for forward, again for backward" among the rank's
+    parameters (parallel/data_parallel.apply_fsdp), as (kept, forward only): the units kept
+    gathered from their forward to their backward (the rank's last block, the final norm with the
+    head), and the embedding, whose backward reads only the token ids. A head tied to an embedding
+    on the same rank puts the two and the norm in the root unit, which is gathered twice."""
+    blocks = [int(name.split(".")[1]) for name in shapes if name.startswith("layers.")]
+    last = f"layers.{max(blocks)}." if blocks else None
+    tied = tie_embeddings and "tok_embeddings.weight" in shapes and "norm.weight" in shapes
+    head = () if tied else ("norm.weight", "output.weight")
+    kept = [name for name in shapes if (last and name.startswith(last)) or name in head]
+    return kept, [] if tied or "tok_embeddings.weight" not in shapes else ["tok_embeddings.weight"]
 
 
 def fsdp_padded(shapes: dict[str, tuple[int, ...]], dims: ParallelDims) -> dict[str, int]:
