@@ -1,0 +1,190 @@
+"""Attention computed block by block and merged by log-sum-exp: causal attention that skips the
+blocks its mask hides, in one process, and the arithmetic ring attention is made of
+(gridtrain.parallel.context_parallel).
+
+A block is one call of the device's fused attention kernel on some rows of the queries and some
+rows of the keys, full or causal; the kernel also returns each query's log-sum-exp of scores
+(on CPU `aten._scaled_dot_product_flash_attention_for_cpu`; elsewhere the same arithmetic written
+out, until the GPU kernels are wired in). Outputs of the same queries over disjoint key blocks
+merge exactly, in fp32 (the online softmax of Milakov & Gimelshein 2018, as FlashAttention, Dao et
+al. 2022, and Ring Attention, Liu et al. 2023, use it):
+
+    lse = log(sum_i exp(lse_i)),    out = sum_i exp(lse_i - lse) * out_i
+
+Backward runs each block's kernel backward with the merged output and log-sum-exp: the kernel's
+probabilities exp(s - lse) are then the merged softmax's, and its D = rowsum(dO * O) the merged
+output's, so each block's dQ, dK and dV are exactly its share of the whole attention's gradient.
+
+Layout: (batch, heads, sequence, head_dim), as torch's SDPA. Grouped-query attention is expanded to
+the query heads block by block (and its key and value gradients summed back over each group).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Block:
+    """Queries `q` (rows of the local queries) against keys `k` (rows of the keys), causal or not.
+    A causal block's queries and keys are the same positions (torch's top-left causal mask)."""
+    q: slice
+    k: slice
+    causal: bool
+
+
+def expand_kv(t: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """KV heads repeated to the query heads: query head h reads KV head h // (n_heads / kv_heads)."""
+    groups = n_heads // t.shape[1]
+    return t if groups == 1 else t.repeat_interleave(groups, dim=1)
+
+
+def reduce_kv(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """The inverse of expand_kv for gradients: each KV head's gradient summed over its group."""
+    b, h, s, d = grad.shape
+    return grad if h == kv_heads else grad.view(b, kv_heads, h // kv_heads, s, d).sum(2)
+
+
+def _math_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    scores = (q.float() @ k.float().transpose(-2, -1)) * scale
+    if causal:
+        scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
+    lse = scores.logsumexp(-1)
+    return ((scores - lse[..., None]).exp() @ v.float()).to(q.dtype), lse
+
+
+def _math_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                   lse: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, ...]:
+    scores = (q.float() @ k.float().transpose(-2, -1)) * scale
+    if causal:
+        scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
+    p = (scores - lse[..., None]).exp()
+    do = dout.float()
+    dv = p.transpose(-2, -1) @ do
+    dp = do @ v.float().transpose(-2, -1)
+    ds = p * (dp - (do * out.float()).sum(-1, keepdim=True))
+    dq, dk = (ds @ k.float()) * scale, (ds.transpose(-2, -1) @ q.float()) * scale
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output in q's dtype, fp32 log-sum-exp per query) of one block; k and v have q's heads."""
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        return out, lse
+    return _math_forward(q, k, v, causal, scale)
+
+
+def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                   lse: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, ...]:
+    """(dq, dk, dv) of one block, given the merged `out` and `lse` of its queries."""
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, causal, scale=scale)
+    return _math_backward(dout, q, k, v, out, lse, causal, scale)
+
+
+class Merged:
+    """Running fp32 output and log-sum-exp of queries whose key blocks arrive one at a time."""
+
+    def __init__(self, q: torch.Tensor) -> None:
+        b, h, s, d = q.shape
+        self.out = torch.zeros(b, h, s, d, dtype=torch.float32, device=q.device)
+        self.lse = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device)
+
+    def add(self, rows: slice, out: torch.Tensor, lse: torch.Tensor) -> None:
+        old = self.lse[:, :, rows]
+        new = torch.logaddexp(old, lse)
+        # exp(-inf - new) is 0 for rows no block has reached yet
+        self.out[:, :, rows] = (self.out[:, :, rows] * (old - new).exp()[..., None]
+                                + out.float() * (lse - new).exp()[..., None])
+        self.lse[:, :, rows] = new
+
+
+def attend_blocks(merged: Merged, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: list[Block],
+                  scale: float) -> None:
+    """Add the blocks of queries `q` against `k`, `v` (KV heads, expanded here) to `merged`."""
+    k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
+    for blk in blocks:
+        out, lse = block_forward(q[:, :, blk.q], k[:, :, blk.k], v[:, :, blk.k], blk.causal, scale)
+        merged.add(blk.q, out, lse)
+
+
+def grad_blocks(dq: torch.Tensor, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                out: torch.Tensor, lse: torch.Tensor, blocks: list[Block],
+                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accumulate the blocks' query gradient into `dq` (fp32); return their (dk, dv) in fp32, at
+    the KV heads."""
+    kv_heads = k.shape[1]
+    k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    for blk in blocks:
+        g = block_backward(dout[:, :, blk.q], q[:, :, blk.q], k[:, :, blk.k], v[:, :, blk.k],
+                           out[:, :, blk.q], lse[:, :, blk.q], blk.causal, scale)
+        dq[:, :, blk.q] += g[0].float()
+        dk[:, :, blk.k] += g[1].float()
+        dv[:, :, blk.k] += g[2].float()
+    return reduce_kv(dk, kv_heads), reduce_kv(dv, kv_heads)
+
+
+def causal_blocks(q_chunks: list[int], k_chunks: list[int], size: int) -> list[Block]:
+    """The blocks of causal attention between local query chunks and key chunks (each a list of
+    the chunks' positions in the whole sequence, every chunk `size` rows): a query chunk sees the
+    earlier key chunks whole, its own causally, and the later ones not at all. Adjacent whole key
+    chunks of one query chunk make one block."""
+    blocks = []
+    for i, qa in enumerate(q_chunks):
+        rows = slice(i * size, (i + 1) * size)
+        earlier = [j for j, kb in enumerate(k_chunks) if kb < qa]
+        for run in _runs(earlier):
+            blocks.append(Block(rows, slice(run[0] * size, (run[-1] + 1) * size), False))
+        blocks += [Block(rows, slice(j * size, (j + 1) * size), True) for j, kb in enumerate(k_chunks) if kb == qa]
+    return blocks
+
+
+def _runs(positions: list[int]) -> list[list[int]]:
+    """Consecutive runs of sorted positions: [0, 1, 3] -> [[0, 1], [3]]."""
+    runs: list[list[int]] = []
+    for p in positions:
+        if runs and runs[-1][-1] == p - 1:
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    return runs
+
+
+class BlockwiseCausal(torch.autograd.Function):
+    """Causal attention of one process in `chunks` x `chunks` blocks, the hidden ones skipped:
+    (chunks + 1) / (2 chunks) of the full attention's kernel work."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks: int,  # noqa: ANN001 - torch's protocol
+                scale: float) -> torch.Tensor:
+        size = q.shape[2] // chunks
+        blocks = causal_blocks(list(range(chunks)), list(range(chunks)), size)
+        merged = Merged(q)
+        attend_blocks(merged, q, k, v, blocks, scale)
+        out = merged.out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, merged.lse)
+        ctx.blocks, ctx.scale = blocks, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # noqa: ANN001
+        q, k, v, out, lse = ctx.saved_tensors
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dk, dv = grad_blocks(dq, dout.contiguous(), q, k, v, out, lse, ctx.blocks, ctx.scale)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
+def blockwise_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks: int) -> torch.Tensor:
+    """Causal attention (as SDPA with is_causal=True and enable_gqa=True) in `chunks` query and key
+    chunks; the sequence length must be a multiple of `chunks`."""
+    if q.shape[2] % chunks:
+        raise ValueError(f"sequence length {q.shape[2]} is not a multiple of {chunks} chunks")
+    return BlockwiseCausal.apply(q, k, v, chunks, q.shape[-1] ** -0.5)
