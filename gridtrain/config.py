@@ -188,7 +188,11 @@ class ParallelConfig:
     pp: int = 1
     """Pipeline-parallel degree: the layers split into this many groups of stages."""
     cp: int = 1
-    """Context-parallel degree (reserved: must be 1 until ring attention lands)."""
+    """Context-parallel degree: each sequence split over this many ranks (2 x cp chunks, rank r
+    holding chunks r and 2cp-1-r), attention by ring attention; FSDP shards over dp_shard x cp."""
+    cp_rotate: str = "ring"
+    """How context parallelism moves keys and values: 'ring' (to the next rank, overlapped with
+    the block computed meanwhile) or 'allgather' (all of them at once, as Llama 3 trained)."""
     ep: int = 1
     """Expert-parallel degree (reserved: must be 1 until mixture-of-experts lands)."""
     zero_stage: int = 3

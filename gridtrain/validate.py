@@ -250,7 +250,32 @@ def _check_parallel(cfg: Config, dims: ParallelDims) -> list[str]:
     if p.zero_stage == 1 and (dims.tp > 1 or dims.pp > 1):
         problems.append("parallel.zero_stage 1 shards a plain optimizer over DDP and does not combine "
                         "with tp or pp: use parallel.zero_stage 2 (gradients and optimizer sharded)")
-    return problems + _check_tp(cfg, dims.tp) + _check_pp(cfg, dims)
+    return problems + _check_tp(cfg, dims.tp) + _check_pp(cfg, dims) + _check_cp(cfg, dims)
+
+
+def _check_cp(cfg: Config, dims: ParallelDims) -> list[str]:
+    """Context parallelism: the split and what it does not serve yet (parity-tested layouts only)."""
+    p, t = cfg.parallel, cfg.train
+    problems = _choice("parallel.cp_rotate", p.cp_rotate, ("ring", "allgather"))
+    if dims.cp == 1 or problems:
+        return problems
+    chunks = 2 * dims.cp
+    if cfg.data.seq_len % chunks:
+        fit = max(chunks, cfg.data.seq_len // chunks * chunks)
+        problems.append(f"parallel.cp ({dims.cp}) cuts each sequence into 2 x cp = {chunks} equal chunks, "
+                        f"which data.seq_len ({cfg.data.seq_len}) does not divide: set data.seq_len to {fit}")
+    others = [f"{name} {value}" for name, value, ok in (
+        ("parallel.tp", dims.tp, dims.tp == 1), ("parallel.pp", dims.pp, dims.pp == 1),
+        ("parallel.dp_replicate", dims.dp_replicate, dims.dp_replicate == 1),
+        ("parallel.zero_stage", p.zero_stage, p.zero_stage in (2, 3)),
+        ("train.recompute", repr(t.recompute), t.recompute == "none"),
+        ("train.compile", "true", not t.compile)) if not ok]
+    if others:
+        problems.append(f"parallel.cp ({dims.cp}) runs with FSDP (zero_stage 2 or 3 over dp_shard x cp) "
+                        f"and nothing else yet: {', '.join(others)} is not served with it; set "
+                        "parallel.tp, pp and dp_replicate to 1, zero_stage to 3, train.recompute to 'none' "
+                        "and train.compile to false, or parallel.cp to 1")
+    return problems
 
 
 def _check_resilience(cfg: Config, dims: ParallelDims) -> list[str]:

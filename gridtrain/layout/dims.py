@@ -63,9 +63,8 @@ class ParallelDims:
                            ("cp", self.cp), ("ep", self.ep)):
             if value < 1:
                 errors.append(f"parallel.{key} = {value} must be >= 1")
-        for key in ("cp", "ep"):
-            if getattr(self, key) > 1:
-                errors.append(f"parallel.{key} = {getattr(self, key)}: not available yet, set it to 1")
+        if self.ep > 1:
+            errors.append(f"parallel.ep = {self.ep}: not available yet, set it to 1")
         if errors:
             return errors
         if self.dp_shard < 1:

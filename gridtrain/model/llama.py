@@ -8,7 +8,7 @@ tensor-parallel plans and checkpoint converters can address them by name.
 from __future__ import annotations
 
 import math
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -68,6 +68,9 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.core: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        """Causal attention of (B, heads, T, head_dim) queries, keys and values (keys and values at
+        the KV heads); None is torch's SDPA. Context parallelism sets its ring attention here."""
 
     def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
@@ -79,7 +82,10 @@ class Attention(nn.Module):
         # even when sequence parallelism splits it outside attention.
         q, k = apply_rope(q, freqs[:T]), apply_rope(k, freqs[:T])
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, head_dim)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        if self.core is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            out = self.core(q, k, v)
         out = out.transpose(1, 2).reshape(B, T, -1)  # (B, T, n_heads * head_dim)
         return self.wo(out)
 
@@ -129,14 +135,18 @@ class Transformer(nn.Module):
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("freqs_cis", rope_frequencies(args), persistent=False)
+        self.positions: torch.Tensor | None = None
+        """The positions of the tokens this model sees, where they are not 0..T-1 (a context-parallel
+        rank holds chunks of the sequence): RoPE then rotates by these."""
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         # The residual stream is fp32 in every precision mode: autocast computes matmuls in
         # bf16/fp16 and the residual adds promote back to fp32. An embedding stored or gathered
         # in bf16 would otherwise start a bf16 stream (a no-op when it is fp32 already).
         h = self.tok_embeddings(tokens).float() if self.tok_embeddings is not None else tokens
+        freqs = self.freqs_cis if self.positions is None else self.freqs_cis[self.positions]
         for layer in self.layers.values():
-            h = layer(h, self.freqs_cis)
+            h = layer(h, freqs)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 

@@ -22,10 +22,15 @@ fp32 on the way and reach their owner. Two ways to move keys and values (`parall
 
 from __future__ import annotations
 
+from functools import partial
+from typing import Callable
+
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from gridtrain.model.blockwise import Block, Merged, attend_blocks, causal_blocks, grad_blocks
+from gridtrain.model.llama import Attention, Transformer
 
 ROTATIONS = ("ring", "allgather")
 
@@ -49,6 +54,16 @@ def unsplit_sequence(parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
         first, second = part.chunk(2, dim=dim)
         chunks[rank], chunks[2 * cp - 1 - rank] = first, second
     return torch.cat(chunks, dim=dim)  # type: ignore[arg-type]
+
+
+def split_reader(read: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]], rank: int,
+                 cp: int) -> Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]:
+    """`read(first, n)` (inputs and targets of n sequences) cut to this CP rank's chunks: every CP
+    rank of a batch slice reads the same sequences and keeps its part of each."""
+    def split(first: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs, targets = read(first, n)
+        return split_sequence(inputs, rank, cp), split_sequence(targets, rank, cp)
+    return split
 
 
 def chunk_positions(seq_len: int, rank: int, cp: int) -> torch.Tensor:
@@ -148,3 +163,17 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
     if rotate not in ROTATIONS:
         raise ValueError(f"cp_rotate {rotate!r} is not one of {ROTATIONS}")
     return RingAttention.apply(q, k, v, group, rotate, causal, q.shape[-1] ** -0.5)
+
+
+def apply_context_parallel(parts: list[nn.Module], group: dist.ProcessGroup, seq_len: int, rotate: str,
+                           device: torch.device) -> None:
+    """Make the model parts attend by ring attention over `group` and rotate by the positions of
+    this rank's chunks of `seq_len`-token sequences (the trainer gives each rank those chunks,
+    split_sequence)."""
+    positions = chunk_positions(seq_len, group.rank(), group.size()).to(device)
+    for part in parts:
+        for module in part.modules():
+            if isinstance(module, Attention):
+                module.core = partial(ring_attention, group=group, rotate=rotate)
+            if isinstance(module, Transformer):
+                module.positions = positions

@@ -2,7 +2,8 @@
 
 Axes outer to inner pp, dp_replicate, dp_shard, cp, tp (`gridtrain.layout.dims` explains the rank
 grid), plus the flattened axes 'dp' (dp_replicate x dp_shard: the batch split and the loss
-average) and 'dp_cp'.
+average), 'dp_cp', and 'dp_shard_cp' (what FSDP shards over under context parallelism: the CP
+ranks of one batch slice hold the same weights, as torchtitan shards them).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ class Mesh:
         groups = {axis: self[axis].get_group() for axis, n in self.dims.degrees.items() if n > 1}
         if self.dims.dp > 1:
             groups["dp"] = self["dp"].get_group()
+        if self.dims.cp > 1 and self.dims.dp_shard > 1:
+            groups["dp_shard_cp"] = self["dp_shard_cp"].get_group()
         groups["world"] = dist.group.WORLD
         return groups
 
@@ -42,7 +45,8 @@ def build_mesh(dims: ParallelDims, device_type: str) -> Mesh:
     shape = tuple(dims.degrees.values())
     root = init_device_mesh(device_type, shape, mesh_dim_names=MESH_AXES)
     flat = {"dp": root["dp_replicate", "dp_shard"]._flatten("dp"),
-            "dp_cp": root["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")}
+            "dp_cp": root["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
+            "dp_shard_cp": root["dp_shard", "cp"]._flatten("dp_shard_cp")}
     return Mesh(dims, root, flat)
 
 

@@ -125,7 +125,7 @@ def parallelize(model: Transformer, cfg: Config, dims: ParallelDims | None = Non
         stages = build_stages(model, mesh["pp"], p.pp_virtual_stages, p.pp_schedule, p.pp_fewer_edge_layers)
     else:
         stages = [(0, model)]
-    data_parallel = dims is not None and dims.dp > 1
+    data_parallel = dims is not None and dims.dp * dims.cp > 1  # CP ranks sum their gradients too
     if data_parallel:
         from gridtrain.parallel.data_parallel import apply_data_parallel, uses_ddp
 
@@ -146,6 +146,11 @@ def parallelize(model: Transformer, cfg: Config, dims: ParallelDims | None = Non
         materialize(parts, model.args, t.seed, device or torch.device("cpu"), fake)
     if data_parallel and ddp:
         apply_data_parallel(model, mesh, p.zero_stage, dims.dp_replicate, dims.tp, dims.pp)
+    if dims is not None and dims.cp > 1:
+        from gridtrain.parallel.context_parallel import apply_context_parallel
+
+        apply_context_parallel(parts, mesh["cp"].get_group(), cfg.data.seq_len, p.cp_rotate,
+                               device or torch.device("cpu"))
     result = ParallelModel(parts, [s for s, _ in stages])
     if dims is not None and dims.pp > 1:
         from gridtrain.parallel.pipeline_parallel import PipelineTraffic, build_schedule

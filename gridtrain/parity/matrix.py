@@ -13,6 +13,7 @@ Axes and choices (degree 2 on each parallel axis, so the world is 1, 2, 4 or 8 p
 | precision | fp32, bf16, fp16 |
 | recompute | none, selective, full (train.recompute) |
 | accumulation | one micro-batch per step, or several (4, or 2 with 4-way data parallelism) |
+| cp | none, cp (2: each sequence split over 2 ranks, ring attention) |
 
 The model is the `tiny` preset widened to 4 layers, 8 query and 4 KV heads, so every schedule
 gets at least one layer per stage. Everything here is arithmetic on configurations: no torch.
@@ -59,11 +60,12 @@ EMBEDDING_CHOICES = {"untied": {"model.tie_embeddings": False}, "tied": {"model.
 PRECISION_CHOICES = {p: {"train.precision": p} for p in PRECISIONS}
 RECOMPUTE_CHOICES = {m: {"train.recompute": m} for m in RECOMPUTE}
 ACCUMULATION_CHOICES = ("one", "many")
+CP_CHOICES: dict[str, dict[str, object]] = {"none": {}, "cp": {"parallel.cp": 2}}
 
 AXES: dict[str, tuple[str, ...]] = {
     "dp": tuple(DP_CHOICES), "tp": tuple(TP_CHOICES), "pp": tuple(PP_CHOICES),
     "embeddings": tuple(EMBEDDING_CHOICES), "precision": tuple(PRECISION_CHOICES),
-    "recompute": tuple(RECOMPUTE_CHOICES), "accumulation": ACCUMULATION_CHOICES,
+    "recompute": tuple(RECOMPUTE_CHOICES), "accumulation": ACCUMULATION_CHOICES, "cp": tuple(CP_CHOICES),
 }
 
 
@@ -109,7 +111,7 @@ def layout_overrides(choices: dict[str, str]) -> dict[str, object]:
     out: dict[str, object] = {}
     for table, axis in ((DP_CHOICES, "dp"), (TP_CHOICES, "tp"), (PP_CHOICES, "pp"),
                         (EMBEDDING_CHOICES, "embeddings"), (PRECISION_CHOICES, "precision"),
-                        (RECOMPUTE_CHOICES, "recompute")):
+                        (RECOMPUTE_CHOICES, "recompute"), (CP_CHOICES, "cp")):
         out.update(table[choices[axis]])
     dp = out.get("parallel.dp_replicate", 1) * out.get("parallel.dp_shard", 1)
     if "parallel.dp_shard" not in out:
@@ -123,7 +125,8 @@ def layout_overrides(choices: dict[str, str]) -> dict[str, object]:
 
 def world_of(overrides: dict[str, object]) -> int:
     return (int(overrides.get("parallel.dp_replicate", 1)) * int(overrides.get("parallel.dp_shard", 1))
-            * int(overrides.get("parallel.tp", 1)) * int(overrides.get("parallel.pp", 1)))
+            * int(overrides.get("parallel.tp", 1)) * int(overrides.get("parallel.pp", 1))
+            * int(overrides.get("parallel.cp", 1)))
 
 
 def make_case(choices: dict[str, str], max_world: int = 8) -> Case:

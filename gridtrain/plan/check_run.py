@@ -31,7 +31,7 @@ from gridtrain.rundir import RunRecord
 def run_layout(args: ModelArgs, dims: ParallelDims, cfg: Config) -> Layout:
     """The planner's Layout of a gridtrain run (its config.json record)."""
     t, p = cfg.train, cfg.parallel
-    zero = p.zero_stage if dims.dp > 1 else 0
+    zero = p.zero_stage if dims.dp * dims.cp > 1 else 0  # FSDP runs over dp_shard x cp
     return Layout(tp=dims.tp, pp=dims.pp, cp=dims.cp, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard,
                   zero_stage=zero, micro_batch=t.micro_batch, seq_len=cfg.data.seq_len,
                   num_microbatches=cfg.microbatches(dims.dp), pp_schedule=p.pp_schedule,
@@ -44,8 +44,9 @@ def predict_rank(args: ModelArgs, dims: ParallelDims, cfg: Config, rank: int) ->
     """Predicted bytes per bucket for one rank of the run: the planner's rank_state under
     gridtrain's convention, at this rank's pipeline and data-parallel coordinates."""
     coords = dims.coordinates(rank)
+    fsdp_cp = dims.cp if cfg.parallel.zero_stage >= 2 else 1  # FSDP shards over dp_shard x cp
     state = rank_state(from_args(args), run_layout(args, dims, cfg), coords["pp"],
-                       StateBytes.gridtrain(cfg.train.precision), coords["dp"])
+                       StateBytes.gridtrain(cfg.train.precision), coords["dp"] * fsdp_cp + coords["cp"] % fsdp_cp)
     return {bucket: getattr(state, bucket) for bucket in STATE_BUCKETS}
 
 

@@ -79,8 +79,9 @@ class Layout:
     @property
     def zero_shard_degree(self) -> int:
         """Ranks the ZeRO-sharded state is split over: all DP ranks for stage 1 (gridtrain's
-        ZeroRedundancyOptimizer over the whole DP group), dp_shard for stages 2 and 3 (HSDP
-        replicates over dp_replicate), 1 for DDP."""
+        ZeroRedundancyOptimizer over the whole DP group), dp_shard x cp for stages 2 and 3 (HSDP
+        replicates over dp_replicate; the CP ranks of a batch slice hold the same weights, and
+        gridtrain's FSDP shards over them too, as torchtitan does), 1 for DDP."""
         if self.zero_stage == 0:
             return 1
-        return self.dp if self.zero_stage == 1 else self.dp_shard
+        return self.dp if self.zero_stage == 1 else self.dp_shard * self.cp

@@ -311,8 +311,10 @@ def rank_state(shape: ModelShape, layout: Layout, rank: int, state: StateBytes,
     runtime), tensor by tensor (census.py) for the data-parallel rank `dp_index`, by default the one
     that holds the most; otherwise the even split of model_state_bytes."""
     if state.exact and shape.block == "llama":
+        # FSDP (stages 2, 3) shards over dp_shard x cp: dp_index then counts CP ranks innermost.
+        shard = layout.dp_shard * (layout.cp if layout.zero_stage >= 2 else 1)
         where = (shape, layout.tp, layout.pp, layout.pp_virtual_stages, layout.pp_schedule, layout.fewer_edge_layers,
-                 layout.zero_stage, layout.dp_replicate, layout.dp_shard, rank)
+                 layout.zero_stage, layout.dp_replicate, shard, rank)
         held = rank_elements(*where, peak_dp_index(*where) if dp_index is None else dp_index)
         return ModelState(held.params * state.weights, held.grads * state.gradients,
                           held.optimizer * state.optimizer + held.optimizer_tensors * state.step_count)

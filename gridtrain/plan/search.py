@@ -283,7 +283,7 @@ class _Core:
 
     def memory_floor(self, problem: Problem, zero: tuple[int, int, int]) -> float:
         stage, _, shard = zero
-        degree = 1 if stage == 0 else (self.layout.dp if stage == 1 else shard)
+        degree = 1 if stage == 0 else (self.layout.dp if stage == 1 else shard * self.layout.cp)  # Layout.zero_shard_degree
         per_param = state_bytes_per_param(stage, degree, problem.state)
         per_param += gathered_bytes_per_param(stage, shard, problem.state)
         return max(p * per_param + a for p, a in self.probes) + self.buffers[_buffer_class(zero)]

@@ -105,7 +105,7 @@ def _step(cfg: Config, dims: ParallelDims) -> dict[str, float]:
     fake = FakeTensorMode(allow_non_fake_inputs=True)  # the mesh's own (real) index tensors meet fake ones
     precision = Precision(t, CPU)
     local_batch, accum = cfg.local_batch(dims.dp), cfg.microbatches(dims.dp)
-    micro_batches = accum * dims.dp
+    micro_batches = accum * dims.dp * dims.cp  # the loss shares, as the Trainer divides them
 
     def pipeline_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return precision.scaler.scale(loss_fn(logits, targets) / micro_batches)
@@ -117,7 +117,7 @@ def _step(cfg: Config, dims: ParallelDims) -> dict[str, float]:
     vocab = cfg.model.args().vocab_size
 
     def read(first: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        shape = (n, cfg.data.seq_len)  # two storages, as the data reader gives them
+        shape = (n, cfg.data.seq_len // dims.cp)  # two storages, as the data reader gives them (CP: a rank's chunks)
         return torch.randint(0, vocab, shape), torch.randint(0, vocab, shape)
 
     if pmodel.schedule is not None:

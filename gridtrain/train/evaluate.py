@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from gridtrain.config import Config, ConfigError
+from gridtrain.parallel.context_parallel import split_sequence
 from gridtrain.parallel.parallelize import ParallelModel
 from gridtrain.parallel.tensor_parallel import loss_context
 from gridtrain.train.build import Data, loss_fn, scalar
@@ -19,9 +20,12 @@ class Evaluator:
     pass when there is one (whole pipeline batches of micro_batch x accumulation sequences only)."""
 
     def __init__(self, cfg: Config, data: Data, pmodel: ParallelModel, precision: Precision, accum: int,
-                 micro_batches: int, tp: int, pp_group: dist.ProcessGroup | None, device: torch.device) -> None:
+                 micro_batches: int, tp: int, pp_group: dist.ProcessGroup | None, device: torch.device,
+                 cp_group: dist.ProcessGroup | None = None) -> None:
         self.cfg, self.val, self.pmodel, self.precision = cfg, data.val, pmodel, precision
         self.micro_batches, self.tp, self.pp_group, self.device = micro_batches, tp, pp_group, device
+        self.cp_group = cp_group
+        """Under context parallelism each rank validates its chunks of every sequence."""
         mb = cfg.train.micro_batch
         self.size = mb if pmodel.schedule is None else mb * accum
         """Sequences per validation batch."""
@@ -44,6 +48,9 @@ class Evaluator:
         for inputs, targets in self.val.batches(self.size, batches):
             if len(inputs) < self.size:
                 break
+            if self.cp_group is not None:
+                rank, cp = self.cp_group.rank(), self.cp_group.size()
+                inputs, targets = split_sequence(inputs, rank, cp), split_sequence(targets, rank, cp)
             with loss_context(self.tp), self.precision.autocast():
                 loss = self.loss(inputs.to(self.device), targets.to(self.device))
             if loss is not None:
@@ -51,10 +58,12 @@ class Evaluator:
                 count += targets.numel()
         for part in self.pmodel.parts:
             part.train()
-        if self.pp_group is not None:  # only the last stage has losses
-            both = torch.stack([total, count])
-            dist.all_reduce(both, group=self.pp_group)
-            total, count = both[0], both[1]
+        # Only the last stage has losses; each CP rank has those of its chunks.
+        for axis_group in (self.pp_group, self.cp_group):
+            if axis_group is not None:
+                both = torch.stack([total, count])
+                dist.all_reduce(both, group=axis_group)
+                total, count = both[0], both[1]
         loss = (total / count).item()
         return {"loss/val": loss, "loss/val_ppl": math.exp(min(loss, 50.0))}
 

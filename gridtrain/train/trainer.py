@@ -109,6 +109,14 @@ class Trainer:
         self.local_batch = cfg.local_batch(self.dims.dp)
         self.accum = cfg.microbatches(self.dims.dp)
         self.micro_batches = self.accum * self.dims.dp  # in the global batch
+        # Each loss is a mean over a micro-batch's tokens on this rank, a 1/cp part of them under
+        # context parallelism: the global batch's mean is the sum of the shares, each divided by this.
+        self.loss_shares = self.micro_batches * self.dims.cp
+        self.read = self.data.train.read
+        if self.dims.cp > 1:
+            from gridtrain.parallel.context_parallel import split_reader
+
+            self.read = split_reader(self.read, self.coords["cp"], self.dims.cp)
         self.args = cfg.model.args()
         full = build_meta(self.args)  # parallelize gives each rank memory for its shards only
         counts = count_parameters(full)
@@ -119,7 +127,7 @@ class Trainer:
                                   self.pipeline_loss, self.accum, self.device)
         self.model = self.pmodel.parts[0]
         self.evaluate = Evaluator(cfg, self.data, self.pmodel, self.precision, self.accum, self.micro_batches,
-                                  self.dims.tp, group(self.mesh, "pp"), self.device)
+                                  self.dims.tp, group(self.mesh, "pp"), self.device, group(self.mesh, "cp"))
         self.optimizers = [build_optimizer(part, t, self.mesh, cfg.parallel.zero_stage, self.dims.dp)
                            for part in self.pmodel.parts]
         self.optimizer = self.optimizers[0]
@@ -174,14 +182,14 @@ class Trainer:
     def pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Loss of one pipeline micro-batch, divided by the micro-batches of the global batch and
         scaled for fp16 (what its backward starts from)."""
-        return self.precision.scaler.scale(loss_fn(logits, targets) / self.micro_batches)
+        return self.precision.scaler.scale(loss_fn(logits, targets) / self.loss_shares)
 
     def forward_backward(self) -> torch.Tensor:
         """Forward and backward over this rank's slice of the step's global batch; returns its share
         of the global batch's mean loss (zero on pipeline ranks without the last stage)."""
         first = self.step * self.global_batch + self.coords["dp"] * self.local_batch
-        return forward_backward(self.pmodel, self.data.train.read, first, self.local_batch, self.cfg.train.micro_batch,
-                                self.micro_batches, self.precision, self.dims.tp, self.device)
+        return forward_backward(self.pmodel, self.read, first, self.local_batch, self.cfg.train.micro_batch,
+                                self.loss_shares, self.precision, self.dims.tp, self.device)
 
     def train_step(self) -> dict[str, float]:
         """One optimizer step over the global batch; returns its metrics."""
@@ -225,9 +233,9 @@ class Trainer:
                 "flops/achieved_TFLOPs": achieved / 1e12}
 
     def reduce_loss(self, loss: torch.Tensor) -> float:
-        """The global batch's mean loss: the ranks' shares summed over data parallelism, taken
-        from the last pipeline stage."""
-        for axis in ("pp", "dp"):
+        """The global batch's mean loss: the ranks' shares summed over data and context
+        parallelism, taken from the last pipeline stage."""
+        for axis in ("pp", "dp", "cp"):
             axis_group = group(self.mesh, axis)
             if axis_group is not None:
                 dist.all_reduce(loss, group=axis_group)

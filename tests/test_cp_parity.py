@@ -1,0 +1,55 @@
+"""Context parallelism against one process: the parity module's run (the widened tiny model, 3
+steps of 2 accumulated micro-batches of 4 sequences, clipping active, fp32) under cp 2 with either
+rotation, with grouped-query and multi-head attention, tied embeddings and in bf16, under cp 4,
+and under cp 2 x FSDP 2 (one micro-batch a rank); the losses (whose CP shares must add up to the
+whole batch's mean, not 1/cp of it), gradient norms, initial and final gathered weights are one
+process's within the parity tolerance (in fp32, losses and norms within 1e-5 relative)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gridtrain.parity.compare import deviation, problems, tolerance
+from gridtrain.parity.matrix import GLOBAL_BATCH, base_overrides
+from gridtrain.parity.run import launch, load_result, run_reference
+
+pytestmark = pytest.mark.dist
+
+LAYOUTS = {
+    2: {"cp2_ring": {"parallel.cp": 2, "parallel.cp_rotate": "ring"},
+        "cp2_allgather": {"parallel.cp": 2, "parallel.cp_rotate": "allgather"},
+        "cp2_mha": {"parallel.cp": 2, "model.n_kv_heads": 8},
+        "cp2_tied": {"parallel.cp": 2, "model.tie_embeddings": True},
+        "cp2_bf16": {"parallel.cp": 2, "train.precision": "bf16"}},
+    4: {"cp4_ring": {"parallel.cp": 4},
+        "cp4_allgather": {"parallel.cp": 4, "parallel.cp_rotate": "allgather"},
+        "cp2_fsdp2": {"parallel.cp": 2, "parallel.dp_shard": 2}},
+}
+
+
+def _base(tmp: Path, corpus: Path) -> dict[str, object]:
+    return {**base_overrides(), "train.precision": "fp32", "parallel.dp_shard": 1,
+            "data.corpus": str(corpus), "data.cache_dir": str(tmp / "cache")}
+
+
+@pytest.mark.parametrize("world", sorted(LAYOUTS))
+def test_context_parallel_trains_as_one_process(world, tmp_path, corpus_dir):
+    base = _base(tmp_path, corpus_dir)
+    spec = {name: {**base, **layout} for name, layout in LAYOUTS[world].items()}
+    proc = launch(world, spec, tmp_path / "out", timeout_s=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    refs = {}
+    for name, layout in LAYOUTS[world].items():
+        same = {k: v for k, v in layout.items() if not k.startswith("parallel.")}
+        key = tuple(sorted(same.items()))
+        if key not in refs:
+            refs[key] = run_reference({**base, **same, "run_dir": str(tmp_path / f"ref{len(refs)}")})
+        ref, precision = refs[key], str(same.get("train.precision", "fp32"))
+        tol = tolerance(precision, GLOBAL_BATCH * 32, ref.lrs, 0.9, 0.95)
+        dev = deviation(load_result(tmp_path / "out", name), ref)
+        assert not problems(dev, tol), (name, problems(dev, tol))
+        if precision == "fp32":
+            for got, want in dev.losses + dev.grad_norms:  # measured: within 1e-6
+                assert got == pytest.approx(want, rel=1e-5), name
