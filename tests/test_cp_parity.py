@@ -7,6 +7,7 @@ process's within the parity tolerance (in fp32, losses and norms within 1e-5 rel
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -53,3 +54,36 @@ def test_context_parallel_trains_as_one_process(world, tmp_path, corpus_dir):
         if precision == "fp32":
             for got, want in dev.losses + dev.grad_norms:  # measured: within 1e-6
                 assert got == pytest.approx(want, rel=1e-5), name
+
+
+def test_a_cp_checkpoint_resumes_in_one_process_and_under_tp(tmp_path, corpus_dir):
+    """Checkpoints stay layout-free: a CP 2 x FSDP 2 run's step-4 checkpoint continues in one
+    process and under TP 2 with the losses of steps 5-8 that one process trained straight through
+    gives (1e-5). The CP run's own training and validation losses are that run's too (each CP
+    rank validates its chunks of every sequence)."""
+    import shutil
+
+    from test_recovery import losses, train
+
+    val = ["--checkpoint.keep", "10", "--train.val_every", "4", "--data.val_fraction", "0.2"]
+    train(tmp_path, corpus_dir, "ref", 1, *val)
+    train(tmp_path, corpus_dir, "cp", 4, "--parallel.cp", "2", "--parallel.dp_shard", "2", *val)
+    want = losses(tmp_path / "ref")
+    assert set(want) == set(range(1, 9))
+    assert losses(tmp_path / "cp") == pytest.approx(want, rel=1e-5)
+    validated = [val_losses(tmp_path / run) for run in ("ref", "cp")]
+    assert set(validated[0]) == {0, 4, 8} and validated[1] == pytest.approx(validated[0], rel=1e-5)
+    for name, nproc, layout in (("one", 1, []), ("tp2", 2, ["--parallel.tp", "2"])):
+        shutil.copytree(tmp_path / "cp", tmp_path / name)
+        for step in (6, 8):
+            shutil.rmtree(tmp_path / name / "checkpoints" / f"step-{step:07d}")
+        proc = train(tmp_path, corpus_dir, name, nproc, "--checkpoint.resume", "true", *val, *layout)
+        assert "at step 4 (sample offset 16)" in proc.stdout + proc.stderr, proc.stderr[-3000:]
+        got = losses(tmp_path / name)
+        for step in (5, 6, 7, 8):
+            assert got[step] == pytest.approx(want[step], rel=1e-5), (name, step)
+
+
+def val_losses(run_dir: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss/val"] for r in records if "loss/val" in r}
