@@ -26,7 +26,9 @@ LAYOUTS = {
         "cp2_bf16": {"parallel.cp": 2, "train.precision": "bf16"}},
     4: {"cp4_ring": {"parallel.cp": 4},
         "cp4_allgather": {"parallel.cp": 4, "parallel.cp_rotate": "allgather"},
-        "cp2_fsdp2": {"parallel.cp": 2, "parallel.dp_shard": 2}},
+        "cp2_fsdp2": {"parallel.cp": 2, "parallel.dp_shard": 2},
+        "cp2_tp2": {"parallel.cp": 2, "parallel.tp": 2},
+        "cp2_tp2_sp": {"parallel.cp": 2, "parallel.tp": 2, "parallel.sequence_parallel": True}},
 }
 
 

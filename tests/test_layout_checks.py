@@ -35,7 +35,7 @@ BAD_LAYOUTS = [
     ("cp-pp", 4, {"parallel.cp": 2, "parallel.pp": 2, "parallel.dp_shard": 1, "model.n_layers": 2},
      "parallel.pp 2 is not served with it"),
     ("cp-ddp", 4, {"parallel.cp": 2, "parallel.zero_stage": 0, "parallel.dp_replicate": 2, "parallel.dp_shard": 1},
-     "parallel.dp_replicate 2, parallel.zero_stage 0 is not served with it"),
+     "parallel.dp_replicate 2, parallel.zero_stage 0 are not served with it"),
     ("sp-without-tp", 2, {"parallel.sequence_parallel": True}, "parallel.sequence_parallel needs parallel.tp > 1"),
     ("tied-pp", 2, {"parallel.pp": 2, "model.tie_embeddings": True}, "model.tie_embeddings cannot be used"),
     ("zero1-tp", 2, {"parallel.zero_stage": 1, "parallel.tp": 2, "parallel.dp_replicate": 1},
