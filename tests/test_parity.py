@@ -95,7 +95,7 @@ def test_parity_check_fails_on_other_data_and_without_clipping(tmp_path_factory,
     work = tmp_path_factory.mktemp(f"detect-{precision}")
     refs = References(corpus_dir, work / "cache", work)
     case = make_case({"dp": "zero3", "tp": "none", "pp": "none", "embeddings": "untied",
-                      "precision": precision, "recompute": "none", "accumulation": "many"})
+                      "precision": precision, "recompute": "none", "accumulation": "many", "cp": "none"})
     same = case_overrides(case, refs)
     spec = {"same": same, "other-data": {**same, "data.corpus": str(write_corpus(work / "other", seed=1))},
             "no-clip": {**same, "train.grad_clip": 0.0}, "other-init": {**same, "train.seed": 1}}

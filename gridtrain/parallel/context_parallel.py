@@ -105,8 +105,8 @@ class RingAttention(torch.autograd.Function):
         if rotate == "allgather":
             every = [torch.empty_like(kv) for _ in range(cp)]
             dist.all_gather(every, kv, group=group)
-            for owner in range(cp):
-                attend_blocks(merged, q, every[owner][0], every[owner][1], _blocks(rank, owner, cp, size, causal), scale)
+            for owner, (k_all, v_all) in enumerate(every):
+                attend_blocks(merged, q, k_all, v_all, _blocks(rank, owner, cp, size, causal), scale)
         else:
             for step in range(cp):
                 owner = (rank - step) % cp
@@ -132,9 +132,9 @@ class RingAttention(torch.autograd.Function):
             every = [torch.empty_like(kv) for _ in range(cp)]
             dist.all_gather(every, kv, group=group)
             grads = []
-            for owner in range(cp):
+            for owner, (k_all, v_all) in enumerate(every):
                 blocks = _blocks(rank, owner, cp, size, causal)
-                grads.append(torch.stack(grad_blocks(dq, dout, q, every[owner][0], every[owner][1], out, lse, blocks, scale)))
+                grads.append(torch.stack(grad_blocks(dq, dout, q, k_all, v_all, out, lse, blocks, scale)))
             received = torch.empty((cp, *grads[0].shape), dtype=torch.float32, device=q.device)
             dist.all_to_all_single(received, torch.stack(grads), group=group)
             dkv = received.sum(0)
