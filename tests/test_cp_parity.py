@@ -75,6 +75,11 @@ def test_a_cp_checkpoint_resumes_in_one_process_and_under_tp(tmp_path, corpus_di
     assert losses(tmp_path / "cp") == pytest.approx(want, rel=1e-5)
     validated = [val_losses(tmp_path / run) for run in ("ref", "cp")]
     assert set(validated[0]) == {0, 4, 8} and validated[1] == pytest.approx(validated[0], rel=1e-5)
+    # Throughput counts the global batch's tokens once (4 sequences of 32), not once per CP rank.
+    records = [json.loads(line) for line in (tmp_path / "cp" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "throughput/tokens_per_s" in r]
+    assert len(steps) == 8
+    assert all(r["throughput/tokens_per_s"] * r["time/step_s"] == pytest.approx(4 * 32) for r in steps)
     for name, nproc, layout in (("one", 1, []), ("tp2", 2, ["--parallel.tp", "2"])):
         shutil.copytree(tmp_path / "cp", tmp_path / name)
         for step in (6, 8):

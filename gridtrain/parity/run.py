@@ -75,7 +75,7 @@ def run_case(name: str, overrides: dict[str, object], out: Path) -> None:
     if trainer.world.rank == 0:  # what Trainer.run logs, for `gridtrain plan --check`'s step time
         (out / name / "metrics.jsonl").write_text("\n".join(records) + "\n")
     weights = gathered_weights(trainer)
-    if trainer.coords["dp"] == 0 and trainer.coords["tp"] == 0:
+    if trainer.coords["dp"] == 0 and trainer.coords["tp"] == 0 and trainer.coords["cp"] == 0:
         torch.save({"losses": losses, "grad_norms": norms, "lrs": lrs, "weights": weights, "initial": initial},
                    out / f"{name}.pp{trainer.coords['pp']}.pt")
     if dist.is_initialized():

@@ -133,7 +133,8 @@ class Trainer:
         self.optimizer = self.optimizers[0]
         self.peak = peak_flops(self.device, device_name(self.device), t.precision)
         self.step = 0
-        self.is_writer = self.coords["dp"] == 0 and self.coords["tp"] == 0 and self.pmodel.has_last_stage
+        self.is_writer = (self.coords["dp"] == 0 and self.coords["tp"] == 0 and self.coords["cp"] == 0
+                          and self.pmodel.has_last_stage)
         self.comm_log = CollectiveLog(self.mesh.axis_groups()) if self.mesh else None
         self.accountant = Accountant(cfg.metrics.account_every, Path(cfg.run_dir), self.world.rank, self.coords,
                                      self.pmodel, self.comm_log)
