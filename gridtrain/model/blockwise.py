@@ -47,21 +47,24 @@ def reduce_kv(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return grad if h == kv_heads else grad.view(b, kv_heads, h // kv_heads, s, d).sum(2)
 
 
-def _math_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+    """fp32 attention scores, -inf above the diagonal when causal."""
     scores = (q.float() @ k.float().transpose(-2, -1)) * scale
     if causal:
         scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
+    return scores
+
+
+def _math_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    scores = _scores(q, k, causal, scale)
     lse = scores.logsumexp(-1)
     return ((scores - lse[..., None]).exp() @ v.float()).to(q.dtype), lse
 
 
 def _math_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                    lse: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, ...]:
-    scores = (q.float() @ k.float().transpose(-2, -1)) * scale
-    if causal:
-        scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
-    p = (scores - lse[..., None]).exp()
+    p = (_scores(q, k, causal, scale) - lse[..., None]).exp()
     do = dout.float()
     dv = p.transpose(-2, -1) @ do
     dp = do @ v.float().transpose(-2, -1)

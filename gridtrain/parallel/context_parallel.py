@@ -60,10 +60,13 @@ def split_reader(read: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]], 
                  cp: int) -> Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]:
     """`read(first, n)` (inputs and targets of n sequences) cut to this CP rank's chunks: every CP
     rank of a batch slice reads the same sequences and keeps its part of each."""
-    def split(first: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        inputs, targets = read(first, n)
-        return split_sequence(inputs, rank, cp), split_sequence(targets, rank, cp)
-    return split
+    return lambda first, n: split_batch(*read(first, n), rank, cp)
+
+
+def split_batch(inputs: torch.Tensor, targets: torch.Tensor, rank: int,
+                cp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This CP rank's chunks of a batch's inputs and targets."""
+    return split_sequence(inputs, rank, cp), split_sequence(targets, rank, cp)
 
 
 def chunk_positions(seq_len: int, rank: int, cp: int) -> torch.Tensor:
@@ -87,6 +90,13 @@ def _exchange(send: torch.Tensor, group: dist.ProcessGroup) -> tuple[torch.Tenso
     return recv, works
 
 
+def _gather(kv: torch.Tensor, group: dist.ProcessGroup) -> list[torch.Tensor]:
+    """Every rank's stacked keys and values, in rank order (one all-gather)."""
+    every = [torch.empty_like(kv) for _ in range(group.size())]
+    dist.all_gather(every, kv, group=group)
+    return every
+
+
 def _wait(works: list[dist.Work]) -> None:
     for work in works:
         work.wait()
@@ -103,9 +113,7 @@ class RingAttention(torch.autograd.Function):
         merged = Merged(q)
         kv = torch.stack([k, v]).contiguous()
         if rotate == "allgather":
-            every = [torch.empty_like(kv) for _ in range(cp)]
-            dist.all_gather(every, kv, group=group)
-            for owner, (k_all, v_all) in enumerate(every):
+            for owner, (k_all, v_all) in enumerate(_gather(kv, group)):
                 attend_blocks(merged, q, k_all, v_all, _blocks(rank, owner, cp, size, causal), scale)
         else:
             for step in range(cp):
@@ -129,10 +137,8 @@ class RingAttention(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v]).contiguous()
         if ctx.rotate == "allgather":
-            every = [torch.empty_like(kv) for _ in range(cp)]
-            dist.all_gather(every, kv, group=group)
             grads = []
-            for owner, (k_all, v_all) in enumerate(every):
+            for owner, (k_all, v_all) in enumerate(_gather(kv, group)):
                 blocks = _blocks(rank, owner, cp, size, causal)
                 grads.append(torch.stack(grad_blocks(dq, dout, q, k_all, v_all, out, lse, blocks, scale)))
             received = torch.empty((cp, *grads[0].shape), dtype=torch.float32, device=q.device)

@@ -312,7 +312,7 @@ def rank_state(shape: ModelShape, layout: Layout, rank: int, state: StateBytes,
     that holds the most; otherwise the even split of model_state_bytes."""
     if state.exact and shape.block == "llama":
         # FSDP (stages 2, 3) shards over dp_shard x cp: dp_index then counts CP ranks innermost.
-        shard = layout.dp_shard * (layout.cp if layout.zero_stage >= 2 else 1)
+        shard = layout.zero_shard_degree if layout.zero_stage >= 2 else layout.dp_shard
         where = (shape, layout.tp, layout.pp, layout.pp_virtual_stages, layout.pp_schedule, layout.fewer_edge_layers,
                  layout.zero_stage, layout.dp_replicate, shard, rank)
         held = rank_elements(*where, peak_dp_index(*where) if dp_index is None else dp_index)

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from gridtrain.config import Config, ConfigError
-from gridtrain.parallel.context_parallel import split_sequence
+from gridtrain.parallel.context_parallel import split_batch
 from gridtrain.parallel.parallelize import ParallelModel
 from gridtrain.parallel.tensor_parallel import loss_context
 from gridtrain.train.build import Data, loss_fn, scalar
@@ -49,8 +49,7 @@ class Evaluator:
             if len(inputs) < self.size:
                 break
             if self.cp_group is not None:
-                rank, cp = self.cp_group.rank(), self.cp_group.size()
-                inputs, targets = split_sequence(inputs, rank, cp), split_sequence(targets, rank, cp)
+                inputs, targets = split_batch(inputs, targets, self.cp_group.rank(), self.cp_group.size())
             with loss_context(self.tp), self.precision.autocast():
                 loss = self.loss(inputs.to(self.device), targets.to(self.device))
             if loss is not None:
