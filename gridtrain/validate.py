@@ -254,8 +254,8 @@ def _check_parallel(cfg: Config, dims: ParallelDims) -> list[str]:
 
 
 def _check_cp(cfg: Config, dims: ParallelDims) -> list[str]:
-    """Context parallelism: the split, and what it does not serve yet (it runs the layouts the
-    parity tests cover: with FSDP and with TP, SP included)."""
+    """Context parallelism: the split, and what it does not serve yet. It runs with FSDP/HSDP, TP
+    (SP included), PP (every schedule) and recomputation: the layouts the parity tests cover."""
     p, t = cfg.parallel, cfg.train
     problems = _choice("parallel.cp_rotate", p.cp_rotate, ("ring", "allgather"))
     if dims.cp == 1 or problems:
@@ -265,18 +265,16 @@ def _check_cp(cfg: Config, dims: ParallelDims) -> list[str]:
         fit = max(chunks, cfg.data.seq_len // chunks * chunks)
         problems.append(f"parallel.cp ({dims.cp}) cuts each sequence into 2 x cp = {chunks} equal chunks, "
                         f"which data.seq_len ({cfg.data.seq_len}) does not divide: set data.seq_len to {fit}")
-    others = [f"{name} {value}" for name, value, ok in (
-        ("parallel.pp", dims.pp, dims.pp == 1),
-        ("parallel.dp_replicate", dims.dp_replicate, dims.dp_replicate == 1),
-        ("parallel.zero_stage", p.zero_stage, p.zero_stage in (2, 3)),
-        ("train.recompute", repr(t.recompute), t.recompute == "none"),
-        ("train.compile", "true", not t.compile)) if not ok]
-    if others:
-        problems.append(f"parallel.cp ({dims.cp}) runs with FSDP (zero_stage 2 or 3 over dp_shard x cp) and "
-                        f"tensor parallelism so far: {', '.join(others)} {'is' if len(others) == 1 else 'are'} "
-                        "not served with it; set "
-                        "parallel.pp and dp_replicate to 1, zero_stage to 3, train.recompute to 'none' and "
-                        "train.compile to false, or parallel.cp to 1")
+    if p.zero_stage not in (2, 3):
+        # DDP and ZeRO-1 replicate over dp_replicate only; the CP ranks of a batch slice must also
+        # sum their gradients, which FSDP does by sharding over dp_shard x cp.
+        problems.append(f"parallel.cp ({dims.cp}) runs with FSDP, which shards over dp_shard x cp and sums "
+                        f"the CP ranks' gradients; parallel.zero_stage {p.zero_stage} does not: set "
+                        "parallel.zero_stage to 2 or 3 (dp_shard may stay 1), or parallel.cp to 1")
+    if t.compile:
+        problems.append(f"parallel.cp ({dims.cp}) attends through its own autograd function with sends inside, "
+                        "which train.compile's whole-block graphs cannot hold: set train.compile to false, "
+                        "or parallel.cp to 1")
     return problems
 
 

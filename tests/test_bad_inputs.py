@@ -130,9 +130,10 @@ TRAIN = [
      "parallel.cp (4) cuts each sequence into 2 x cp = 8 equal chunks, which data.seq_len (100) does not divide: "
      "set data.seq_len to 96"),
     (["train", "--nproc", "3", "--parallel.cp", "2"], "dp_replicate(1) * cp(2) * tp(1) * pp(1) = 2 does not divide it"),
-    (["train", "--nproc", "4", "--parallel.cp", "2", "--parallel.pp", "2", "--model.n_layers", "2"],
-     "parallel.pp 2 is not served with it"),
-    (["train", "--nproc", "2", "--parallel.cp", "2", "--train.recompute", "full"], "train.recompute 'full' is not served"),
+    (["train", "--nproc", "4", "--parallel.cp", "2", "--parallel.zero_stage", "0", "--parallel.dp_replicate", "2"],
+     "parallel.zero_stage 0 does not: set parallel.zero_stage to 2 or 3"),
+    (["train", "--nproc", "2", "--parallel.cp", "2", "--train.compile", "true"],
+     "which train.compile's whole-block graphs cannot hold: set train.compile to false"),
     (["train", "--nproc", "2", "--parallel.cp", "2", "--parallel.cp_rotate", "spiral"],
      "parallel.cp_rotate = 'spiral' is not one of"),
     (["train", "--parallel.ep", "2"], "parallel.ep = 2: not available yet, set it to 1"),

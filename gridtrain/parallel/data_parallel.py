@@ -38,9 +38,8 @@ def dp_mesh(mesh: Mesh, dp_replicate: int) -> DeviceMesh:
     """The mesh FSDP shards over: 1-D 'dp_shard', or 2-D (replicate, shard) for HSDP; under
     context parallelism 'dp_shard_cp' (dp_shard x cp flattened: the CP ranks of a batch slice
     hold the same weights, and each one's gradient is a part of the slice's)."""
-    if mesh.dims.cp > 1:
-        return mesh["dp_shard_cp"]
-    return mesh["dp_replicate", "dp_shard"] if dp_replicate > 1 else mesh["dp_shard"]
+    shard = "dp_shard_cp" if mesh.dims.cp > 1 else "dp_shard"
+    return mesh["dp_replicate", shard] if dp_replicate > 1 else mesh[shard]
 
 
 def mixed_precision(param_dtype: torch.dtype | None) -> MixedPrecisionPolicy:
