@@ -28,7 +28,7 @@ PLAN = [
     (["plan", "--num-gpus", "1.5"], "--num-gpus = '1.5' is 1.5, not a whole number"),
     (["plan", "--num-gpus", "0"], "--num-gpus = '0' must be a positive finite count"),
     (["plan", "--num-gpus", "inf"], "--num-gpus = 'inf' must be a positive finite count"),
-    (["plan", "--num-gpus", "16M"], "more GPUs than this model and batch can keep busy, at most 131,072"),
+    (["plan", "--num-gpus", "16M"], "more GPUs than this model and batch can keep busy, at most 1,048,576"),
     (["plan", "--seq-len", "-5"], "--seq-len = '-5' must be a positive finite count"),
     (["plan", "--seq-len", "1e20"], "--seq-len = '1e20' is too large"),
     (["plan", "--num-gpus", "1e9"], "more GPUs than this model and batch can keep busy"),

@@ -1,7 +1,9 @@
 """Context parallelism against one process: the parity module's run (the widened tiny model, 3
 steps of 2 accumulated micro-batches of 4 sequences, clipping active, fp32) under cp 2 with either
-rotation, with grouped-query and multi-head attention, tied embeddings and in bf16, under cp 4,
-and under cp 2 x FSDP 2 (one micro-batch a rank); the losses (whose CP shares must add up to the
+rotation, with grouped-query and multi-head attention, tied embeddings, in bf16 and with full
+recomputation, under cp 4, and under cp 2 beside each other axis (FSDP, TP with and without SP,
+PP), in the three 3-D layouts that cover every pair of the four axes, HSDP, and the 4-D layout
+PP 2 x FSDP 2 x CP 2 x TP 2; the losses (whose CP shares must add up to the
 whole batch's mean, not 1/cp of it), gradient norms, initial and final gathered weights are one
 process's within the parity tolerance (in fp32, losses and norms within 1e-5 relative)."""
 
@@ -23,12 +25,25 @@ LAYOUTS = {
         "cp2_allgather": {"parallel.cp": 2, "parallel.cp_rotate": "allgather"},
         "cp2_mha": {"parallel.cp": 2, "model.n_kv_heads": 8},
         "cp2_tied": {"parallel.cp": 2, "model.tie_embeddings": True},
-        "cp2_bf16": {"parallel.cp": 2, "train.precision": "bf16"}},
+        "cp2_bf16": {"parallel.cp": 2, "train.precision": "bf16"},
+        "cp2_full_recompute": {"parallel.cp": 2, "train.recompute": "full"}},
     4: {"cp4_ring": {"parallel.cp": 4},
         "cp4_allgather": {"parallel.cp": 4, "parallel.cp_rotate": "allgather"},
         "cp2_fsdp2": {"parallel.cp": 2, "parallel.dp_shard": 2},
         "cp2_tp2": {"parallel.cp": 2, "parallel.tp": 2},
-        "cp2_tp2_sp": {"parallel.cp": 2, "parallel.tp": 2, "parallel.sequence_parallel": True}},
+        "cp2_tp2_sp": {"parallel.cp": 2, "parallel.tp": 2, "parallel.sequence_parallel": True},
+        "cp2_pp2": {"parallel.cp": 2, "parallel.pp": 2},
+        "cp2_pp2_interleaved": {"parallel.cp": 2, "parallel.pp": 2, "parallel.pp_schedule": "interleaved-1f1b",
+                                "parallel.pp_virtual_stages": 2}},
+    # The three 3-D layouts that cover every pair of the four axes, and HSDP.
+    8: {"pp2_fsdp2_cp2": {"parallel.pp": 2, "parallel.dp_shard": 2, "parallel.cp": 2, "train.micro_batch": 2},
+        "pp2_cp2_tp2_sp": {"parallel.pp": 2, "parallel.cp": 2, "parallel.tp": 2, "parallel.sequence_parallel": True},
+        "fsdp2_cp2_tp2": {"parallel.dp_shard": 2, "parallel.cp": 2, "parallel.tp": 2},
+        "hsdp2x2_cp2": {"parallel.dp_replicate": 2, "parallel.dp_shard": 2, "parallel.cp": 2,
+                        "train.micro_batch": 1}},
+    # The 4-D layout, 16 processes on this 2-core machine (about a minute).
+    16: {"pp2_fsdp2_cp2_tp2": {"parallel.pp": 2, "parallel.dp_shard": 2, "parallel.cp": 2, "parallel.tp": 2,
+                               "train.micro_batch": 2}},
 }
 
 

@@ -25,6 +25,7 @@ LAYOUTS = {  # run overrides, and the same layout for `gridtrain plan --layout`
     "tp": ({"parallel.tp": 2}, "tp=2,pp=1,dp=1"),
     "tp_sp": ({"parallel.tp": 2, "parallel.sequence_parallel": True}, "tp=2,pp=1,dp=1"),
     "pp": ({"parallel.pp": 2}, "tp=1,pp=2,dp=1,schedule=1f1b,v=1"),
+    "cp": ({"parallel.cp": 2}, "tp=1,pp=1,cp=2,dp=1,zero=3"),
 }
 PRECISIONS = ("fp32", "bf16")
 SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "looped-bfs": 2, "interleaved-zb": 2, "zbv": 2,
@@ -33,6 +34,7 @@ SPLIT_BACKWARD = ("interleaved-zb", "zbv", "dualpipev")  # refuse selective reco
 ACTIVATION_LAYOUTS = {
     "fsdp": {"parallel.zero_stage": 3}, "tp": {"parallel.tp": 2},
     "tp_sp": {"parallel.tp": 2, "parallel.sequence_parallel": True},
+    "cp": {"parallel.cp": 2}, "cp_allgather": {"parallel.cp": 2, "parallel.cp_rotate": "allgather"},
     **{f"pp_{s}": {"parallel.pp": 2, "parallel.pp_schedule": s, "parallel.pp_virtual_stages": v}
        for s, v in SCHEDULES.items()},
 }
@@ -105,3 +107,21 @@ def test_check_predicts_activations(runs, name, precision, mode):
     assert len(acts) == 2
     for row in acts:
         assert row.measured == pytest.approx(row.predicted, rel=1e-3), (row.rank, row.predicted, row.measured)
+
+
+CP_CASES = [c for c in ACTIVATION_CASES if c[0].startswith("cp")]
+
+
+@pytest.mark.parametrize("name,precision,mode", CP_CASES, ids=["-".join(c) for c in CP_CASES])
+def test_check_predicts_cp_collectives_exactly(runs, name, precision, mode):
+    """Under context parallelism the check's collectives are exact, byte for byte, on both ranks:
+    the ring's sends (or the all-gathers and all-to-alls of keys, values and their gradients),
+    which recomputation repeats, and FSDP's traffic over the same two ranks."""
+    from gridtrain.plan.check_run import check_run
+
+    rows = [r for r in check_run(runs / f"acts-{name}-{precision}-{mode}") if "/" in r.bucket]
+    keys = {r.bucket for r in rows}
+    assert ({"cp/send_bytes"} if name == "cp" else {"cp/all_gather_bytes", "cp/all_to_all_bytes"}) <= keys
+    for row in rows:
+        assert not row.estimated and row.measured == row.predicted, (row.rank, row.bucket, row.predicted,
+                                                                      row.measured)

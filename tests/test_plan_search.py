@@ -52,7 +52,7 @@ def test_branch_and_bound_equals_brute_force():
     everything = []
     for fam in search.families(problem, Constraints()):
         for b in fam.micro_batches:
-            for zero in search.zero_options(fam.dp, Constraints()):
+            for zero in search.zero_options(fam.dp, Constraints(), fam.cp):
                 cand = search.evaluate(problem, search.with_zero(fam.layout(problem, b), zero))
                 if cand.memory.total <= problem.memory_limit:
                     everything.append(cand)

@@ -218,8 +218,13 @@ def test_axis_volumes():
     # PP: each rank sends its chunks' activations forward and gradients back: 2 m v x size.
     assert comm.pp_bytes_per_step(4096, 8192, 8, virtual=2) == 2 * 8 * 2 * 4096 * 8192 * 2
     assert comm.pp_bytes_per_step(4096, 8192, 8, tp=8, sequence_parallel=True) == 2 * 8 * 4096 * 8192 * 2 / 8
-    # CP: KV blocks (2 x 8192/4 x 1024 x 2 bytes) passed 3 x (cp - 1) times per layer.
-    assert comm.cp_bytes_per_layer(8192, 1024, 4) == 3 * 3 * 2 * 2048 * 1024 * 2
+    # CP: KV blocks (kv = 2 x 8192/4 x 1024 x 2 bytes) sent (cp - 1) times forward and again
+    # backward, and the fp32 dK/dV accumulators (2 kv) cp times: 6 kv + 8 kv per layer.
+    kv = 2 * 2048 * 1024 * 2
+    assert comm.cp_bytes_per_layer(8192, 1024, 4) == 14 * kv == 112 * 2**20
+    assert comm.cp_bytes_per_layer(8192, 1024, 4, recompute=True) == 17 * kv
+    assert comm.ring_attention_payloads(8192, 1024, 4, rotate="allgather") == {"all_gather": 8 * kv,
+                                                                              "all_to_all": 8 * kv}
     assert comm.cp_bytes_per_layer(8192, 1024, 1) == 0
     # EP: four all-to-alls of tokens x top_k x h, (ep-1)/ep of each sent.
     assert comm.ep_bytes_per_layer(4096, 4096, 2, 8) == 4 * 7 / 8 * 4096 * 2 * 4096 * 2
@@ -334,7 +339,17 @@ def test_bytes_per_step_by_axis():
     assert got["tp"] == approx(16 * 4 * 4 * (1 / 2 * 2) * 2048 * 4096 * 2)
     assert got["pp"] == approx(2 * 4 * 2048 * 4096 * 2)
     assert set(got) == {"dp_shard", "tp", "pp"}
+    # Under CP, FSDP shards over dp_shard x cp (4 ranks here) and HSDP all-reduces that shard.
     hsdp = comm.bytes_per_step(s, replace(layout, dp_replicate=3, tp=1, pp=1, cp=2))
-    assert set(hsdp) == {"dp_shard", "dp_replicate", "cp"}
+    assert set(hsdp) == {"dp_shard_cp", "dp_replicate", "cp"}
+    whole = memory.rank_params(s, replace(layout, tp=1, pp=1), 0, 32)
+    assert hsdp["dp_shard_cp"] == approx(3 / 4 * 4 * (2 * whole * 2 + whole * 2))
+    assert hsdp["dp_replicate"] == approx(2 * 2 / 3 * whole * 2 / 4)
+    # and buffers the ring's keys and values, 2 kv, and the fp32 dK/dV accumulators, 2 x 2 kv:
+    # kv = 2 x (2 x 1024 / 2) x 1024 x 2 bytes for the 8B's 8 KV heads of 128.
+    kv = 2 * 1024 * 1024 * 2
+    ring = replace(layout, tp=1, pp=1, cp=2, dp_shard=2, num_microbatches=1)
+    assert memory.buffer_bytes(s, ring, memory.StateBytes()) - memory.buffer_bytes(
+        s, replace(ring, cp=1), memory.StateBytes()) == approx(6 * kv)
     assert comm.bytes_per_step(s, Layout(dp_replicate=4, zero_stage=0))["dp"] == approx(
         2 * 3 / 4 * shape.param_counts(s).total * 2)

@@ -96,7 +96,9 @@ class Merged:
 
     def __init__(self, q: torch.Tensor) -> None:
         b, h, s, d = q.shape
-        self.out = torch.zeros(b, h, s, d, dtype=torch.float32, device=q.device)
+        # Laid out (b, s, h, d) as torch's flash kernels return theirs: the caller's transpose
+        # back to (b, s, h x d) is then a view, not a copy that the output projection would save.
+        self.out = torch.zeros(b, s, h, d, dtype=torch.float32, device=q.device).transpose(1, 2)
         self.lse = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device)
 
     def add(self, rows: slice, out: torch.Tensor, lse: torch.Tensor) -> None:

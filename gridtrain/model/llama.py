@@ -135,20 +135,22 @@ class Transformer(nn.Module):
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("freqs_cis", rope_frequencies(args), persistent=False)
-        self.positions: torch.Tensor | None = None
-        """The positions of the tokens this model sees, where they are not 0..T-1 (a context-parallel
-        rank holds chunks of the sequence): RoPE then rotates by these."""
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         # The residual stream is fp32 in every precision mode: autocast computes matmuls in
         # bf16/fp16 and the residual adds promote back to fp32. An embedding stored or gathered
         # in bf16 would otherwise start a bf16 stream (a no-op when it is fp32 already).
         h = self.tok_embeddings(tokens).float() if self.tok_embeddings is not None else tokens
-        freqs = self.freqs_cis if self.positions is None else self.freqs_cis[self.positions]
         for layer in self.layers.values():
-            h = layer(h, freqs)
+            h = layer(h, self.freqs_cis)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
+
+    def rotate_at(self, positions: torch.Tensor) -> None:
+        """Rotate the tokens by the RoPE angles of `positions`, not of 0..T-1 (a context-parallel
+        rank holds chunks of each sequence): the table becomes theirs, still a buffer, so no
+        forward gathers or saves a copy of it."""
+        self.freqs_cis = self.freqs_cis[positions.to(self.freqs_cis.device)]
 
     def after_to_empty(self) -> None:
         """Tie the head to the embedding again (`to_empty()` materialises each module's parameters

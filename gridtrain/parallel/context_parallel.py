@@ -15,6 +15,7 @@ fp32 on the way and reach their owner. Two ways to move keys and values (`parall
   (isend/irecv pairs, posted before the block is computed so the transfer overlaps it); in backward
   the keys and values travel again with their gradient accumulator, which takes one more hop home.
   gloo's batch_isend_irecv is reported to hang, so each transfer is a plain isend and irecv pair.
+  Point-to-point sends are not in gloo's flight recorder: `RingTraffic` counts their bytes.
 - "allgather": one all-gather of every rank's keys and values before the blocks (as Llama 3 did,
   Dubey et al. 2024, section 3.3.2), and one all_to_all_single of the gradient accumulators after
   them, which each owner sums (gloo has no reduce-scatter).
@@ -81,9 +82,22 @@ def _blocks(rank: int, owner: int, cp: int, size: int, causal: bool) -> list[Blo
     return causal_blocks(chunk_ids(rank, cp), chunk_ids(owner, cp), size)
 
 
-def _exchange(send: torch.Tensor, group: dist.ProcessGroup) -> tuple[torch.Tensor, list[dist.Work]]:
+class RingTraffic:
+    """Bytes this rank's ring sends (every isend of `_exchange`), for the step accounting: what the
+    flight recorder sees of the collectives, this counts of the ring (and of nothing else)."""
+
+    def __init__(self) -> None:
+        self.send_bytes = 0
+        self.sends = 0
+
+
+def _exchange(send: torch.Tensor, group: dist.ProcessGroup,
+              traffic: RingTraffic | None) -> tuple[torch.Tensor, list[dist.Work]]:
     """Post the ring's transfer: `send` to the next rank, a tensor like it from the previous one."""
     cp, rank = group.size(), group.rank()
+    if traffic is not None:
+        traffic.send_bytes += send.numel() * send.element_size()
+        traffic.sends += 1
     recv = torch.empty_like(send)
     works = [dist.isend(send, dist.get_global_rank(group, (rank + 1) % cp), group=group),
              dist.irecv(recv, dist.get_global_rank(group, (rank - 1) % cp), group=group)]
@@ -108,7 +122,7 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup,  # noqa: ANN001
-                rotate: str, causal: bool, scale: float) -> torch.Tensor:
+                rotate: str, causal: bool, scale: float, traffic: RingTraffic | None) -> torch.Tensor:
         cp, rank, size = group.size(), group.rank(), q.shape[2] // 2
         merged = Merged(q)
         kv = torch.stack([k, v]).contiguous()
@@ -118,14 +132,14 @@ class RingAttention(torch.autograd.Function):
         else:
             for step in range(cp):
                 owner = (rank - step) % cp
-                pending = _exchange(kv, group) if step < cp - 1 else None
+                pending = _exchange(kv, group, traffic) if step < cp - 1 else None
                 attend_blocks(merged, q, kv[0], kv[1], _blocks(rank, owner, cp, size, causal), scale)
                 if pending:
                     _wait(pending[1])
                     kv = pending[0]
         out = merged.out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, merged.lse)
-        ctx.group, ctx.rotate, ctx.causal, ctx.scale = group, rotate, causal, scale
+        ctx.group, ctx.rotate, ctx.causal, ctx.scale, ctx.traffic = group, rotate, causal, scale, traffic
         return out
 
     @staticmethod
@@ -148,38 +162,40 @@ class RingAttention(torch.autograd.Function):
             dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
             for step in range(cp):
                 owner = (rank - step) % cp
-                pending = _exchange(kv, group) if step < cp - 1 else None  # overlaps the blocks
+                pending = _exchange(kv, group, ctx.traffic) if step < cp - 1 else None  # overlaps the blocks
                 dkv += torch.stack(grad_blocks(dq, dout, q, kv[0], kv[1], out, lse,
                                                _blocks(rank, owner, cp, size, causal), scale))
                 # The gradient so far follows its keys and values; after the last block it takes
                 # one more hop, home to its owner.
                 sent = dkv
-                dkv, works = _exchange(sent, group)
+                dkv, works = _exchange(sent, group, ctx.traffic)
                 _wait(works + (pending[1] if pending else []))
                 if pending:
                     kv = pending[0]
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup,
-                   rotate: str = "ring", causal: bool = True) -> torch.Tensor:
+                   rotate: str = "ring", causal: bool = True, traffic: RingTraffic | None = None) -> torch.Tensor:
     """Context-parallel attention over `group` (see the module docstring). q: (batch, heads,
     2 x chunk, head_dim), this rank's chunks as split_sequence cuts them; k, v the same at the
     KV-head count. Returns this rank's output rows, as SDPA (enable_gqa) would give them."""
     if rotate not in ROTATIONS:
         raise ValueError(f"cp_rotate {rotate!r} is not one of {ROTATIONS}")
-    return RingAttention.apply(q, k, v, group, rotate, causal, q.shape[-1] ** -0.5)
+    return RingAttention.apply(q, k, v, group, rotate, causal, q.shape[-1] ** -0.5, traffic)
 
 
 def apply_context_parallel(parts: list[nn.Module], group: dist.ProcessGroup, seq_len: int, rotate: str,
-                           device: torch.device) -> None:
+                           device: torch.device) -> RingTraffic:
     """Make the model parts attend by ring attention over `group` and rotate by the positions of
     this rank's chunks of `seq_len`-token sequences (the trainer gives each rank those chunks,
-    split_sequence)."""
+    split_sequence). Returns the counter of the ring's sends."""
     positions = chunk_positions(seq_len, group.rank(), group.size()).to(device)
+    traffic = RingTraffic()
     for part in parts:
         for module in part.modules():
             if isinstance(module, Attention):
-                module.core = partial(ring_attention, group=group, rotate=rotate)
+                module.core = partial(ring_attention, group=group, rotate=rotate, traffic=traffic)
             if isinstance(module, Transformer):
-                module.positions = positions
+                module.rotate_at(positions)
+    return traffic

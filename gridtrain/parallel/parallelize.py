@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
+    from gridtrain.parallel.context_parallel import RingTraffic
     from gridtrain.parallel.mesh import Mesh
     from gridtrain.parallel.pipeline_parallel import PipelineTraffic
 
@@ -97,6 +98,7 @@ class ParallelModel:
     num_stages: int = 1
     schedule: PipelineScheduleSingle | PipelineScheduleMulti | None = None
     traffic: PipelineTraffic | None = None
+    ring_traffic: RingTraffic | None = None
 
     @property
     def has_first_stage(self) -> bool:
@@ -146,12 +148,12 @@ def parallelize(model: Transformer, cfg: Config, dims: ParallelDims | None = Non
         materialize(parts, model.args, t.seed, device or torch.device("cpu"), fake)
     if data_parallel and ddp:
         apply_data_parallel(model, mesh, p.zero_stage, dims.dp_replicate, dims.tp, dims.pp)
+    result = ParallelModel(parts, [s for s, _ in stages])
     if dims is not None and dims.cp > 1:
         from gridtrain.parallel.context_parallel import apply_context_parallel
 
-        apply_context_parallel(parts, mesh["cp"].get_group(), cfg.data.seq_len, p.cp_rotate,
-                               device or torch.device("cpu"))
-    result = ParallelModel(parts, [s for s, _ in stages])
+        result.ring_traffic = apply_context_parallel(parts, mesh["cp"].get_group(), cfg.data.seq_len,
+                                                     p.cp_rotate, device or torch.device("cpu"))
     if dims is not None and dims.pp > 1:
         from gridtrain.parallel.pipeline_parallel import PipelineTraffic, build_schedule
 

@@ -17,27 +17,14 @@ from pathlib import Path
 
 from gridtrain.config import Config
 from gridtrain.layout.dims import ParallelDims, stage_layer_counts
-from gridtrain.layout.schedules import forwards_held, schedule
+from gridtrain.layout.schedules import forwards_held
 from gridtrain.model.args import ModelArgs
 from gridtrain.plan.activations import held_bytes, stage_bytes
-from gridtrain.plan.census import fsdp_local, numel, rank_stage_shapes, tp_local
-from gridtrain.plan.layout import Layout
 from gridtrain.plan.machine import cached_entry
 from gridtrain.plan.memory import STATE_BUCKETS, StateBytes, fsdp_gathers, rank_state
+from gridtrain.plan.run_collectives import collectives, predict_collectives, run_layout
 from gridtrain.plan.shape import from_args
 from gridtrain.rundir import RunRecord
-
-
-def run_layout(args: ModelArgs, dims: ParallelDims, cfg: Config) -> Layout:
-    """The planner's Layout of a gridtrain run (its config.json record)."""
-    t, p = cfg.train, cfg.parallel
-    zero = p.zero_stage if dims.dp * dims.cp > 1 else 0  # FSDP runs over dp_shard x cp
-    return Layout(tp=dims.tp, pp=dims.pp, cp=dims.cp, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard,
-                  zero_stage=zero, micro_batch=t.micro_batch, seq_len=cfg.data.seq_len,
-                  num_microbatches=cfg.microbatches(dims.dp), pp_schedule=p.pp_schedule,
-                  pp_virtual_stages=p.pp_virtual_stages if dims.pp > 1 else 1,
-                  sequence_parallel=p.sequence_parallel, recompute=t.recompute,
-                  fewer_edge_layers=p.pp_fewer_edge_layers)
 
 
 def predict_rank(args: ModelArgs, dims: ParallelDims, cfg: Config, rank: int) -> dict[str, float]:
@@ -53,16 +40,16 @@ def predict_rank(args: ModelArgs, dims: ParallelDims, cfg: Config, rank: int) ->
 def predict_activations(args: ModelArgs, dims: ParallelDims, cfg: Config, pp_rank: int) -> float:
     """Bytes saved on a rank up to its first backward (what `SavedActivations` measures): the
     forwards its stages ran by then (schedules.forwards_held), each saving what activations.py's
-    census says, with the weight casts or norm copies of its precision, and the token ids and
-    targets."""
+    census says for the rank's tokens (seq/cp of each sequence under CP), with the weight casts or
+    norm copies of its precision, and the token ids and targets."""
     shape, layout = from_args(args), run_layout(args, dims, cfg)
-    v = layout.pp_virtual_stages
+    v, seq = layout.pp_virtual_stages, layout.seq_len // dims.cp
     counts = stage_layer_counts(args.n_layers, dims.pp * v, cfg.parallel.pp_fewer_edge_layers)
     held = forwards_held(layout.pp_schedule, dims.pp, v, layout.num_microbatches, pp_rank)
-    total = held_bytes(shape, held, counts, layout.micro_batch * layout.seq_len, cfg.train.precision,
+    total = held_bytes(shape, held, counts, layout.micro_batch * seq, cfg.train.precision,
                        layout.recompute, dims.tp, layout.sequence_parallel, fsdp_gathers(layout))
     # A pipeline chunks the whole local batch into views of one storage: ids and targets count whole.
-    ids = 8 * layout.seq_len * (layout.micro_batch * layout.num_microbatches if dims.pp > 1 else layout.micro_batch)
+    ids = 8 * seq * (layout.micro_batch * layout.num_microbatches if dims.pp > 1 else layout.micro_batch)
     return total + ids * ((0 in held) + (len(counts) - 1 in held))
 
 
@@ -75,239 +62,6 @@ def microbatch_activations(args: ModelArgs, dims: ParallelDims, cfg: Config, pp_
     return sum(stage_bytes(shape, counts[s], s == len(counts) - 1, layout.micro_batch * layout.seq_len,
                            cfg.train.precision, cfg.train.recompute, dims.tp,
                            layout.sequence_parallel) for s in held)
-
-
-def predict_collectives(args: ModelArgs, dims: ParallelDims, cfg: Config, pp_rank: int) -> dict[str, float]:
-    """Payload bytes per collective and mesh axis in one accounted step, for the layouts whose
-    traffic is modelled exactly on CPU (gloo): DDP and ZeRO-1, FSDP (ZeRO 2 and 3, any precision)
-    and HSDP, TP with or without SP in fp32, and single-stage pipelines without recomputation;
-    every other layout is estimated (estimate_collectives). Keys as in the accounting
-    ('dp_shard/all_gather_bytes'). gloo
-    specifics: FSDP2 reduces gradients with an all-reduce (gloo has no reduce-scatter); the
-    gradient norm all-reduces one fp32 scalar per sharded parameter tensor (DTensor's per-tensor
-    norms) or one per pipeline (the squared total over 'pp'); fp16 agrees on overflows with one
-    fp32 scalar per optimizer over the world (on the axis that spans it, if one does)."""
-    return collectives(args, dims, cfg, pp_rank)[0]
-
-
-def collectives(args: ModelArgs, dims: ParallelDims, cfg: Config, pp_rank: int,
-                gloo: bool = True) -> tuple[dict[str, float], bool]:
-    """(predict_collectives' bytes, whether they are exact rather than estimated). These are the
-    bytes gloo's flight recorder logs: it has no reduce-scatter (it all-reduces the same tensor)
-    and logs tensor parallelism's all-gathers by their input. Without `gloo` (NCCL, or a dry
-    run's fake process group, which log every collective as the code issues it), the
-    reduce-scatters are reduce-scatters and an all-gather counts what it gathers, tp times."""
-    exact = _predict_collectives(args, dims, cfg, pp_rank)
-    out = exact or estimate_collectives(args, dims, cfg, pp_rank)
-    if out and cfg.train.precision == "fp16" and dims.world_size > 1:
-        world = next((a for a, n in dims.degrees.items() if n == dims.world_size), "world")
-        parts = len(forwards_held(cfg.parallel.pp_schedule, dims.pp, cfg.parallel.pp_virtual_stages
-                                  if dims.pp > 1 else 1, 1, pp_rank))
-        out[f"{world}/all_reduce_bytes"] = out.get(f"{world}/all_reduce_bytes", 0.0) + 4.0 * parts
-    if not gloo:
-        if "tp/all_gather_bytes" in out:
-            out["tp/all_gather_bytes"] *= dims.tp
-        for axis, moved in reduce_scattered(args, dims, cfg, pp_rank).items():
-            out[f"{axis}/all_reduce_bytes"] -= moved
-            out[f"{axis}/reduce_scatter_bytes"] = moved
-            if not out[f"{axis}/all_reduce_bytes"]:
-                del out[f"{axis}/all_reduce_bytes"]
-    return out, bool(exact)
-
-
-def reduce_scattered(args: ModelArgs, dims: ParallelDims, cfg: Config, pp_rank: int) -> dict[str, float]:
-    """Bytes per axis of the reductions the code issues as reduce-scatters: FSDP's gradients
-    (ZeRO 2 and 3, per sync: every micro-batch, or once per step under a pipeline), and under
-    sequence parallelism every activation reduction of tensor parallelism (the output of wo and
-    w2 forward, the embedding's forward, the head input's backward, one more per recomputed
-    block). gloo has no reduce-scatter: it all-reduces the same tensors, and the predictions above
-    count them as all-reduces."""
-    p = cfg.parallel
-    layout = run_layout(args, dims, cfg)
-    m, v = layout.num_microbatches, layout.pp_virtual_stages
-    parts = rank_stage_shapes(from_args(args), dims.pp, v, p.pp_schedule, p.pp_fewer_edge_layers, pp_rank)
-    shapes = {name: s for part in parts for name, s in part.items()}
-    out: dict[str, float] = {}
-    if p.zero_stage in (2, 3) and dims.dp_shard > 1:
-        out["dp_shard"] = (1 if dims.pp > 1 else m) * sum(fsdp_padded(shapes, dims).values())
-    if dims.tp > 1 and p.sequence_parallel:
-        stages = list(forwards_held(layout.pp_schedule, dims.pp, v, m, pp_rank)) if dims.pp > 1 else [0]
-        first, last = 0 in stages, dims.pp * v - 1 in stages
-        blocks = len({name.split(".")[1] for name in shapes if name.startswith("layers.")})
-        again = blocks if cfg.train.recompute != "none" else 0
-        reduced = tp_activation_traffic(blocks, first, last, again, cfg.train.precision, dims.dp > 1)[0]
-        out["tp"] = m * reduced * 4 * layout.micro_batch * layout.seq_len * args.dim
-    return out
-
-
-def _predict_collectives(args: ModelArgs, dims: ParallelDims, cfg: Config, pp_rank: int) -> dict[str, float]:
-    t, p = cfg.train, cfg.parallel
-    recomputed = t.recompute != "none"
-    seq, mb, m = cfg.data.seq_len, t.micro_batch, cfg.microbatches(dims.dp)
-    parts = rank_stage_shapes(from_args(args), dims.pp, p.pp_virtual_stages, p.pp_schedule,
-                              p.pp_fewer_edge_layers, pp_rank)
-    shapes = {name: s for part in parts for name, s in part.items()}
-    total = 4 * sum(numel(s) for s in shapes.values())
-    once = 4 * sum(numel(shapes[n]) for names in gathered_once(shapes, args.tie_embeddings) for n in names)
-    only = lambda *axes: all(getattr(dims, a) == 1 for a in ("tp", "pp", "dp_replicate", "dp_shard", "cp")
-                             if a not in axes)
-    activation = 4 * mb * seq * args.dim
-    if p.zero_stage in (0, 1) and only("dp_replicate"):  # ZeRO-1 broadcasts after the step
-        return {"dp_replicate/all_reduce_bytes": total}
-    if p.zero_stage in (2, 3) and only("dp_shard", "dp_replicate") and dims.dp_shard > 1:
-        # ZeRO-2 gathers every unit once per micro-batch; ZeRO-3 again in backward, except the
-        # last block and the head, which stay gathered, and the embedding (gathered_once). Under
-        # bf16 and fp16 the parameters are gathered in that dtype (2 bytes) and the gradients
-        # reduced in fp32. HSDP then all-reduces each micro-batch's gradient shard (FSDP2's padded
-        # chunks) over the replicas.
-        gathered = (total if p.zero_stage == 2 else 2 * total - once) * gather_bytes(t.precision) / 4
-        out = {"dp_shard/all_gather_bytes": m * gathered,
-               "dp_shard/all_reduce_bytes": m * total + 4 * len(shapes)}
-        if dims.dp_replicate > 1:
-            shard = 4 * sum(numel(fsdp_local(s, dims.dp_shard, 0)) for s in shapes.values())
-            out["dp_replicate/all_reduce_bytes"] = m * shard
-        return out
-    if only("tp") and dims.tp > 1 and t.precision == "fp32":
-        # Then one norm scalar per sharded tensor (7 per block and the head), and with SP the
-        # norms' weight gradients, partial per sequence shard, all-reduced once.
-        reduced, gathered = tp_activation_traffic(args.n_layers, True, True, args.n_layers if recomputed else 0,
-                                                  t.precision, False)
-        reduced = m * (reduced * activation + 3 * 4 * mb * seq) + 4 * (7 * args.n_layers + 1)
-        if not p.sequence_parallel:
-            return {"tp/all_reduce_bytes": reduced}
-        return {"tp/all_reduce_bytes": reduced + (2 * args.n_layers + 1) * 4 * args.dim,
-                "tp/all_gather_bytes": m * gathered * activation / dims.tp}
-    if only("pp") and dims.pp > 1 and schedule(p.pp_schedule).stages_per_rank == 1 and not recomputed:
-        first, last = pp_rank == 0, pp_rank == dims.pp - 1
-        return {"pp/all_reduce_bytes": 4.0, "pp/send_bytes": m * activation * ((not last) + (not first))}
-    return {}
-
-
-def tp_activation_traffic(blocks: int, first: bool, last: bool, again: int, precision: str,
-                          fsdp: bool) -> tuple[float, float]:
-    """(reductions, all-gathers) of tensor parallelism's activations per micro-batch over `blocks`
-    blocks, in B x T x dim fp32 activations (Megatron's f and g; Korthikanti et al. 2022 for SP).
-    Reductions: the outputs of wo and w2 forward, the gradients of their inputs' norms backward,
-    the embedding's output forward (first stage), the head input's gradient backward (last);
-    all-reduces, or with SP reduce-scatters. All-gathers (SP only): the norms' outputs forward
-    (2 per block, the final norm on the last stage) and, backward, the gradients of every
-    reduce-scatter's output (2 per block, the embedding's). Recomputation repeats a block's
-    forward up to its last reduction (torch's checkpoint stops once backward has what it needs):
-    one reduction and, with SP, both norms' all-gathers.
-    Under bf16 and fp16 autocast the matmul outputs move in 16 bits: wo's and w2's outputs
-    forward (and their recomputation) and their gradients backward, and, when FSDP gathers the
-    embedding in 16 bits (`fsdp`, data parallelism beside TP), its output and gradient too; the
-    rest stays fp32 (the residual stream and the norms are fp32)."""
-    h = 0.5 if precision in ("bf16", "fp16") else 1.0
-    embedding = first * (h if fsdp else 1.0)
-    reductions = 2 * blocks * h + 2 * blocks + embedding + last + again * h
-    gathers = 2 * blocks + last + 2 * again + 2 * blocks * h + embedding
-    return reductions, gathers
-
-
-def estimate_collectives(args: ModelArgs, dims: ParallelDims, cfg: Config, pp_rank: int) -> dict[str, float]:
-    """Payload bytes per collective and mesh axis for the layouts predict_collectives does not
-    model exactly (several parallel axes, or a pipeline with more than one stage per rank or with
-    recomputation): each axis's traffic over this rank's own stages, composed. Measured against the
-    accounting on 12 layouts of 4 ranks: most axes exact, a pipeline's SP all-gathers off by up to
-    13% (they move between its ranks), ZeRO-3's gathers on ZB-V's first rank by 19%. Per axis:
-    - tp: per micro-batch the activation traffic of the rank's blocks (tp_activation_traffic;
-      gloo logs the all-gathers at 1/tp) and loss_parallel's three values per token on the last
-      stage; with SP the norms' weight gradients once; one fp32 norm scalar per sharded tensor
-      (7 per block, the head);
-    - pp: each stage sends its output forward (unless last) and its input gradient back (unless
-      first), 1/tp of the activation under SP; one norm scalar;
-    - data parallelism: the rank's own (tensor-parallel) parameters, gradients reduced in fp32;
-      under a pipeline torch's stage syncs once per step, otherwise every micro-batch (FSDP2,
-      including its replicate for DDP with TP) or once (DDP's buckets), each tensor padded to a
-      multiple of dp_shard rows; ZeRO-2 gathers each unit once per sync, ZeRO-3 twice (but the
-      last block, the head and the embedding once without a pipeline; under GPipe and 1F1B once
-      per micro-batch and once more, the embedding once per micro-batch; everything once under
-      a split-backward schedule, whose stage gathers before its two passes).
-    Under bf16 and fp16, the part of tensor-parallel traffic that carries matmul outputs moves in
-    16 bits (tp_activation_traffic)."""
-    t, p = cfg.train, cfg.parallel
-    layout = run_layout(args, dims, cfg)
-    seq, mb, m, v = layout.seq_len, layout.micro_batch, layout.num_microbatches, layout.pp_virtual_stages
-    parts = rank_stage_shapes(from_args(args), dims.pp, v, p.pp_schedule, p.pp_fewer_edge_layers, pp_rank)
-    shapes = {name: s for part in parts for name, s in part.items()}
-    stages = list(forwards_held(layout.pp_schedule, dims.pp, v, m, pp_rank)) if dims.pp > 1 else [0]
-    first, last = 0 in stages, dims.pp * v - 1 in stages
-    blocks = len({name.split(".")[1] for name in shapes if name.startswith("layers.")})
-    activation, sp = 4 * mb * seq * args.dim, p.sequence_parallel and dims.tp > 1
-    again = blocks if t.recompute != "none" else 0
-    out: dict[str, float] = {}
-    if dims.tp > 1:
-        reduced, gathered = tp_activation_traffic(blocks, first, last, again, t.precision, dims.dp > 1)
-        norms = 2 * blocks + last
-        out["tp/all_reduce_bytes"] = (m * (reduced * activation + last * 3 * 4 * mb * seq) + 4 * (7 * blocks + last)
-                                      + sp * norms * 4 * args.dim)
-        if sp:
-            out["tp/all_gather_bytes"] = m * gathered * activation / dims.tp
-    if dims.pp > 1:
-        sends = sum((s < dims.pp * v - 1) + (s > 0) for s in stages)
-        out["pp/send_bytes"] = m * sends * activation / (dims.tp if sp else 1)
-        out["pp/all_reduce_bytes"] = 4.0
-    if dims.dp > 1:
-        out.update(dp_collectives(args, dims, cfg, layout, shapes))
-    return out
-
-
-def dp_collectives(args: ModelArgs, dims: ParallelDims, cfg: Config, layout: Layout,
-                   shapes: dict[str, tuple[int, ...]]) -> dict[str, float]:
-    """Data parallelism's part of estimate_collectives, over the rank's own parameter `shapes`."""
-    t, p, m = cfg.train, cfg.parallel, layout.num_microbatches
-    params = 4 * sum(numel(tp_local(name, s, dims.tp)) for name, s in shapes.items())
-    syncs = 1 if dims.pp > 1 else m
-    if p.zero_stage in (0, 1):
-        return {"dp_replicate/all_reduce_bytes": syncs * params if fsdp_gathers(layout) else params}
-    padded = fsdp_padded(shapes, dims)
-    params = sum(padded.values())
-    kept, forward = (sum(padded[name] for name in names) for names in gathered_once(shapes, args.tie_embeddings))
-    row = schedule(p.pp_schedule)
-    if p.zero_stage == 2:
-        gathered = syncs * params
-    elif dims.pp == 1:
-        gathered = m * (2 * params - kept - forward)
-    elif row.stages_per_rank == 1 and not row.split_backward:
-        # Every micro-batch's forward gathers the stage's units again (but its last block and
-        # head, which stay gathered), and the first backward once more (measured by dry runs of
-        # 70B and 405B layouts at 8 and 16 micro-batches, on the first and the last stage alike).
-        gathered = (m + 1) * (params - kept - forward) + kept + m * forward
-    else:  # under a split backward, the stage's own gathers serve both passes (SplitBackwardStage)
-        gathered = (1 if row.split_backward else 2) * params
-    # The gradients reduced, and one norm scalar per sharded tensor.
-    out = {"dp_shard/all_gather_bytes": gathered * gather_bytes(t.precision) / 4,
-           "dp_shard/all_reduce_bytes": syncs * params + 4 * len(shapes)}
-    if dims.dp_replicate > 1:
-        out["dp_replicate/all_reduce_bytes"] = syncs * params / dims.dp_shard
-    return out
-
-
-def gathered_once(shapes: dict[str, tuple[int, ...]], tie_embeddings: bool) -> tuple[list[str], list[str]]:
-    """ZeRO-3's exceptions to "gathered for forward, again for backward" among the rank's
-    parameters (parallel/data_parallel.apply_fsdp), as (kept, forward only): the units kept
-    gathered from their forward to their backward (the rank's last block, the final norm with the
-    head), and the embedding, whose backward reads only the token ids. A head tied to an embedding
-    on the same rank puts the two and the norm in the root unit, which is gathered twice."""
-    blocks = [int(name.split(".")[1]) for name in shapes if name.startswith("layers.")]
-    last = f"layers.{max(blocks)}." if blocks else None
-    tied = tie_embeddings and "tok_embeddings.weight" in shapes and "norm.weight" in shapes
-    head = () if tied else ("norm.weight", "output.weight")
-    kept = [name for name in shapes if (last and name.startswith(last)) or name in head]
-    return kept, [] if tied or "tok_embeddings.weight" not in shapes else ["tok_embeddings.weight"]
-
-
-def fsdp_padded(shapes: dict[str, tuple[int, ...]], dims: ParallelDims) -> dict[str, int]:
-    """fp32 bytes FSDP gathers and reduces per tensor of the rank's (tensor-parallel) parameters:
-    each padded to a multiple of dp_shard rows."""
-    return {name: 4 * dims.dp_shard * numel(fsdp_local(tp_local(name, s, dims.tp), dims.dp_shard, 0))
-            for name, s in shapes.items()}
-
-
-def gather_bytes(precision: str) -> int:
-    """Bytes per parameter element that FSDP all-gathers: the training dtype's."""
-    return 2 if precision in ("bf16", "fp16") else 4
 
 
 @dataclass

@@ -208,17 +208,34 @@ def pp_total_bytes_per_step(activation_bytes: float, pp: int, num_microbatches: 
     return (pp * virtual - 1) * 2 * num_microbatches * activation_bytes
 
 
+def ring_attention_payloads(tokens: int, kv_width: int, cp: int, act_bytes: int = 2, recompute: bool = False,
+                            rotate: str = "ring") -> dict[str, float]:
+    """Payload bytes one rank of a CP group issues per layer and micro-batch in gridtrain's ring
+    attention (parallel/context_parallel.py), by kind as the accounting logs them. Each rank
+    holds tokens/cp of the micro-batch's `tokens` (b x s); its keys and values, stacked at the
+    KV-head count, are kv = 2 x tokens/cp x kv_width x act_bytes; their gradients travel in fp32
+    (4/act_bytes x kv). Recomputation (full or selective) runs the forward, sends included, again.
+    - ring: each forward sends kv to the next rank cp-1 times; backward sends kv cp-1 times again
+      and its dK/dV accumulator cp times (after the last block it takes one more hop, home).
+    - allgather: each forward and the backward all-gather kv (logged by the gathered cp x kv);
+      backward's all-to-all hands every owner its cp gradient accumulators (cp x dKV in).
+    Worked example (ring, 8192 tokens, kv_width 1024, cp 4, bf16): kv = 8 MiB; 2 x 3 x 8 MiB +
+    4 x 16 MiB = 112 MiB per layer and micro-batch."""
+    if cp <= 1:
+        return {}
+    kv = 2 * tokens / cp * kv_width * act_bytes
+    grads, forwards = kv * 4 / act_bytes, 2 if recompute else 1
+    if rotate == "allgather":
+        return {"all_gather": (forwards + 1) * cp * kv, "all_to_all": cp * grads}
+    return {"send": (forwards + 1) * (cp - 1) * kv + cp * grads}
+
+
 def cp_bytes_per_layer(tokens: int, kv_width: int, cp: int, act_bytes: int = 2,
                        recompute: bool = False) -> float:
-    """Ring attention: each rank holds tokens/cp of the sequence and passes its K and V blocks
-    (2 x tokens/cp x kv_width x bytes) around the ring, cp-1 sends in forward; backward passes
-    K, V again and their gradients dK, dV (2 x (cp-1) more); full recomputation repeats forward.
+    """Bytes one rank puts on the wire per layer and micro-batch under ring attention
+    (ring_attention_payloads: every ring payload is a point-to-point send).
     `tokens` is the whole micro-batch (b x s)."""
-    if cp <= 1:
-        return 0.0
-    block = 2 * tokens / cp * kv_width * act_bytes
-    passes = 4 if recompute else 3
-    return passes * (cp - 1) * block
+    return ring_attention_payloads(tokens, kv_width, cp, act_bytes, recompute).get("send", 0.0)
 
 
 def ep_bytes_per_layer(tokens: int, hidden: int, top_k: int, ep: int, act_bytes: int = 2) -> float:
@@ -233,8 +250,8 @@ def ep_bytes_per_layer(tokens: int, hidden: int, top_k: int, ep: int, act_bytes:
 def bytes_per_step(shape: ModelShape, layout: Layout, rank: int = 0, state: StateBytes = StateBytes(),
                    act_bytes: int = 2) -> dict[str, float]:
     """Bytes one GPU on pipeline rank `rank` sends per optimizer step, by mesh axis, from the
-    per-axis functions above: 'dp' (stages 0/1: all-reduce over all DP ranks), or 'dp_shard' and
-    'dp_replicate' (stages 2/3, HSDP); 'tp' (4 or 6 all-reduces per layer per micro-batch);
+    per-axis functions above: 'dp' (stages 0/1: all-reduce over all DP ranks), or 'dp_shard' (under
+    CP 'dp_shard_cp', FSDP's dp_shard x cp ranks) and 'dp_replicate' (stages 2/3, HSDP); 'tp' (4 or 6 all-reduces per layer per micro-batch);
     'pp' (activation sends); 'cp' (KV blocks). Axes of degree 1 are left out."""
     params = rank_params(shape, layout, rank, rank_layers(shape, layout)[rank])
     weights, grads = params * state.compute, params * state.gradients
@@ -245,10 +262,12 @@ def bytes_per_step(shape: ModelShape, layout: Layout, rank: int = 0, state: Stat
     if layout.zero_stage in (0, 1) and layout.dp > 1:
         out["dp"] = dp_bytes_per_step(weights, layout.dp, layout.zero_stage, m, grads)
     elif layout.zero_stage in (2, 3):
-        if layout.dp_shard > 1:
-            out["dp_shard"] = dp_bytes_per_step(weights, layout.dp_shard, layout.zero_stage, m, grads)
+        shards = layout.zero_shard_degree  # dp_shard x cp: FSDP shards over the CP ranks too
+        if shards > 1:
+            out["dp_shard_cp" if layout.cp > 1 else "dp_shard"] = dp_bytes_per_step(
+                weights, shards, layout.zero_stage, m, grads)
         if layout.dp_replicate > 1:
-            out["dp_replicate"] = ring_all_reduce_bytes(grads / layout.dp_shard, layout.dp_replicate)
+            out["dp_replicate"] = ring_all_reduce_bytes(grads / shards, layout.dp_replicate)
     if layout.tp > 1:
         out["tp"] = layers * m * tp_bytes_per_layer(tokens // layout.cp, shape.hidden, layout.tp,
                                                     act_bytes, full)
@@ -257,7 +276,8 @@ def bytes_per_step(shape: ModelShape, layout: Layout, rank: int = 0, state: Stat
                                       act_bytes, layout.tp, layout.sequence_parallel)
     if layout.cp > 1:
         kv_width = kv_heads_per_rank(shape, layout.tp) * shape.head_dim
-        out["cp"] = layers * m * cp_bytes_per_layer(tokens, kv_width, layout.cp, act_bytes, full)
+        out["cp"] = layers * m * cp_bytes_per_layer(tokens, kv_width, layout.cp, act_bytes,
+                                                    layout.recompute != "none")
     return out
 
 

@@ -326,16 +326,20 @@ def rank_state(shape: ModelShape, layout: Layout, rank: int, state: StateBytes,
 def fsdp_gathers(layout: Layout) -> bool:
     """Whether gridtrain runs the layout's parameters through FSDP2, which gathers them in the
     compute dtype: ZeRO 2 and 3 over several data-parallel ranks, and ZeRO 0 (replication) once
-    tensor or pipeline parallelism is on (parallel/data_parallel.py)."""
-    return layout.dp > 1 and (layout.zero_stage in (2, 3) or (layout.zero_stage == 0 and (layout.tp > 1 or layout.pp > 1)))
+    tensor or pipeline parallelism is on (parallel/data_parallel.py). Under context parallelism FSDP
+    shards over dp_shard x cp, so it runs with one data-parallel rank too."""
+    if layout.zero_stage in (2, 3):
+        return layout.zero_shard_degree * layout.dp_replicate > 1
+    return layout.dp > 1 and layout.zero_stage == 0 and (layout.tp > 1 or layout.pp > 1)
 
 
-def gathered_bytes_per_param(zero_stage: int, dp_shard: int, state: StateBytes) -> float:
+def gathered_bytes_per_param(zero_stage: int, shards: int, state: StateBytes) -> float:
     """Bytes per parameter of the unsharded copies ZeRO-2 keeps from forward to backward. gridtrain
     shards a ZeRO-2 model at rest too (FSDP2 without resharding after forward): every block's
     parameters are gathered once per step in the compute dtype and held until backward. In the
-    ZeRO paper's convention the weights are simply not sharded at stage 2 (model_state_bytes)."""
-    if state.exact and zero_stage == 2 and dp_shard > 1:
+    ZeRO paper's convention the weights are simply not sharded at stage 2 (model_state_bytes).
+    `shards`: the ranks FSDP shards over (Layout.zero_shard_degree)."""
+    if state.exact and zero_stage == 2 and shards > 1:
         return state.compute
     return 0.0
 
@@ -347,20 +351,26 @@ def buffer_bytes(shape: ModelShape, layout: Layout, state: StateBytes, act_bytes
       next one prefetched, and one block's unsharded gradients before their reduce-scatter;
       ZeRO-2: the gradients only;
     - DDP and ZeRO-1: two gradient buckets (one reducing while the next fills; torch's 25 MiB);
-    - pipeline: a send and a receive buffer of one activation."""
+    - pipeline: a send and a receive buffer of one activation;
+    - context parallelism (ring attention): one layer's keys and values in flight, the rank's own
+      and the next (2 kv, kv = 2 x tokens/cp x kv_width x bytes), and in backward the fp32 dK/dV
+      accumulator being passed on and the one arriving (2 x 4/bytes x kv)."""
     t, h = layout.tp, shape.hidden
     kv_width = kv_heads_per_rank(shape, t) * shape.head_dim
     block = 2 * h * h / t + 2 * h * kv_width + (3 if shape.block == "llama" else 2) * h * shape.ffn / t
     out = 0.0
-    if layout.zero_stage == 3 and layout.dp_shard > 1:
+    if layout.zero_stage == 3 and layout.zero_shard_degree > 1:
         out += 2 * block * state.compute + block * state.gradients
-    elif layout.zero_stage == 2 and layout.dp_shard > 1:
+    elif layout.zero_stage == 2 and layout.zero_shard_degree > 1:
         out += block * state.gradients
     elif layout.dp > 1:
         out += 2 * ddp_bucket_bytes
     if layout.pp > 1:
         tokens = layout.tokens_per_microbatch / layout.cp
         out += 2 * tokens * h * act_bytes / (t if layout.sequence_parallel else 1)
+    if layout.cp > 1:
+        kv = 2 * layout.tokens_per_microbatch / layout.cp * kv_width * act_bytes
+        out += 2 * kv + 2 * kv * 4 / act_bytes
     return out
 
 
@@ -368,7 +378,7 @@ def rank_memory(shape: ModelShape, layout: Layout, state: StateBytes = StateByte
                 act_bytes: int = 2, ranks: tuple[int, ...] | None = None) -> list[RankMemory]:
     """Peak bytes per bucket on each pipeline rank (only on `ranks` when given)."""
     buffers = buffer_bytes(shape, layout, state, act_bytes)
-    gathered = gathered_bytes_per_param(layout.zero_stage, layout.dp_shard, state)
+    gathered = gathered_bytes_per_param(layout.zero_stage, layout.zero_shard_degree, state)
     out = []
     for rank, layers, acts in probe_activations(shape, layout, act_bytes, ranks):
         ms = rank_state(shape, layout, rank, state)

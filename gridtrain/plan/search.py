@@ -139,13 +139,13 @@ def tp_options(problem: Problem, c: Constraints) -> list[int]:
 
 
 def cp_options(problem: Problem, c: Constraints) -> list[int]:
-    """Powers of two that split the sequence into 2 cp chunks (zig-zag) of 512 tokens or more
-    (1,024 per rank: below that ring attention's blocks are too small to hide their sends)."""
-    opts = [cp for cp in (1, 2, 4, 8, 16, 32, 64)
+    """CP degrees: a fixed one (`--layout cp=N`) when 2 x N divides the sequence (the runtime's
+    zig-zag split), else the powers of two that leave 1,024 tokens or more per rank (below that
+    ring attention's blocks are too small to hide their sends)."""
+    if c.cp is not None:
+        return [c.cp] if c.cp == 1 or (c.cp > 1 and problem.seq_len % (2 * c.cp) == 0) else []
+    return [cp for cp in (1, 2, 4, 8, 16, 32, 64)
             if cp == 1 or (problem.seq_len % (2 * cp) == 0 and problem.seq_len // cp >= 1024)]
-    if problem.filters_runnable:  # gridtrain's runtime has no context parallelism yet
-        opts = [1]
-    return [cp for cp in opts if c.cp is None or c.cp == cp]
 
 
 def pp_options(problem: Problem, c: Constraints, tp: int, cp: int) -> list[int]:
@@ -183,14 +183,18 @@ def schedule_options(pp: int, num_layers: int, m: int, c: Constraints) -> list[t
 
 
 @functools.lru_cache(maxsize=1024)
-def zero_options(dp: int, c: Constraints) -> tuple[tuple[int, int, int], ...]:
+def zero_options(dp: int, c: Constraints, cp: int = 1) -> tuple[tuple[int, int, int], ...]:
     """(stage, dp_replicate, dp_shard): stages 0 and 1 over all of DP, stages 2 and 3 sharded over
-    dp_shard ranks (every power-of-two split, and all of dp) and replicated over the rest (HSDP)."""
+    dp_shard ranks (every power-of-two split, and all of dp) and replicated over the rest (HSDP).
+    Under context parallelism FSDP shards over dp_shard x cp, so stages 2 and 3 also come with
+    dp_shard 1 (sharded over the CP ranks alone)."""
     if dp == 1:
         out = [(0, 1, 1)]
     else:
         shards = sorted({s for s in _divisors(dp) if s > 1 and (s & (s - 1) == 0 or s == dp)})
         out = [(0, dp, 1), (1, dp, 1)] + [(z, dp // s, s) for z in (2, 3) for s in shards]
+    if cp > 1:
+        out += [(z, dp, 1) for z in (2, 3)]
     return tuple((z, r, s) for z, r, s in out if (c.zero_stage is None or c.zero_stage == z)
                  and (c.dp_shard is None or c.dp_shard == s))
 
@@ -259,11 +263,11 @@ def exact_memory(problem: Problem, layout: Layout) -> RankMemory:
     return peak_rank(rank_memory(problem.shape, layout, problem.state, problem.act_bytes))
 
 
-def _buffer_class(zero: tuple[int, int, int]) -> int:
+def _buffer_class(zero: tuple[int, int, int], cp: int = 1) -> int:
     """ZeRO variants whose communication buffers (memory.buffer_bytes) are alike: 3 and 2 when
-    sharded over more than one rank, 0 otherwise."""
+    sharded over more than one rank (dp_shard x cp), 0 otherwise."""
     stage, _, shard = zero
-    return stage if stage in (2, 3) and shard > 1 else 0
+    return stage if stage in (2, 3) and shard * cp > 1 else 0
 
 
 @dataclass(order=True)
@@ -285,26 +289,26 @@ class _Core:
         stage, _, shard = zero
         degree = 1 if stage == 0 else (self.layout.dp if stage == 1 else shard * self.layout.cp)  # Layout.zero_shard_degree
         per_param = state_bytes_per_param(stage, degree, problem.state)
-        per_param += gathered_bytes_per_param(stage, shard, problem.state)
-        return max(p * per_param + a for p, a in self.probes) + self.buffers[_buffer_class(zero)]
+        per_param += gathered_bytes_per_param(stage, degree, problem.state)
+        return max(p * per_param + a for p, a in self.probes) + self.buffers[_buffer_class(zero, self.layout.cp)]
 
 
 def _make_core(problem: Problem, index: int, layout: Layout, zeros: tuple[tuple[int, int, int], ...]) -> _Core:
     # Activations depend on the ZeRO variant only through FSDP (16-bit weights arrive gathered, so
     # autocast saves no casts of them): probe with FSDP when any variant has it, for a lower bound.
-    lean = replace(layout, zero_stage=3, dp_replicate=1, dp_shard=layout.dp) if layout.dp > 1 else layout
+    lean = replace(layout, zero_stage=3, dp_replicate=1, dp_shard=layout.dp) if layout.dp * layout.cp > 1 else layout
     pairs = [(rank_params(problem.shape, layout, r, layers), acts) for r, layers, acts in
              probe_activations(problem.shape, lean, problem.act_bytes, (0, layout.pp - 1))]
     buffers = {cls: _buffers(problem, layout.tp, layout.cp, layout.pp, layout.micro_batch, z)
-               for cls, z in _class_representatives(zeros).items()}
+               for cls, z in _class_representatives(zeros, layout.cp).items()}
     return _Core(0.0, index, layout, None, zeros, pairs, buffers)  # type: ignore[arg-type]
 
 
 @functools.lru_cache(maxsize=256)
-def _class_representatives(zeros: tuple[tuple[int, int, int], ...]) -> dict[int, tuple[int, int, int]]:
+def _class_representatives(zeros: tuple[tuple[int, int, int], ...], cp: int) -> dict[int, tuple[int, int, int]]:
     out: dict[int, tuple[int, int, int]] = {}
     for z in zeros:
-        out.setdefault(_buffer_class(z), z)
+        out.setdefault(_buffer_class(z, cp), z)
     return out
 
 
@@ -334,9 +338,11 @@ def _bounded_cores(problem: Problem, c: Constraints, fams: list[Family]) -> tupl
     out: list[_Core] = []
     leanest, least = None, float("inf")
     for fam in fams:
-        zeros = zero_options(fam.dp, c)
+        zeros = zero_options(fam.dp, c, fam.cp)
         if problem.filters_runnable and (fam.tp > 1 or fam.pp > 1):  # ZeRO-1 runs without TP and PP only
             zeros = tuple(z for z in zeros if z[0] != 1)
+        if problem.filters_runnable and fam.cp > 1:  # CP's gradients are summed by FSDP (ZeRO 2, 3)
+            zeros = tuple(z for z in zeros if z[0] >= 2)
         for b in fam.micro_batches if zeros else ():
             layout = fam.layout(problem, b)
             core = _make_core(problem, len(out), layout, zeros)
@@ -356,7 +362,7 @@ def _bounded_cores(problem: Problem, c: Constraints, fams: list[Family]) -> tupl
 def search(problem: Problem, constraints: Constraints = Constraints(), top: int = 10) -> SearchResult:
     """The `top` fastest layouts that fit, by branch and bound over the cores (module docstring)."""
     fams = families(problem, constraints)
-    enumerated = sum(len(f.micro_batches) * len(zero_options(f.dp, constraints)) for f in fams)
+    enumerated = sum(len(f.micro_batches) * len(zero_options(f.dp, constraints, f.cp)) for f in fams)
     bounded, leanest = _bounded_cores(problem, constraints, fams)
     best: list[tuple[float, int, Candidate]] = []  # max-heap by step time (negated)
     evaluated, refused, serial = 0, 0, itertools.count()

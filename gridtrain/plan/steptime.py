@@ -133,12 +133,16 @@ def layer_cost(shape: ModelShape, cluster: ClusterSpec, eff: Efficiency, seq_len
         tp_s = count * placement.all_reduce_time(tokens * shape.hidden * act_bytes, levels)
     cp_s = 0.0
     if cp > 1:
+        # The ring's messages (comm.ring_attention_payloads): keys and values, (1 + forwards) x
+        # (cp - 1) of them, and cp fp32 gradient accumulators; what the attention core's compute
+        # does not hide is exposed.
         kv_width = kv_heads_per_rank(shape, tp) * shape.head_dim
-        block = 2 * tokens * kv_width * act_bytes
-        send = placement.p2p_time(block, cluster, cp, tp, eff.intra_node, eff.inter_node)
-        passes = 4 if recompute == "full" else 3
+        kv = 2 * tokens * kv_width * act_bytes
+        forwards = 1 if recompute == "none" else 2
+        send = lambda size: placement.p2p_time(size, cluster, cp, tp, eff.intra_node, eff.inter_node)  # noqa: E731
+        sends = (forwards + 1) * (cp - 1) * send(kv) + cp * send(kv * 4 / act_bytes)
         attn_core = 12 * shape.hidden * seq_len * tokens / tp / (acc.peak_flops * eff.matmul)
-        cp_s = max(0.0, passes * (cp - 1) * send - attn_core)
+        cp_s = max(0.0, sends - attn_core)
     fwd = 1 + (1 if recompute == "full" else 0)
     return LayerCost(matmul_s, memory_bound_s, eff.layer_overhead_s, tp_s, cp_s, 1 - 1 / (fwd + 2))
 
@@ -266,8 +270,9 @@ def pipeline_time(shape: ModelShape, layout: Layout, cluster: ClusterSpec, eff: 
 def grad_levels(layout: Layout, cluster: ClusterSpec, eff: Efficiency) -> tuple[
         tuple[placement.Level, ...], tuple[placement.Level, ...]]:
     """(shard levels, replicate levels) of the gradient reduction. Context-parallel ranks hold the
-    same weights, so their gradients are summed too: the cp axis joins the replicate side (all of
-    DP under ZeRO 0/1, dp_replicate under HSDP), innermost."""
+    same weights, so their gradients are summed too: under ZeRO 2/3 FSDP shards over dp_shard x cp
+    (as gridtrain's runtime and torchtitan do; the cp axis innermost), under ZeRO 0/1 the cp axis
+    joins the all-reduce over DP."""
     cp = placement.axis_levels(cluster, layout.cp, layout.tp, eff.intra_node, eff.inter_node)
     inner = layout.tp * layout.cp * layout.pp
     if layout.zero_stage in (0, 1):
@@ -275,7 +280,7 @@ def grad_levels(layout: Layout, cluster: ClusterSpec, eff: Efficiency) -> tuple[
     shard = placement.axis_levels(cluster, layout.dp_shard, inner, eff.intra_node, eff.inter_node)
     rep = placement.axis_levels(cluster, layout.dp_replicate, inner * layout.dp_shard,
                                 eff.intra_node, eff.inter_node)
-    return shard, cp + rep
+    return cp + shard, rep
 
 
 def dp_time(shape: ModelShape, layout: Layout, cluster: ClusterSpec, eff: Efficiency, pt: PipelineTime,
@@ -284,8 +289,8 @@ def dp_time(shape: ModelShape, layout: Layout, cluster: ClusterSpec, eff: Effici
     whose P parameters (this pipeline rank's, 1/tp of each matrix) weigh G = P x gradient bytes
     and W = P x weight bytes. ZeRO 0/1: one all-reduce of G over cp x dp. ZeRO 2: a
     reduce-scatter of G over dp_shard per micro-batch, an all-gather of W once. ZeRO 3: per
-    micro-batch two all-gathers of W and a reduce-scatter of G over dp_shard. ZeRO 2/3 add an
-    all-reduce of G / dp_shard over cp x dp_replicate (HSDP)."""
+    micro-batch two all-gathers of W and a reduce-scatter of G over dp_shard (x cp). ZeRO 2/3 add
+    an all-reduce of the shard G / (dp_shard x cp) over dp_replicate (HSDP)."""
     if layout.dp * layout.cp == 1:
         return 0.0, 0.0
     params = rank_params(shape, layout, pt.critical_rank, pt.layers)
@@ -299,7 +304,7 @@ def dp_time(shape: ModelShape, layout: Layout, cluster: ClusterSpec, eff: Effici
         return overlapped(total, backward, chunks), total
     rs = placement.reduce_scatter_time(grads, shard)
     ag = placement.all_gather_time(weights, shard)
-    ar = placement.all_reduce_time(grads / layout.dp_shard, rep)
+    ar = placement.all_reduce_time(grads / layout.zero_shard_degree, rep)
     if layout.zero_stage == 2:
         exposed = (m - 1) * overlapped(rs, backward, chunks) + overlapped(rs + ar, backward, chunks)
         return exposed + overlapped(ag, forward, chunks), m * rs + ag + ar

@@ -30,7 +30,7 @@ class StepAccount:
     @contextlib.contextmanager
     def forward_backward(self) -> Iterator[None]:
         """Around the step's forward and backward: the activations saved for backward, the
-        gradients it leaves, the bytes the pipeline sends."""
+        gradients it leaves, the bytes the pipeline and the CP ring send."""
         if not self.active:
             yield
             return
@@ -38,14 +38,14 @@ class StepAccount:
         meter = SavedActivations(self.pmodel.parameters(), [b for part in parts for b in part.buffers()], parts)
         if self.comm_log:
             self.comm_log.start()
-        traffic = self.pmodel.traffic
-        sent = traffic.send_bytes if traffic else 0
+        counters = {"pp": self.pmodel.traffic, "cp": self.pmodel.ring_traffic}
+        sent = {axis: counter.send_bytes for axis, counter in counters.items() if counter}
         with meter:
             yield
         self.record = {"memory/gradients_bytes": float(grad_bytes(self.pmodel.parameters())),
                        "memory/activations_bytes": float(meter.bytes)}
-        if traffic:
-            self.record["comm/pp/send_bytes"] = float(traffic.send_bytes - sent)
+        for axis, before in sent.items():
+            self.record[f"comm/{axis}/send_bytes"] = float(counters[axis].send_bytes - before)
 
     def collectives_done(self) -> None:
         """The step's training collectives end here (a loss average after it is reporting)."""

@@ -184,9 +184,9 @@ def check_constraints(problem: Problem, c: Constraints) -> list[str]:
         out.append(f"tp={c.tp} cannot split this model on {g}-GPU nodes: tp must divide the node ({g}), "
                    f"the {s.num_heads} query heads and the MLP width {s.ffn}, and divide or be divided by "
                    f"the {s.num_kv_heads} KV heads; choose tp among {tp_options(problem, free)}")
-    if c.cp is not None and c.cp not in cp_options(problem, free):
-        out.append(f"cp={c.cp} must be a power of two leaving at least 1,024 tokens of the "
-                   f"{problem.seq_len:,}-token sequence per rank: choose among {cp_options(problem, free)}")
+    if c.cp is not None and not cp_options(problem, c):
+        out.append(f"cp={c.cp} must cut the {problem.seq_len:,}-token sequence into 2 x cp equal chunks: "
+                   f"choose cp dividing {problem.seq_len // 2:,} (the search tries {cp_options(problem, free)})")
     if c.pp is not None and c.pp > s.num_layers:
         out.append(f"pp={c.pp} exceeds the model's {s.num_layers} layers: choose pp <= {s.num_layers}")
     out += _product_problems(problem, c)
