@@ -9,6 +9,8 @@ Steps alternate between the two in rounds so drift in the machine affects both a
 
     python bench/bench_step.py                 # all shapes
     python bench/bench_step.py --shape m26     # the ~26M model in bf16
+    python bench/bench_step.py --shape m26 --attention blockwise --chunks 2   # gridtrain's side
+        attends by blockwise causal attention (gridtrain.model.blockwise) instead of SDPA
 
 Reports tokens/s of both (median over steps), their ratio, achieved FLOP/s (model FLOPs:
 6N + 12 L H Q T per token) and MFU against the peak measured by `gridtrain calibrate`.
@@ -22,6 +24,7 @@ import math
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -31,6 +34,8 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gridtrain.config_load import load_config  # noqa: E402
+from gridtrain.model.blockwise import blockwise_causal_attention  # noqa: E402
+from gridtrain.model.llama import Attention  # noqa: E402
 from gridtrain.train.calibrate import cpu_peak_flops  # noqa: E402
 from gridtrain.train.trainer import Trainer  # noqa: E402
 
@@ -108,20 +113,26 @@ def plain_step(model: nn.Module, opt: torch.optim.Optimizer, batch: torch.Tensor
     return loss.item()
 
 
-def bench_trainer(name: str) -> Trainer:
-    """gridtrain's trainer on a shape, as users run it, with one micro-batch per step."""
+def bench_trainer(name: str, chunks: int = 0) -> Trainer:
+    """gridtrain's trainer on a shape, as users run it, with one micro-batch per step; with
+    `chunks`, attending by blockwise causal attention in that many chunks."""
     preset, seq, batch, precision = SHAPES[name]
     cfg = load_config(None, {
         "model.preset": preset, "data.seq_len": seq, "train.micro_batch": batch,
         "train.global_batch": batch, "train.precision": precision, "train.steps": 10**6,
         "train.warmup_steps": 10, "train.val_every": 0,
         "run_dir": "/tmp/gridtrain-bench"})
-    return Trainer(cfg)
+    trainer = Trainer(cfg)
+    if chunks:
+        for module in trainer.model.modules():
+            if isinstance(module, Attention):
+                module.core = partial(blockwise_causal_attention, chunks=chunks)
+    return trainer
 
 
-def bench_shape(name: str, rounds: int, steps_per_round: int, warmup: int) -> dict[str, float]:
+def bench_shape(name: str, rounds: int, steps_per_round: int, warmup: int, chunks: int = 0) -> dict[str, float]:
     _, seq, batch, precision = SHAPES[name]
-    trainer = bench_trainer(name)
+    trainer = bench_trainer(name, chunks)
     a = trainer.args
     torch.manual_seed(0)
     plain = PlainLlama(a.vocab_size, a.dim, a.n_layers, a.n_heads, a.n_kv_heads, a.hidden_dim, seq)
@@ -149,10 +160,11 @@ def bench_shape(name: str, rounds: int, steps_per_round: int, warmup: int) -> di
             "gridtrain_GFLOPs": trainer.flops_per_token * ours_tps / 1e9,
             "gridtrain_mfu_pct": 100 * trainer.flops_per_token * ours_tps / peak,
             "plain_mfu_pct": 100 * trainer.flops_per_token * plain_tps / peak,
-            "peak_GFLOPs": peak / 1e9, "threads": torch.get_num_threads()}
+            "peak_GFLOPs": peak / 1e9, "threads": torch.get_num_threads(),
+            "attention": f"blockwise {chunks} chunks" if chunks else "sdpa"}
 
 
-def profile_breakdown(name: str) -> dict[str, float]:
+def profile_breakdown(name: str, chunks: int = 0) -> dict[str, float]:
     """Seconds of one gridtrain step by kind of op (self CPU time): matmuls, attention, the rest.
 
     Shows where the time goes that MFU does not credit: the attention kernel's share, and the
@@ -161,7 +173,7 @@ def profile_breakdown(name: str) -> dict[str, float]:
     from torch.profiler import ProfilerActivity, profile
 
     _, seq, batch, precision = SHAPES[name]
-    trainer = bench_trainer(name)
+    trainer = bench_trainer(name, chunks)
     for _ in range(3):
         trainer.train_step()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -189,20 +201,24 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help="steps per side per round")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--attention", choices=["sdpa", "blockwise"], default="sdpa",
+                        help="gridtrain's side: torch's causal SDPA or blockwise causal attention")
+    parser.add_argument("--chunks", type=int, default=2, help="with --attention blockwise: chunks per sequence")
     parser.add_argument("--profile", action="store_true",
                         help="also split one gridtrain step into matmul, attention and other time")
     args = parser.parse_args()
     names = list(SHAPES) if args.shape == "all" else [args.shape]
-    results = [bench_shape(n, args.rounds, args.steps, args.warmup) for n in names]
+    chunks = args.chunks if args.attention == "blockwise" else 0
+    results = [bench_shape(n, args.rounds, args.steps, args.warmup, chunks) for n in names]
     print(f"{'shape':<6} {'params':>8} {'prec':<5} {'gridtrain tok/s':>16} {'plain tok/s':>12} "
           f"{'ratio':>6} {'GFLOP/s':>8} {'MFU':>6} {'peak GFLOP/s':>13}")
     for r in results:
         print(f"{r['shape']:<6} {r['params_M']:>7.1f}M {r['precision']:<5} {r['gridtrain_tokens_per_s']:>16,.0f} "
               f"{r['plain_tokens_per_s']:>12,.0f} {r['ratio']:>6.3f} {r['gridtrain_GFLOPs']:>8.1f} "
-              f"{r['gridtrain_mfu_pct']:>5.1f}% {r['peak_GFLOPs']:>13.1f}")
+              f"{r['gridtrain_mfu_pct']:>5.1f}% {r['peak_GFLOPs']:>13.1f}  attention {r['attention']}")
     if args.profile:
         for name in names:
-            k = profile_breakdown(name)
+            k = profile_breakdown(name, chunks)
             total = k["matmul"] + k["attention"] + k["other"]
             print(f"{name}: step {total * 1e3:.0f} ms = matmul {k['matmul'] * 1e3:.0f} ms "
                   f"({k['matmul_GFLOPs']:.0f} GFLOP/s, {100 * k['matmul_GFLOPs'] / k['peak_GFLOPs']:.0f}% "

@@ -61,6 +61,21 @@ def block_bytes_per_token(shape: ModelShape, precision: str, recompute: str, tp:
     return replicated + sequence / (tp if sequence_parallel else 1) + heads / tp
 
 
+def ring_selective_bytes_per_token(shape: ModelShape, precision: str, recompute: str, tp: int, cp: int,
+                                   cp_rank: int) -> float:
+    """What selective recomputation keeps of ring attention beyond the census, per local token and
+    block: its policy saves every fused-kernel output, and the ring calls the kernel once per block
+    of query and key chunks, (cp + cp_rank + 2) chunk-rows of output and log-sum-exp for the rank's
+    2 chunks (parallel/context_parallel.py: query chunk r sees r earlier chunks and its own, chunk
+    2cp-1-r one run of chunks per other rank, and its own pair as two), where SDPA's one call keeps
+    one: (cp + cp_rank) / 2 outputs (h wide, in the training dtype; 1/tp of the heads) and
+    log-sum-exps (one fp32 per query head) more."""
+    if cp == 1 or recompute != "selective":
+        return 0.0
+    out = (4 if precision == "fp32" else 2) * shape.hidden + 4 * shape.num_heads
+    return (cp + cp_rank) / 2 * out / tp
+
+
 def head_bytes_per_token(shape: ModelShape, precision: str, tp: int = 1, sequence_parallel: bool = False) -> float:
     """The last stage's final norm, head input and fp32 log-probabilities, per token (the loss's
     4 bytes a micro-batch aside)."""

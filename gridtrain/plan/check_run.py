@@ -19,7 +19,7 @@ from gridtrain.config import Config
 from gridtrain.layout.dims import ParallelDims, stage_layer_counts
 from gridtrain.layout.schedules import forwards_held
 from gridtrain.model.args import ModelArgs
-from gridtrain.plan.activations import held_bytes, stage_bytes
+from gridtrain.plan.activations import held_bytes, ring_selective_bytes_per_token, stage_bytes
 from gridtrain.plan.machine import cached_entry
 from gridtrain.plan.memory import STATE_BUCKETS, StateBytes, fsdp_gathers, rank_state
 from gridtrain.plan.run_collectives import collectives, predict_collectives, run_layout
@@ -37,17 +37,20 @@ def predict_rank(args: ModelArgs, dims: ParallelDims, cfg: Config, rank: int) ->
     return {bucket: getattr(state, bucket) for bucket in STATE_BUCKETS}
 
 
-def predict_activations(args: ModelArgs, dims: ParallelDims, cfg: Config, pp_rank: int) -> float:
+def predict_activations(args: ModelArgs, dims: ParallelDims, cfg: Config, pp_rank: int, cp_rank: int = 0) -> float:
     """Bytes saved on a rank up to its first backward (what `SavedActivations` measures): the
     forwards its stages ran by then (schedules.forwards_held), each saving what activations.py's
-    census says for the rank's tokens (seq/cp of each sequence under CP), with the weight casts or
-    norm copies of its precision, and the token ids and targets."""
+    census says for the rank's tokens (seq/cp of each sequence under CP; with selective
+    recomputation, the ring's kernel outputs of CP rank `cp_rank`), with the weight casts or norm
+    copies of its precision, and the token ids and targets."""
     shape, layout = from_args(args), run_layout(args, dims, cfg)
     v, seq = layout.pp_virtual_stages, layout.seq_len // dims.cp
     counts = stage_layer_counts(args.n_layers, dims.pp * v, cfg.parallel.pp_fewer_edge_layers)
     held = forwards_held(layout.pp_schedule, dims.pp, v, layout.num_microbatches, pp_rank)
     total = held_bytes(shape, held, counts, layout.micro_batch * seq, cfg.train.precision,
                        layout.recompute, dims.tp, layout.sequence_parallel, fsdp_gathers(layout))
+    ring = ring_selective_bytes_per_token(shape, cfg.train.precision, layout.recompute, dims.tp, dims.cp, cp_rank)
+    total += ring * layout.micro_batch * seq * sum(n * counts[s] for s, n in held.items())
     # A pipeline chunks the whole local batch into views of one storage: ids and targets count whole.
     ids = 8 * seq * (layout.micro_batch * layout.num_microbatches if dims.pp > 1 else layout.micro_batch)
     return total + ids * ((0 in held) + (len(counts) - 1 in held))
@@ -88,8 +91,8 @@ def check_run(run_dir: Path) -> list[CheckRow]:
         predicted = predict_rank(args, dims, cfg, measured["rank"])
         for bucket in STATE_BUCKETS:
             rows.append(CheckRow(measured["rank"], bucket, predicted[bucket], measured[f"memory/{bucket}_bytes"]))
-        pp_rank = dims.coordinates(measured["rank"])["pp"]
-        acts = predict_activations(args, dims, cfg, pp_rank)
+        pp_rank, cp_rank = (dims.coordinates(measured["rank"])[axis] for axis in ("pp", "cp"))
+        acts = predict_activations(args, dims, cfg, pp_rank, cp_rank)
         rows.append(CheckRow(measured["rank"], "activations", acts, measured["memory/activations_bytes"]))
         predicted, exact = collectives(args, dims, cfg, pp_rank, gloo=record.backend == "gloo")
         for key, value in predicted.items():

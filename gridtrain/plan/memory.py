@@ -33,7 +33,7 @@ from dataclasses import dataclass, fields
 
 from gridtrain.layout.dims import stage_layer_counts
 from gridtrain.layout.schedules import forwards_held, in_flight, schedule, stage_ranks
-from gridtrain.plan.activations import block_bytes_per_token, head_bytes_per_token, held_bytes
+from gridtrain.plan.activations import block_bytes_per_token, head_bytes_per_token, held_bytes, ring_selective_bytes_per_token
 from gridtrain.plan.census import peak_dp_index, rank_elements
 from gridtrain.names import PLAN_RECOMPUTE, RECOMPUTE
 from gridtrain.plan.layout import Layout
@@ -430,8 +430,12 @@ def census_activations(shape: ModelShape, layout: Layout, rank: int, act_bytes: 
     counts = stage_counts(shape.num_layers, layout.pp * v, layout.fewer_edge_layers)
     held = forwards_held(layout.pp_schedule, layout.pp, v, layout.num_microbatches, rank, peak=True)
     tokens = layout.micro_batch * layout.seq_len / layout.cp
-    acts = held_bytes(shape, held, counts, tokens, "fp32" if act_bytes == 4 else "bf16", layout.recompute,
+    precision = "fp32" if act_bytes == 4 else "bf16"
+    acts = held_bytes(shape, held, counts, tokens, precision, layout.recompute,
                       layout.tp, layout.sequence_parallel, fsdp_gathers(layout))
+    # The last CP rank keeps the most of ring attention under selective recomputation.
+    ring = ring_selective_bytes_per_token(shape, precision, layout.recompute, layout.tp, layout.cp, layout.cp - 1)
+    acts += ring * tokens * sum(n * counts[s] for s, n in held.items())
     ids = 8 * tokens * (layout.num_microbatches if layout.pp > 1 else 1)
     return acts + ids * ((0 in held) + (len(counts) - 1 in held))
 
