@@ -315,7 +315,7 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--precision", default="bf16", choices=PRECISIONS,
                    help="training precision (gridtrain's train.precision)")
     p.add_argument("--any-layout", action="store_true",
-                   help="also rank layouts gridtrain train refuses (context parallelism, ...), labelled")
+                   help="also rank layouts gridtrain train refuses (ZeRO-1 beside TP, CP beside DDP, ...), labelled")
     p.add_argument("--convention", default="gridtrain", choices=["gridtrain", "zero", "megatron"],
                    help="bytes per parameter: gridtrain's runtime (fp32 state, 16-bit compute copies), the "
                    "ZeRO paper's 2 + 2 + 12, or Megatron-LM's 2 + 4 + 12")

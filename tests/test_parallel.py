@@ -1,5 +1,5 @@
-"""Named layouts beyond the parity matrix's degree 2 (DDP 4, FSDP 4, TP 4 with GQA), and what
-their runs measured: memory per bucket and bytes per collective, against `gridtrain plan --check`.
+"""Named layouts beyond the parity matrix's degree 2 (DDP 4, FSDP 4, TP 4 with GQA; CP 2 alone,
+beside FSDP 2 and beside TP 2), and what their runs measured: memory per bucket and bytes per collective, against `gridtrain plan --check`.
 
 One torchrun launch per world size (2, 4, 8) runs all of that size's layouts in fp32, plus FSDP 2
 in bf16 (its parameters are gathered in bf16). Each is first compared with one process by the
@@ -35,6 +35,7 @@ LAYOUTS = {
         "pp2_zbv": {"parallel.pp": 2, "parallel.pp_schedule": "zbv", "parallel.pp_virtual_stages": 2},
         "fsdp2_accum4": {"train.micro_batch": 1},
         "fsdp2_bf16": {"train.precision": "bf16"},
+        "cp2": {"parallel.cp": 2},
     },
     4: {
         "fsdp4": {},
@@ -43,6 +44,8 @@ LAYOUTS = {
         "tp4_gqa": {"parallel.tp": 4},
         "pp2_tp2": {"parallel.pp": 2, "parallel.tp": 2},
         "pp2_fsdp2": {"parallel.pp": 2, "parallel.dp_shard": 2},
+        "cp2_fsdp2": {"parallel.cp": 2, "parallel.dp_shard": 2},
+        "cp2_tp2": {"parallel.cp": 2, "parallel.tp": 2},  # FSDP over a group of its own: dp_shard_cp
     },
     8: {
         "pp2_tp2_fsdp2": {"parallel.pp": 2, "parallel.tp": 2, "parallel.dp_shard": 2},

@@ -35,7 +35,7 @@ class Mesh:
         groups = {axis: self[axis].get_group() for axis, n in self.dims.degrees.items() if n > 1}
         if self.dims.dp > 1:
             groups["dp"] = self["dp"].get_group()
-        if self.dims.cp > 1 and self.dims.dp_shard > 1:
+        if self.dims.cp > 1:  # a group of its own, unless CP alone spans the world (then 'cp' names it)
             groups["dp_shard_cp"] = self["dp_shard_cp"].get_group()
         groups["world"] = dist.group.WORLD
         return groups

@@ -21,7 +21,7 @@ from gridtrain.layout.schedules import forwards_held
 from gridtrain.model.args import ModelArgs
 from gridtrain.plan.activations import held_bytes, ring_selective_bytes_per_token, stage_bytes
 from gridtrain.plan.machine import cached_entry
-from gridtrain.plan.memory import STATE_BUCKETS, StateBytes, fsdp_gathers, rank_state
+from gridtrain.plan.memory import STATE_BUCKETS, StateBytes, fsdp_gathers, rank_state, state_index
 from gridtrain.plan.run_collectives import collectives, predict_collectives, run_layout
 from gridtrain.plan.shape import from_args
 from gridtrain.rundir import RunRecord
@@ -30,10 +30,9 @@ from gridtrain.rundir import RunRecord
 def predict_rank(args: ModelArgs, dims: ParallelDims, cfg: Config, rank: int) -> dict[str, float]:
     """Predicted bytes per bucket for one rank of the run: the planner's rank_state under
     gridtrain's convention, at this rank's pipeline and data-parallel coordinates."""
-    coords = dims.coordinates(rank)
-    fsdp_cp = dims.cp if cfg.parallel.zero_stage >= 2 else 1  # FSDP shards over dp_shard x cp
-    state = rank_state(from_args(args), run_layout(args, dims, cfg), coords["pp"],
-                       StateBytes.gridtrain(cfg.train.precision), coords["dp"] * fsdp_cp + coords["cp"] % fsdp_cp)
+    coords, layout = dims.coordinates(rank), run_layout(args, dims, cfg)
+    state = rank_state(from_args(args), layout, coords["pp"], StateBytes.gridtrain(cfg.train.precision),
+                       state_index(layout, coords["dp"], coords["cp"]))
     return {bucket: getattr(state, bucket) for bucket in STATE_BUCKETS}
 
 
@@ -62,7 +61,7 @@ def microbatch_activations(args: ModelArgs, dims: ParallelDims, cfg: Config, pp_
     v = layout.pp_virtual_stages
     counts = stage_layer_counts(args.n_layers, dims.pp * v, cfg.parallel.pp_fewer_edge_layers)
     held = forwards_held(layout.pp_schedule, dims.pp, v, layout.num_microbatches, pp_rank)
-    return sum(stage_bytes(shape, counts[s], s == len(counts) - 1, layout.micro_batch * layout.seq_len,
+    return sum(stage_bytes(shape, counts[s], s == len(counts) - 1, layout.micro_batch * layout.seq_len // dims.cp,
                            cfg.train.precision, cfg.train.recompute, dims.tp,
                            layout.sequence_parallel) for s in held)
 
@@ -157,6 +156,6 @@ def format_check(rows: list[CheckRow]) -> str:
         mark = "~" if r.estimated else " "
         lines.append(f"{r.rank:>4}  {r.bucket:<30}{mark}{pred:>14} {r.measured:>14,.0f} {ratio:>7}")
     if any(r.estimated for r in rows):
-        lines.append("~ estimated: this layout's collectives are composed axis by axis (plan/check_run.py, "
+        lines.append("~ estimated: this layout's collectives are composed axis by axis (plan/run_collectives.py, "
                      "estimate_collectives), not modelled exactly")
     return "\n".join(lines)

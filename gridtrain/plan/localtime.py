@@ -15,7 +15,7 @@ One optimizer step on one rank:
 - memory-bound work: the census of saved activations (check_run.microbatch_activations),
   each byte passed HBM_PASSES times at the measured bandwidth of an elementwise add;
 - bubble: GPipe and 1F1B idle p - 1 micro-batch slots per step;
-- collectives: the predicted bytes per collective (check_run.predict_collectives), a ring all-reduce
+- collectives: the predicted bytes per collective (run_collectives.predict_collectives), a ring all-reduce
   moving 2(N-1)/N of its payload and an all-gather (N-1)/N, at the bus bandwidth measured
   between two gloo ranks, not overlapped: on a CPU, gloo's threads compete with compute;
 - contention: ranks x threads beyond the machine's cores share them;
@@ -73,13 +73,22 @@ def microbatch_seconds(args: ModelArgs, dims: ParallelDims, cfg: Config, machine
                        layers: int, last: bool, activation_bytes: float) -> float:
     """One micro-batch's forward and backward on one rank holding `layers` blocks."""
     seq, mb, recompute = cfg.data.seq_len, cfg.train.micro_batch, cfg.train.recompute
-    tokens, h, kv = seq * mb, args.dim, args.n_kv_heads * args.head_dim
+    # Under CP a rank computes its seq/cp tokens, each attending to the whole sequence.
+    tokens, h, kv = seq * mb // dims.cp, args.dim, args.n_kv_heads * args.head_dim
     block_matmul = h * (2 * h + 2 * kv) + 3 * h * args.hidden_dim
     factor = 8 if recompute == "full" else 6
     matmul = factor * tokens * (layers * block_matmul + (args.vocab_size * h if last else 0)) / dims.tp
     attention = (4 if recompute == "full" else 3) * 4 * tokens * seq * h * layers / dims.tp
     return (matmul / (machine.matmul_flops * CPU_MATMUL) + attention / machine.attention_flops
             + activation_bytes * HBM_PASSES / machine.memory_bytes_per_s)
+
+
+def axis_size(dims: ParallelDims, axis: str) -> int:
+    """Ranks of a mesh axis as the accounting names them: the mesh's own, 'dp_shard_cp' (FSDP's
+    dp_shard x cp under CP) and 'world'."""
+    if axis == "dp_shard_cp":
+        return dims.dp_shard * dims.cp
+    return dims.world_size if axis == "world" else getattr(dims, axis)
 
 
 def collective_seconds(collectives: dict[str, float], dims: ParallelDims, machine: LocalMachine) -> float:
@@ -91,7 +100,7 @@ def collective_seconds(collectives: dict[str, float], dims: ParallelDims, machin
     total = 0.0
     for key, payload in collectives.items():
         axis, op = key.split("/")
-        n = getattr(dims, axis)
+        n = axis_size(dims, axis)
         share = {"all_reduce_bytes": 2 * (n - 1) / n, "all_gather_bytes": (n - 1) / n}.get(op, 1.0)
         total += payload * share / machine.gloo_bytes_per_s
     return total

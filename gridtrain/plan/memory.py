@@ -305,6 +305,12 @@ def rank_params(shape: ModelShape, layout: Layout, rank: int, layers: int) -> fl
     return params
 
 
+def state_index(layout: Layout, dp: int, cp: int) -> int:
+    """A rank's data-parallel index for rank_state from its mesh coordinates: FSDP (stages 2, 3)
+    shards over dp_shard x cp, CP ranks innermost; ZeRO-1 over dp alone."""
+    return dp * layout.cp + cp if layout.zero_stage >= 2 else dp
+
+
 def rank_state(shape: ModelShape, layout: Layout, rank: int, state: StateBytes,
                dp_index: int | None = None) -> ModelState:
     """Model-state bytes of one rank on pipeline rank `rank`: with an exact convention (gridtrain's

@@ -34,11 +34,12 @@ def run_layout(args: ModelArgs, dims: ParallelDims, cfg: Config) -> Layout:
 
 def fsdp_axis(dims: ParallelDims) -> tuple[str, int]:
     """The mesh axis FSDP shards over and its ranks: 'dp_shard', or under context parallelism
-    dp_shard x cp ('dp_shard_cp'; with dp_shard 1 that group is the CP axis's own, and the flight
-    recorder names it 'cp')."""
+    dp_shard x cp ('dp_shard_cp'; torch flattens it into a group of its own, except when CP alone
+    spans the world: then it is the CP axis's group, and the accounting names it 'cp')."""
     if dims.cp == 1:
         return "dp_shard", dims.dp_shard
-    return ("dp_shard_cp" if dims.dp_shard > 1 else "cp"), dims.dp_shard * dims.cp
+    alone = dims.dp_shard == 1 and dims.cp == dims.world_size
+    return ("cp" if alone else "dp_shard_cp"), dims.dp_shard * dims.cp
 
 
 def cp_collectives(args: ModelArgs, dims: ParallelDims, cfg: Config, blocks: int) -> dict[str, float]:

@@ -114,8 +114,9 @@ def layer_cost(shape: ModelShape, cluster: ClusterSpec, eff: Efficiency, seq_len
                act_bytes: int = 2) -> LayerCost:
     """The cost of one layer for one micro-batch on one GPU (module docstring). Collectives: over
     the tp axis, 4 all-reduces (6 with full recomputation) of tokens x h x act_bytes, tokens =
-    micro_batch x seq_len / cp; over the cp axis, 3 (4) x (cp - 1) sends of a K and V block,
-    2 x tokens x kv_width x act_bytes."""
+    micro_batch x seq_len / cp; over the cp axis, the ring's (1 + forwards) x (cp - 1) sends of a
+    K and V block, kv = 2 x tokens x kv_width x act_bytes (forwards: 2 under recomputation), and
+    cp sends of its fp32 gradient (comm.ring_attention_payloads), less what the attention core hides."""
     acc = cluster.accelerator
     tokens = micro_batch * seq_len / cp
     hw = layer_hardware_flops_per_token(shape, seq_len, recompute) * tokens / tp

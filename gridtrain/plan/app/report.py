@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 from gridtrain.plan import budget, reliability
 from gridtrain.plan.layout import Layout
 from gridtrain.layout.dims import ParallelDims
-from gridtrain.plan.memory import BUCKETS, GiB, rank_state
+from gridtrain.plan.memory import BUCKETS, GiB, rank_state, state_index
 from gridtrain.plan.runnable import refusal
 from gridtrain.plan.search import Candidate, Problem, SearchResult
 from gridtrain.plan.shape import param_counts
@@ -89,7 +89,7 @@ def ranks_list(problem: Problem, layout: Layout) -> list[dict[str, object]]:
     out = []
     for rank in range(problem.num_gpus):
         c = dims.coordinates(rank)
-        state = rank_state(problem.shape, layout, c["pp"], problem.state, c["dp"])
+        state = rank_state(problem.shape, layout, c["pp"], problem.state, state_index(layout, c["dp"], c["cp"]))
         out.append({"rank": rank, "pp": c["pp"], "dp": c["dp"], "tp": c["tp"], "weights": state.weights,
                     "gradients": state.gradients, "optimizer": state.optimizer})
     return out
