@@ -1,5 +1,6 @@
 """Named layouts beyond the parity matrix's degree 2 (DDP 4, FSDP 4, TP 4 with GQA; CP 2 alone,
-beside FSDP 2 and beside TP 2), and what their runs measured: memory per bucket and bytes per collective, against `gridtrain plan --check`.
+beside FSDP 2 and beside TP 2), and what their runs measured: memory per bucket and bytes per
+collective, against `gridtrain plan --check`.
 
 One torchrun launch per world size (2, 4, 8) runs all of that size's layouts in fp32, plus FSDP 2
 in bf16 (its parameters are gathered in bf16). Each is first compared with one process by the

@@ -14,11 +14,11 @@ the sum is the gradient of the global batch's mean loss.
 
 Stages 0 and 1 keep full copies on every data-parallel rank (dp_shard is 1, dp_replicate the
 degree); 2 and 3 shard over 'dp_shard' (under context parallelism 'dp_shard_cp', dp_shard x cp)
-and, when dp_replicate > 1, all-reduce the shards across 'dp_replicate' too (HSDP). With tensor or pipeline parallelism, stage 0 is FSDP2 over a
-(dp_replicate, 1) mesh, which replicates like DDP: torch's DDP does not take DTensor parameters,
-and a pipeline stage drives the gradient sync of FSDP modules (once per step, after the last
-micro-batch) but not that of composable `replicate` (under PP 2 x DDP 2 the two copies of
-stage 0 drifted apart within 4 steps).
+and, when dp_replicate > 1, all-reduce the shards across 'dp_replicate' too (HSDP). With tensor or
+pipeline parallelism, stage 0 is FSDP2 over a (dp_replicate, 1) mesh, which replicates like DDP:
+torch's DDP does not take DTensor parameters, and a pipeline stage drives the gradient sync of FSDP
+modules (once per step, after the last micro-batch) but not that of composable `replicate` (under PP
+2 x DDP 2 the two copies of stage 0 drifted apart within 4 steps).
 """
 
 from __future__ import annotations

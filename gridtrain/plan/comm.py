@@ -251,8 +251,9 @@ def bytes_per_step(shape: ModelShape, layout: Layout, rank: int = 0, state: Stat
                    act_bytes: int = 2) -> dict[str, float]:
     """Bytes one GPU on pipeline rank `rank` sends per optimizer step, by mesh axis, from the
     per-axis functions above: 'dp' (stages 0/1: all-reduce over all DP ranks), or 'dp_shard' (under
-    CP 'dp_shard_cp', FSDP's dp_shard x cp ranks) and 'dp_replicate' (stages 2/3, HSDP); 'tp' (4 or 6 all-reduces per layer per micro-batch);
-    'pp' (activation sends); 'cp' (KV blocks). Axes of degree 1 are left out."""
+    CP 'dp_shard_cp', FSDP's dp_shard x cp ranks) and 'dp_replicate' (stages 2/3, HSDP); 'tp' (4 or 6
+    all-reduces per layer per micro-batch); 'pp' (activation sends); 'cp' (KV blocks). Axes of degree 1
+    are left out."""
     params = rank_params(shape, layout, rank, rank_layers(shape, layout)[rank])
     weights, grads = params * state.compute, params * state.gradients
     layers, m = rank_layers(shape, layout)[rank], layout.num_microbatches

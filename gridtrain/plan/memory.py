@@ -33,7 +33,8 @@ from dataclasses import dataclass, fields
 
 from gridtrain.layout.dims import stage_layer_counts
 from gridtrain.layout.schedules import forwards_held, in_flight, schedule, stage_ranks
-from gridtrain.plan.activations import block_bytes_per_token, head_bytes_per_token, held_bytes, ring_selective_bytes_per_token
+from gridtrain.plan.activations import (block_bytes_per_token, head_bytes_per_token, held_bytes,
+                                        ring_selective_bytes_per_token)
 from gridtrain.plan.census import peak_dp_index, rank_elements
 from gridtrain.names import PLAN_RECOMPUTE, RECOMPUTE
 from gridtrain.plan.layout import Layout
