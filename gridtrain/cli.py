@@ -1,23 +1,22 @@
-"""The `gridtrain` command: train, model, data prepare, calibrate, plan, plot, export, import."""
+"""The `gridtrain` command: train, model, data prepare, calibrate, plan, explore, plot, export, import."""
 
 from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 import sys
 import traceback
 import typing
 from pathlib import Path
-from typing import Callable
 
 from gridtrain.config import ConfigError
 from gridtrain.config_load import all_keys, load_config, parse_overrides
 from gridtrain.errors import BadInput, UserError, one_line
+from gridtrain.argtypes import number
 from gridtrain.launch import launch
-from gridtrain.names import PRECISIONS
 from gridtrain.rundir import check_run_dir, unwritable
+from gridtrain.plan.app.options import add_plan_parser
 from gridtrain.validate import tokenizer_vocab, validate
 
 log = logging.getLogger("gridtrain")
@@ -241,6 +240,24 @@ def cmd_plot(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def cmd_explore(args: argparse.Namespace, extra: list[str]) -> int:
+    from gridtrain.explore.server import serve
+
+    runs = Path(args.runs) if args.runs else None
+    if runs is not None and not runs.is_dir():
+        raise BadInput(f"--runs {runs}: no such folder; give the folder that holds your run directories")
+    return serve(args.host, args.port, runs, args.open)
+
+
+def add_explore_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("explore", help="the strategy explorer: a local web page over the planner")
+    p.add_argument("--port", type=number(int, 0, 65535), default=0, help="port (default: a free one)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    p.add_argument("--runs", help="a folder of runs to list beside their plans (e.g. runs/)")
+    p.add_argument("--open", action="store_true", help="open the page in a browser")
+    p.set_defaults(func=cmd_explore)
+
+
 def cmd_export(args: argparse.Namespace, extra: list[str]) -> int:
     from gridtrain.train.hf_run import export_run
 
@@ -275,61 +292,6 @@ def add_interchange_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("hf_dir")
     p.add_argument("run_dir", help="the new run directory (must not exist, or be empty)")
     p.set_defaults(func=cmd_import)
-
-
-def number(kind: type, low: float, high: float = math.inf, low_open: bool = False) -> Callable[[str], float]:
-    """An argparse type: a finite `kind` (int or float) in [low, high] ((low, high] if low_open),
-    or argparse's one-line error naming the value and the range."""
-    def parse(text: str) -> float:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {'a whole number' if kind is int else 'a number'}") from None
-        if not (math.isfinite(value) and (value > low if low_open else value >= low) and value <= high):
-            bound = f"> {low:g}" if low_open else f">= {low:g}"
-            raise argparse.ArgumentTypeError(f"{text} must be {bound}" + (f" and <= {high:g}" if high < math.inf else ""))
-        return value
-    return parse
-
-
-def add_plan_parser(sub: argparse._SubParsersAction) -> None:
-    """`gridtrain plan`'s options (model.* keys come as extra arguments, as for train)."""
-    p = sub.add_parser("plan", help="memory, step time, cost and the best layouts for a model on a cluster; "
-                       "--model.KEY VALUE overrides the model's shape")
-    p.add_argument("--model", default="llama3-8b", help="a model preset (see `gridtrain model --list`)")
-    p.add_argument("--arch", default="llama", choices=["llama", "gpt"],
-                   help="block family: llama (RMSNorm, GQA, SwiGLU) or gpt (LayerNorm, GELU ffn = 4h, learned positions)")
-    p.add_argument("--gpu", default="h100", help="accelerator: h100, h200, a100, a100-40gb, b200, v100, tpu-v5p, ...")
-    p.add_argument("--cluster", help="a cluster shape (dgx-h100, selene-a100, or one from --hardware)")
-    p.add_argument("--hardware", help="TOML file of [accelerator.NAME] and [cluster.NAME] tables")
-    p.add_argument("--num-gpus", default="8", help="GPUs (K/M suffixes allowed)")
-    p.add_argument("--seq-len", help="tokens per sequence (default: the model's context)")
-    p.add_argument("--global-batch-tokens", help="tokens per optimizer step, e.g. 16M")
-    p.add_argument("--global-batch", help="sequences per optimizer step (instead of --global-batch-tokens)")
-    p.add_argument("--tokens", help="training tokens, e.g. 15.6T (default: Chinchilla, 20 per parameter)")
-    p.add_argument("--layout", help="fix some choices: tp=8,pp=16,cp=1,dp=128,zero=1,mb=1,recompute=full,"
-                   "schedule=interleaved-1f1b,v=2 (the search fills in the rest)")
-    p.add_argument("--top", type=number(int, 1), default=10, help="layouts to rank")
-    p.add_argument("--hbm-usable", type=number(float, 0, 1, low_open=True), default=0.9, help="share of HBM a layout may plan for")
-    p.add_argument("--no-flash", action="store_true", help="attention keeps its s x s scores")
-    p.add_argument("--precision", default="bf16", choices=PRECISIONS,
-                   help="training precision (gridtrain's train.precision)")
-    p.add_argument("--any-layout", action="store_true",
-                   help="also rank layouts gridtrain train refuses (ZeRO-1 beside TP, CP beside DDP, ...), labelled")
-    p.add_argument("--convention", default="gridtrain", choices=["gridtrain", "zero", "megatron"],
-                   help="bytes per parameter: gridtrain's runtime (fp32 state, 16-bit compute copies), the "
-                   "ZeRO paper's 2 + 2 + 12, or Megatron-LM's 2 + 4 + 12")
-    p.add_argument("--price", type=number(float, 0), help="$ per GPU-hour (default: the cluster's, $2)")
-    p.add_argument("--pue", type=number(float, 1), default=1.4, help="facility power usage effectiveness")
-    p.add_argument("--electricity-price", type=number(float, 0), default=0.05, help="$ per kWh")
-    p.add_argument("--mtbf-hours", type=number(float, 0, low_open=True), default=50_000, help="mean time between failures of one GPU, hours")
-    p.add_argument("--check", metavar="RUN_DIR", help="the prediction for a finished gridtrain run beside "
-                   "what its ranks measured (memory per bucket)")
-    p.add_argument("--json", action="store_true", help="emit the whole plan as JSON")
-    p.add_argument("--explain", action="store_true", help="show each formula with its numbers")
-    p.add_argument("--reference", action="store_true",
-                   help="predicted vs measured TFLOP/s for Megatron-LM's SC21 Table 1")
-    p.set_defaults(func=cmd_plan)
 
 
 class Parser(argparse.ArgumentParser):
@@ -379,7 +341,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=number(int, 1, os.cpu_count() or 1))
     p.add_argument("--seconds", type=number(float, 0, 600, low_open=True), default=2.0, help="time per precision")
     p.set_defaults(func=cmd_calibrate)
-    add_plan_parser(sub)
+    add_plan_parser(sub).set_defaults(func=cmd_plan)
+    add_explore_parser(sub)
     p = sub.add_parser("plot", help="PNG of a run's loss and throughput curves")
     p.add_argument("run_dir")
     p.add_argument("--out", help="default: RUN_DIR/curves.png")

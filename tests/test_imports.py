@@ -17,7 +17,7 @@ def modules(folder: str) -> list[str]:
                   for p in (PACKAGE / folder).rglob("*.py") if p.stem != "__init__")
 
 
-TORCH_FREE = modules("plan") + modules("layout") + [
+TORCH_FREE = modules("plan") + modules("layout") + modules("explore") + ["gridtrain.argtypes",
     "gridtrain.config", "gridtrain.config_load", "gridtrain.names", "gridtrain.validate", "gridtrain.rundir",
     "gridtrain.errors", "gridtrain.model.args", "gridtrain.parity.matrix"]
 
@@ -46,8 +46,8 @@ def imports_of(folder: str) -> list[tuple[str, str]]:
 
 
 def test_the_planner_and_the_layout_core_import_nothing_of_the_runtime():
-    """plan/ and layout/ name neither train/, nor parallel/ (the torch half), nor torch."""
-    broken = [f"{where} imports {name}" for folder in ("plan", "layout") for where, name in imports_of(folder)
+    """plan/, layout/ and the explorer name neither train/, nor parallel/ (the torch half), nor torch."""
+    broken = [f"{where} imports {name}" for folder in ("plan", "layout", "explore") for where, name in imports_of(folder)
               if name.startswith(("gridtrain.train", "gridtrain.parallel", "torch"))]
     assert broken == []
 

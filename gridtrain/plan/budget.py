@@ -61,6 +61,15 @@ def accumulation_steps(global_batch_: int, micro_batch: int, dp: int) -> int:
     return math.ceil(global_batch_ / (micro_batch * dp))
 
 
+def accumulated_step_seconds(accumulation: int, micro_s: float, allreduce_s: float,
+                             reduce_every_micro_batch: bool = False) -> float:
+    """One optimizer step of `accumulation` micro-batches with the gradient all-reduce left
+    exposed: once per step (accumulation), or after every micro-batch. Worked example: 64 x 120 ms
+    + 50 ms = 7.73 s; reduced every micro-batch 64 x 170 ms = 10.88 s."""
+    reductions = accumulation if reduce_every_micro_batch else 1
+    return accumulation * micro_s + reductions * allreduce_s
+
+
 def training_flops(num_params: float, tokens: float) -> float:
     """6 N D (Kaplan et al. 2020): 2 forward + 4 backward FLOPs per parameter per token."""
     return 6 * num_params * tokens

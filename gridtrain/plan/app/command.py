@@ -18,7 +18,7 @@ from gridtrain.plan import budget
 from gridtrain.plan.app import explain, render
 from gridtrain.plan.app.inputs import (LAYOUT_LABELS, batch_sequences, check_constraints, constraints_label,
                                        parse_count, parse_layout, parse_whole, resolve_cluster, resolve_model)
-from gridtrain.plan.app.report import Assumptions, build_report, layout_dict
+from gridtrain.plan.app.report import Assumptions, build_report, layout_dict, no_fit_report
 from gridtrain.plan.memory import BUCKETS, CONVENTIONS, GiB
 from gridtrain.plan.runnable import train_command
 from gridtrain.plan.search import (Candidate, Constraints, PlanError, Problem, SearchResult, cp_options, degree_options,
@@ -144,7 +144,11 @@ def plan(args: argparse.Namespace, extra: list[str], out: TextIO) -> int:
     result = search(problem, constraints, top=args.top)
     seconds = time.perf_counter() - start
     if not result.ranked:
-        raise PlanError(no_fit_message(problem, constraints, result))
+        reason = no_fit_message(problem, constraints, result)
+        if args.json:
+            json.dump(no_fit_report(problem, result, name, reason), out, indent=2)
+            out.write("\n")
+        raise PlanError(reason)
     chosen = result.ranked[0]
     assumptions = Assumptions(price_per_gpu_hour=problem.cluster.price_per_gpu_hour, pue=args.pue,
                               electricity_per_kwh=args.electricity_price, mtbf_gpu_hours=args.mtbf_hours)

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from gridtrain.plan import budget, reliability
+from gridtrain.plan import budget, comm, reliability
 from gridtrain.plan.layout import Layout
 from gridtrain.layout.dims import ParallelDims
-from gridtrain.plan.memory import BUCKETS, GiB, rank_state, state_index
+from gridtrain.plan.memory import BUCKETS, GiB, RankMemory, rank_memory, rank_state, state_index
 from gridtrain.plan.runnable import refusal
 from gridtrain.plan.search import Candidate, Problem, SearchResult
 from gridtrain.plan.shape import param_counts
@@ -70,14 +70,28 @@ def units_dict(problem: Problem, layout: Layout, total_tokens: float) -> dict[st
                         "seq_len": layout.seq_len, "pp_virtual_stages": layout.pp_virtual_stages}
 
 
+def _rank_dict(m: RankMemory) -> dict[str, object]:
+    return {"rank": m.rank, "layers": m.layers, "buckets_GiB": {b: getattr(m, b) / GiB for b in BUCKETS},
+            "total_GiB": m.total / GiB}
+
+
 def memory_dict(problem: Problem, cand: Candidate) -> dict[str, object]:
-    """The peak rank's buckets against HBM."""
+    """The peak rank's buckets against HBM, and beside them the first and last pipeline ranks'
+    (`pipeline_ranks`: first, last and peak, each once, in rank order)."""
     m = cand.memory
     acc = problem.cluster.accelerator
-    return {"rank": m.rank, "layers": m.layers, "buckets_GiB": {b: getattr(m, b) / GiB for b in BUCKETS},
-            "total_GiB": m.total / GiB, "hbm_GiB": acc.hbm_bytes / GiB,
-            "limit_GiB": problem.memory_limit / GiB, "hbm_usable": problem.hbm_usable,
-            "fits": m.total <= problem.memory_limit}
+    edges = sorted({0, cand.layout.pp - 1} - {m.rank})
+    ranks = rank_memory(problem.shape, cand.layout, problem.state, problem.act_bytes, tuple(edges)) + [m]
+    return _rank_dict(m) | {
+        "hbm_GiB": acc.hbm_bytes / GiB, "limit_GiB": problem.memory_limit / GiB, "hbm_usable": problem.hbm_usable,
+        "fits": m.total <= problem.memory_limit,
+        "pipeline_ranks": [_rank_dict(r) for r in sorted(ranks, key=lambda r: r.rank)]}
+
+
+def comm_dict(problem: Problem, cand: Candidate) -> dict[str, float]:
+    """Bytes one GPU of the peak pipeline rank sends per optimizer step, by mesh axis
+    (comm.bytes_per_step)."""
+    return comm.bytes_per_step(problem.shape, cand.layout, cand.memory.rank, problem.state, problem.act_bytes)
 
 
 def ranks_list(problem: Problem, layout: Layout) -> list[dict[str, object]]:
@@ -146,11 +160,23 @@ def build_report(problem: Problem, result: SearchResult, chosen: Candidate, mode
                  total_tokens: float, a: Assumptions, search_s: float) -> dict[str, object]:
     """The whole plan for `chosen` (normally result.ranked[0])."""
     bud = budget_dict(problem, chosen, total_tokens, a)
-    return {"problem": problem_dict(problem, model_name), "assumptions": asdict(a),
+    return {"fits": True, "problem": problem_dict(problem, model_name), "assumptions": asdict(a),
             "search": {"enumerated": result.enumerated, "evaluated": result.evaluated,
                        "seconds": search_s},
             "chosen": candidate_dict(chosen),
             "units": units_dict(problem, chosen.layout, total_tokens),
             "ranked": [candidate_dict(c) | {"refused": runs(problem, c)} for c in result.ranked],
-            "memory": memory_dict(problem, chosen), "ranks": ranks_list(problem, chosen.layout), "budget": bud,
+            "memory": memory_dict(problem, chosen), "bytes_per_axis": comm_dict(problem, chosen),
+            "ranks": ranks_list(problem, chosen.layout), "budget": bud,
             "checkpoint": checkpoint_dict(problem, chosen, bud["days"], a)}
+
+
+def no_fit_report(problem: Problem, result: SearchResult, model_name: str, reason: str) -> dict[str, object]:
+    """What `plan --json` emits when no layout fits: the reason with its fixes, and the leanest
+    layout tried (its step time, memory by bucket and bytes per axis), when there was one."""
+    out: dict[str, object] = {"fits": False, "reason": reason, "problem": problem_dict(problem, model_name)}
+    if result.leanest is not None:
+        out["leanest"] = candidate_dict(result.leanest)
+        out["memory"] = memory_dict(problem, result.leanest)
+        out["bytes_per_axis"] = comm_dict(problem, result.leanest)
+    return out

@@ -1,0 +1,1 @@
+"""gridtrain explore: the strategy explorer, a local web page over the planner."""

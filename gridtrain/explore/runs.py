@@ -1,0 +1,99 @@
+"""The runs view's API: the runs in the folder given to `gridtrain explore --runs DIR`, and one
+run's curves (from metrics.jsonl) with its measured memory by bucket and collective bytes per
+axis beside the planner's prediction (what `gridtrain plan --check` prints)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from gridtrain.errors import UserError
+from gridtrain.rundir import RunRecord
+
+MAX_POINTS = 2000
+"""Curve points sent per run; longer runs are thinned evenly (the last step always kept)."""
+CURVES = {"loss": "loss/train", "val_loss": "loss/val", "tokens_per_s": "throughput/tokens_per_s",
+          "mfu_pct": "mfu_pct", "grad_norm": "grad/norm", "step_s": "time/step_s"}
+
+
+def _run_dirs(root: Path) -> list[Path]:
+    return sorted(p for p in root.iterdir() if p.is_dir() and (p / "config.json").is_file())
+
+
+def _metrics(run: Path) -> list[dict]:
+    path = run / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue  # a line cut by a kill
+        if isinstance(rec, dict) and isinstance(rec.get("step"), int):
+            rows.append(rec)
+    return rows
+
+
+def _finite(value: object) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
+
+
+def run_list(root: Path | None) -> tuple[int, object]:
+    """GET /api/runs: each run's name, layout, steps and last losses."""
+    if root is None:
+        return 200, {"root": None, "runs": [], "note": "start the explorer with --runs DIR to list the runs in DIR"}
+    if not root.is_dir():
+        return 404, {"error": f"{root} is not a folder"}
+    out = []
+    for run in _run_dirs(root):
+        rows = _metrics(run)
+        losses = [r["loss/train"] for r in rows if "loss/train" in r]
+        vals = [r["loss/val"] for r in rows if "loss/val" in r]
+        try:
+            record = RunRecord.load(run)
+            layout = {"world": record.dims.world_size, **{k: getattr(record.dims, k) for k in
+                      ("dp_replicate", "dp_shard", "cp", "tp", "pp")}}
+            model = record.config.model.preset
+        except (UserError, ValueError, KeyError, TypeError):
+            layout, model = None, None
+        out.append({"name": run.name, "model": model, "layout": layout, "steps": max((r["step"] for r in rows), default=0),
+                    "loss": _finite(losses[-1]) if losses else None, "val_loss": _finite(vals[-1]) if vals else None})
+    return 200, {"root": str(root), "runs": out}
+
+
+def _curves(rows: list[dict]) -> dict[str, list]:
+    stride = max(1, math.ceil(len(rows) / MAX_POINTS))
+    kept = rows[::stride] + ([rows[-1]] if rows and (len(rows) - 1) % stride else [])
+    out: dict[str, list] = {"step": [r["step"] for r in kept]}
+    for name, key in CURVES.items():
+        out[name] = [_finite(r.get(key)) for r in kept]
+    vals = [(r["step"], _finite(r["loss/val"])) for r in rows if "loss/val" in r]  # every validation point
+    out["val_step"], out["val_loss"] = [s for s, _ in vals], [v for _, v in vals]
+    return out
+
+
+def run_page(root: Path | None, name: str) -> tuple[int, object]:
+    """GET /api/runs/NAME: the run's curves, and predicted against measured bytes per rank."""
+    if root is None:
+        return 404, {"error": "no runs folder: start the explorer with --runs DIR"}
+    run = root / name
+    if not name or "/" in name or "\\" in name or name in (".", "..") or run not in _run_dirs(root):
+        return 404, {"error": f"no run {name[:100]!r} in {root}"}
+    try:
+        record = RunRecord.load(run)
+    except UserError as e:
+        return 422, {"error": str(e)}
+    out: dict[str, object] = {"name": name, "model": record.config.model.preset, "backend": record.backend,
+                              "precision": record.config.train.precision,
+                              "layout": {k: getattr(record.dims, k) for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp")},
+                              "world": record.dims.world_size, "curves": _curves(_metrics(run))}
+    from gridtrain.plan.check_run import check_run
+
+    try:
+        out["check"] = [{"rank": r.rank, "key": r.bucket, "predicted": r.predicted, "measured": r.measured,
+                         "estimated": r.estimated} for r in check_run(run)]
+    except (FileNotFoundError, UserError, ValueError, KeyError) as e:
+        out["check"], out["check_note"] = [], f"no accounting to compare: {e}"
+    return 200, out

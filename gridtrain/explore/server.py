@@ -1,0 +1,150 @@
+"""`gridtrain explore`: the explorer's web server, Python's own threaded HTTP server on loopback.
+
+GET serves the page and its scripts from the package (nothing from the network) and the read-only
+API (the cards, the runs); POST /api/... takes a JSON body of at most MAX_BODY bytes. Whatever a
+client sends, it gets JSON with a status: 400 for a body that is not the JSON asked for, 404 for an
+unknown path, 405 for another method, 413 for a body too large, 422 for inputs the planner refuses;
+a handler's own failure is a 500 with one line, and the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import json
+import mimetypes
+import sys
+import threading
+import time
+import webbrowser
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+from gridtrain.explore import api, cards, runs
+
+STATIC = Path(__file__).parent / "static"
+MAX_BODY = 64 * 1024
+"""Bytes a request body may have: a plan request is under 1 KiB."""
+
+
+class Handler(BaseHTTPRequestHandler):
+    server_version = "gridtrain-explore"
+    runs_dir: Path | None = None
+    quiet = True
+
+    def log_message(self, format: str, *args: object) -> None:
+        if not self.quiet:
+            super().log_message(format, *args)
+
+    def _send(self, status: int, body: bytes, content_type: str) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "no-store")
+        self.send_header("X-Content-Type-Options", "nosniff")
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def _json(self, status: int, data: object) -> None:
+        self._send(status, json.dumps(data, allow_nan=False, default=str).encode(), "application/json")
+
+    def _guarded(self, answer) -> None:
+        try:
+            status, data = answer()
+        except Exception as e:  # a bug of ours: one line to the client, the server goes on
+            status, data = 500, {"error": f"internal error: {type(e).__name__}: {e}"[:500]}
+        try:
+            self._json(status, data)
+        except ValueError:  # a NaN or infinity in the answer
+            self._json(500, {"error": "internal error: the answer held a number JSON cannot carry"})
+
+    def do_GET(self) -> None:
+        path = unquote(urlsplit(self.path).path)
+        if path.startswith("/api/"):
+            self._guarded(lambda: self._get_api(path))
+            return
+        name = "index.html" if path == "/" else path.removeprefix("/static/") if path.startswith("/static/") else ""
+        target = (STATIC / name).resolve()
+        if not name or STATIC.resolve() not in target.parents or not target.is_file():
+            self._json(404, {"error": f"no page at {path[:200]}"})
+            return
+        kind = mimetypes.guess_type(target.name)[0] or "application/octet-stream"
+        self._send(200, target.read_bytes(), f"{kind}; charset=utf-8" if kind.startswith("text/") or
+                   kind.endswith("javascript") else kind)
+
+    do_HEAD = do_GET
+
+    def _get_api(self, path: str) -> tuple[int, object]:
+        if path == "/api/options":
+            return 200, api.options()
+        if path == "/api/cards":
+            return 200, cards.card_list()
+        if path == "/api/runs":
+            return runs.run_list(self.runs_dir)
+        if path.startswith("/api/runs/"):
+            return runs.run_page(self.runs_dir, path.removeprefix("/api/runs/"))
+        return 404, {"error": f"no API at GET {path[:200]}"}
+
+    def do_POST(self) -> None:
+        path = urlsplit(self.path).path
+        route = api.ROUTES.get(path) or (cards.answer_route(path) if path.startswith("/api/cards/") else None)
+        if route is None:
+            self._json(404 if path.startswith("/api/") else 405, {"error": f"no API at POST {path[:200]}"})
+            return
+        try:
+            length = int(self.headers.get("Content-Length", "0"))
+        except ValueError:
+            self._json(400, {"error": "Content-Length is not a number"})
+            return
+        if length > MAX_BODY or length < 0:
+            self._json(413, {"error": f"the body has {length:,} bytes; at most {MAX_BODY:,}"})
+            self.close_connection = True
+            return
+        raw = self.rfile.read(length)
+        try:
+            body = json.loads(raw or b"{}")
+        except (ValueError, UnicodeDecodeError) as e:
+            self._json(400, {"error": f"the body is not JSON: {e}"[:300]})
+            return
+        self._guarded(lambda: route(body))
+
+    def _refuse(self) -> None:
+        self._json(405, {"error": f"{self.command} is not served: use GET or POST"})
+
+    do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _refuse
+
+
+def make_server(host: str = "127.0.0.1", port: int = 0, runs_dir: Path | None = None) -> ThreadingHTTPServer:
+    """A server bound to host:port (port 0: a free one), not yet serving."""
+    handler = type("BoundHandler", (Handler,), {"runs_dir": runs_dir})
+    server = ThreadingHTTPServer((host, port), handler)
+    server.daemon_threads = True
+    return server
+
+
+def serve(host: str, port: int, runs_dir: Path | None, open_browser: bool) -> int:
+    """The command: serve until interrupted, printing the URL first."""
+    start = time.perf_counter()
+    try:
+        server = make_server(host, port, runs_dir)
+    except OSError as e:
+        print(f"gridtrain explore: cannot listen on {host}:{port}: {e.strerror or e}; choose another --port",
+              file=sys.stderr)
+        return 2
+    url = f"http://{host}:{server.server_address[1]}/"
+    print(f"gridtrain explore: serving {url} (ready in {time.perf_counter() - start:.2f} s; Ctrl-C stops it)",
+          flush=True)
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"note: listening on {host}, not only this machine's loopback", flush=True)
+    # Warm the planner's caches (layer costs, activation bytes) while the user opens the page.
+    threading.Thread(target=api.plan, args=(api.PRESETS_TRY[0]["state"] | {"layout": {}},), daemon=True).start()
+    if open_browser:
+        threading.Thread(target=webbrowser.open, args=(url,), daemon=True).start()
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
+

@@ -1,0 +1,567 @@
+// gridtrain explore: the page. Every number comes from the server (the planner); this file only
+// keeps the state (in the URL), sends it, and draws the answers as SVG.
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+const SVG = "http://www.w3.org/2000/svg";
+const BUCKETS = ["weights", "gradients", "optimizer", "activations", "buffers"];
+const COLORS = {
+  weights: "#4e79a7", gradients: "#f28e2b", optimizer: "#e15759", activations: "#76b7b2", buffers: "#59a14f",
+  compute: "#4e79a7", tp: "#f28e2b", cp: "#edc948", ep: "#ff9da7", pp: "#b07aa1", bubble: "#bab0ac", dp: "#e15759",
+};
+const PART_LABELS = {
+  compute: "compute", tp: "TP communication", cp: "CP communication", pp: "pipeline sends",
+  bubble: "pipeline bubble", dp: "exposed DP/FSDP", optimizer: "optimizer step",
+};
+const BASE_KEYS = ["model", "gpu", "num_gpus", "seq_len", "global_batch", "tokens", "precision"];
+const LAYOUT_KEYS = ["tp", "pp", "cp", "zero", "rep", "mb", "schedule", "v", "recompute"];
+const SHAPE_KEYS = ["dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size"];
+const DEFAULTS = { model: "llama3-8b", gpu: "h100", num_gpus: "8", seq_len: "4096", global_batch: "512",
+                   tokens: "", precision: "bf16" };
+const CHOICES = { tp: [1, 2, 4, 8, 16], pp: [1, 2, 4, 8, 16, 32], cp: [1, 2, 4, 8, 16], zero: [0, 1, 2, 3],
+                  rep: [1, 2, 4, 8, 16, 32], mb: [1, 2, 4, 8, 16], v: [1, 2, 3, 4, 8] };
+
+let OPTIONS = null;
+let state = {};
+let sequence = 0;
+let timer = null;
+
+// ---- small helpers ----
+
+function fmt(x, digits = 4) {
+  if (x === null || x === undefined || !isFinite(x)) return "–";
+  const a = Math.abs(x);
+  if (a !== 0 && (a >= 1e9 || a < 1e-3)) return x.toExponential(digits - 1).replace("e+", "e");
+  return Number(x.toPrecision(digits)).toLocaleString("en-US", { maximumFractionDigits: 8 });
+}
+
+function el(tag, attrs = {}, text = "") {
+  const node = ["svg", "rect", "line", "text", "g", "polyline", "title"].includes(tag)
+    ? document.createElementNS(SVG, tag) : document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, v);
+  if (text !== "") node.textContent = text;
+  return node;
+}
+
+function clear(node) { while (node.firstChild) node.removeChild(node.firstChild); return node; }
+
+async function call(method, url, body) {
+  const init = { method, headers: { "Content-Type": "application/json" } };
+  if (body !== undefined) init.body = JSON.stringify(body);
+  try {
+    const response = await fetch(url, init);
+    return [response.status, await response.json()];
+  } catch (e) {
+    return [0, { error: `no answer from the server: ${e}` }];
+  }
+}
+
+function layoutLabel(l) {
+  const parts = [`tp ${l.tp}`, `pp ${l.pp}`, `cp ${l.cp}`, `dp ${l.dp_replicate * l.dp_shard}`];
+  if (l.dp_replicate > 1 && l.dp_shard > 1) parts[3] += ` (${l.dp_replicate} x ${l.dp_shard})`;
+  parts.push(`ZeRO ${l.zero_stage}`, `mb ${l.micro_batch} x ${l.num_microbatches}`);
+  if (l.pp > 1) parts.push(l.pp_schedule + (l.pp_virtual_stages > 1 ? ` v${l.pp_virtual_stages}` : ""));
+  if (l.sequence_parallel) parts.push("SP");
+  if (l.recompute !== "none") parts.push(`recompute ${l.recompute}`);
+  return parts.join(", ");
+}
+
+// ---- state: URL <-> form ----
+
+function readURL() {
+  const params = new URLSearchParams(location.search);
+  state = { ...DEFAULTS };
+  for (const k of [...BASE_KEYS, ...LAYOUT_KEYS, ...SHAPE_KEYS]) if (params.has(k)) state[k] = params.get(k);
+}
+
+function writeURL() {
+  const params = new URLSearchParams();
+  for (const k of [...BASE_KEYS, ...LAYOUT_KEYS, ...SHAPE_KEYS]) {
+    if (state[k] !== undefined && state[k] !== "") params.set(k, state[k]);
+  }
+  history.replaceState(null, "", `?${params}${location.hash}`);
+}
+
+function setSelect(select, value) {
+  const v = value === undefined ? "" : String(value);
+  if (![...select.options].some((o) => o.value === v)) select.append(el("option", { value: v }, v));
+  select.value = v;
+}
+
+function presetShape() { return OPTIONS.models[state.model] || {}; }
+
+function fillForm() {
+  const form = $("inputs");
+  for (const k of [...BASE_KEYS, ...LAYOUT_KEYS]) {
+    const input = form.elements[k];
+    if (input.tagName === "SELECT") setSelect(input, state[k] ?? "");
+    else input.value = state[k] ?? "";
+  }
+  const shape = presetShape();
+  for (const k of SHAPE_KEYS) form.elements[k].value = state[k] ?? shape[k] ?? "";
+  $("shape-box").open = SHAPE_KEYS.some((k) => state[k] !== undefined);
+  $("model-params").textContent = shape.params ? `preset: ${fmt(shape.params / 1e9, 3)}B parameters, context ${shape.max_seq_len}` : "";
+}
+
+function onInput(event) {
+  const k = event.target.name;
+  if (!k) return;
+  if (SHAPE_KEYS.includes(k)) {
+    const preset = presetShape()[k];
+    if (event.target.value === "" || Number(event.target.value) === preset) delete state[k];
+    else state[k] = event.target.value;
+  } else {
+    state[k] = event.target.value;
+  }
+  if (k === "model") { for (const s of SHAPE_KEYS) delete state[s]; fillForm(); }
+  writeURL();
+  schedule();
+}
+
+function schedule() {
+  document.body.dataset.pending = "1";
+  clearTimeout(timer);
+  timer = setTimeout(update, 60);
+}
+
+// ---- the request ----
+
+function number(v) { return v === undefined || v === "" ? undefined : Number(v); }
+
+function requestBody(withLayout = true) {
+  const body = { model: state.model, gpu: state.gpu, precision: state.precision };
+  for (const k of ["num_gpus", "seq_len", "global_batch", "tokens"]) if (number(state[k]) !== undefined) body[k] = number(state[k]);
+  const shape = {};
+  for (const k of SHAPE_KEYS) if (number(state[k]) !== undefined) shape[k] = number(state[k]);
+  if (Object.keys(shape).length) body.shape = shape;
+  if (!withLayout) { body.top = 10; return body; }
+  const layout = {};
+  for (const k of ["tp", "pp", "cp", "zero", "mb", "v"]) if (number(state[k]) !== undefined) layout[k] = number(state[k]);
+  for (const k of ["schedule", "recompute"]) if (state[k]) layout[k] = state[k];
+  const note = [];
+  const fixed = ["tp", "pp", "cp"].every((k) => layout[k] !== undefined);
+  if (fixed && body.num_gpus) {
+    const dp = body.num_gpus / (layout.tp * layout.pp * layout.cp);
+    const rep = number(state.rep) || 1;
+    if (Number.isInteger(dp)) {
+      if ((layout.zero === 2 || layout.zero === 3)) {
+        if (Number.isInteger(dp / rep)) layout.dp_shard = dp / rep;
+        note.push(`dp = ${body.num_gpus} / (tp ${layout.tp} x pp ${layout.pp} x cp ${layout.cp}) = ${dp}` +
+                  (Number.isInteger(dp / rep) ? ` = ${rep} replica(s) x ${dp / rep} shards`
+                                              : `: ${rep} replicas do not divide it`));
+      } else {
+        note.push(`dp = ${body.num_gpus} / (tp ${layout.tp} x pp ${layout.pp} x cp ${layout.cp}) = ${dp}` +
+                  (layout.zero === undefined ? "" : `, all replicas (ZeRO ${layout.zero})`));
+      }
+    }
+  } else {
+    note.push("dp follows once tp, pp and cp are fixed; replicas apply with ZeRO 2 or 3");
+  }
+  $("dp-line").textContent = note.join("");
+  body.layout = layout;
+  return body;
+}
+
+async function update() {
+  // data-pending is 1 from an input's change until its answer is drawn (tests wait on it).
+  document.body.dataset.pending = "1";
+  const mine = ++sequence;
+  const [status, data] = await call("POST", "/api/plan", requestBody());
+  if (mine !== sequence) return;
+  renderPlan(status, data);
+  document.body.dataset.pending = "0";
+}
+
+// ---- drawing the plan ----
+
+function renderPlan(status, data) {
+  const verdict = $("verdict");
+  const reason = $("reason");
+  $("command").textContent = data.command || "";
+  $("elapsed").textContent = data.elapsed_ms !== undefined ? `(answered in ${fmt(data.elapsed_ms, 3)} ms)` : "";
+  if (status !== 200) {
+    verdict.className = "verdict invalid";
+    verdict.textContent = "invalid: the planner cannot take these inputs";
+    reason.hidden = false;
+    reason.textContent = data.error || `HTTP ${status}`;
+    for (const id of ["memory", "steptime", "timeline"]) clear($(id)).setAttribute("height", 20);
+    for (const id of ["metrics", "bytes"]) clear($(id));
+    $("timeline-note").textContent = "";
+    return;
+  }
+  const plan = data.plan;
+  const cand = plan.fits ? plan.chosen : plan.leanest;
+  const mem = plan.memory;
+  reason.hidden = plan.fits;
+  reason.textContent = plan.fits ? "" : plan.reason;
+  if (plan.fits) {
+    verdict.className = "verdict fits";
+    verdict.textContent = `fits: ${fmt(mem.total_GiB, 3)} GiB at the peak (pipeline rank ${mem.rank}) of ` +
+      `${fmt(mem.limit_GiB, 3)} GiB usable; ${layoutLabel(cand.layout)}`;
+  } else {
+    verdict.className = "verdict nofit";
+    verdict.textContent = cand ? `does not fit: the leanest layout needs ${fmt(mem.total_GiB, 3)} GiB of ` +
+      `${fmt(mem.limit_GiB, 3)} GiB usable` : "does not fit: no layout can run these inputs";
+  }
+  $("model-params").textContent = `${fmt(plan.problem.params / 1e9, 4)}B parameters (${plan.problem.model}` +
+    `${Object.keys(requestBody(false).shape || {}).length ? ", custom shape" : ""})`;
+  drawMemory(mem);
+  drawStepTime(cand);
+  drawMetrics(plan, cand);
+  drawBytes(plan.bytes_per_axis);
+  drawTimeline(data.timeline);
+}
+
+function drawMemory(mem) {
+  const svg = clear($("memory"));
+  if (!mem) { svg.setAttribute("height", 20); return; }
+  const ranks = mem.pipeline_ranks;
+  const left = 150, width = 720 - left - 20, row = 26;
+  const top = Math.max(mem.hbm_GiB, ...ranks.map((r) => r.total_GiB)) * 1.05;
+  const x = (gib) => left + (gib / top) * width;
+  const height = 24 + ranks.length * row + 40;
+  svg.setAttribute("height", height);
+  const last = ranks.length - 1;
+  ranks.forEach((r, i) => {
+    const y = 18 + i * row;
+    const roles = [];
+    if (r.rank === 0) roles.push("first");
+    if (i === last && ranks.length > 1 && r.rank !== 0) roles.push("last");
+    if (r.rank === mem.rank) roles.push("peak");
+    svg.append(el("text", { x: 4, y: y + 14 }, `pp rank ${r.rank} (${roles.join(", ")})`));
+    let at = 0;
+    for (const b of BUCKETS) {
+      const gib = r.buckets_GiB[b];
+      const rect = el("rect", { x: x(at), y, width: Math.max(0, x(at + gib) - x(at)), height: row - 8,
+                               fill: COLORS[b], "data-rank": r.rank, "data-bucket": b, "data-gib": gib });
+      rect.append(el("title", {}, `${b}: ${fmt(gib)} GiB`));
+      svg.append(rect);
+      at += gib;
+    }
+    svg.append(el("text", { x: x(at) + 4, y: y + 14, "data-total": r.total_GiB }, `${fmt(r.total_GiB, 3)} GiB`));
+  });
+  const bottom = 18 + ranks.length * row;
+  for (const [gib, label, dash] of [[mem.limit_GiB, "usable", "4 3"], [mem.hbm_GiB, "HBM", ""]]) {
+    svg.append(el("line", { x1: x(gib), x2: x(gib), y1: 6, y2: bottom, stroke: "#b42318", "stroke-dasharray": dash }));
+    svg.append(el("text", { x: x(gib) - 3, y: label === "HBM" ? bottom + 12 : 12, "text-anchor": "end" },
+                  `${label} ${fmt(gib, 3)} GiB`));
+  }
+  BUCKETS.forEach((b, i) => {
+    svg.append(el("rect", { x: left + i * 110, y: height - 16, width: 10, height: 10, fill: COLORS[b] }));
+    svg.append(el("text", { x: left + i * 110 + 14, y: height - 7 }, b));
+  });
+}
+
+function drawStepTime(cand) {
+  const svg = clear($("steptime"));
+  if (!cand) { svg.setAttribute("height", 20); return; }
+  const parts = Object.entries(cand.parts_s);
+  const total = parts.reduce((s, [, v]) => s + v, 0) || 1;
+  const left = 10, width = 700;
+  let at = 0;
+  svg.setAttribute("height", 60 + 16 * Math.floor((parts.filter(([, v]) => v > 0).length - 1) / 4));
+  for (const [name, seconds] of parts) {
+    const rect = el("rect", { x: left + (at / total) * width, y: 6, width: (seconds / total) * width, height: 22,
+                             fill: COLORS[name] || "#999", "data-part": name, "data-seconds": seconds });
+    rect.append(el("title", {}, `${PART_LABELS[name] || name}: ${fmt(seconds * 1e3)} ms`));
+    svg.append(rect);
+    at += seconds;
+  }
+  parts.filter(([, v]) => v > 0).forEach(([name, seconds], i) => {
+    const x = left + (i % 4) * 175, y = 40 + Math.floor(i / 4) * 16;
+    svg.append(el("rect", { x, y, width: 10, height: 10, fill: COLORS[name] || "#999" }));
+    svg.append(el("text", { x: x + 14, y: y + 9 }, `${name} ${fmt(seconds * 1e3, 3)} ms`));
+  });
+}
+
+function drawMetrics(plan, cand) {
+  const table = clear($("metrics"));
+  const rows = [];
+  if (cand) {
+    rows.push(["step time", `${fmt(cand.step_s * 1e3)} ms`], ["MFU", `${fmt(cand.mfu * 100, 3)}%`],
+              ["tokens/s", fmt(cand.tokens_per_s)]);
+    for (const [name, s] of Object.entries(cand.parts_s)) rows.push([PART_LABELS[name] || name, `${fmt(s * 1e3)} ms`]);
+    rows.push(["EP communication", "0 ms (dense model)"]);
+  }
+  const b = plan.budget;
+  if (b) {
+    rows.push(["training tokens", fmt(b.tokens)], ["days", fmt(b.days)], ["GPU-hours", fmt(b.gpu_hours)],
+              ["cost", `$${fmt(b.cost_usd)}`], ["energy", `${fmt(b.energy_kwh)} kWh`],
+              ["electricity", `$${fmt(b.electricity_usd)}`]);
+  }
+  for (const [k, v] of rows) {
+    const tr = el("tr", { "data-metric": k });
+    tr.append(el("th", {}, k), el("td", {}, v));
+    table.append(tr);
+  }
+}
+
+function drawBytes(bytes) {
+  const table = clear($("bytes"));
+  const entries = Object.entries(bytes || {});
+  if (!entries.length) { table.appendChild(el("tr")).append(el("td", {}, "no collectives: one GPU")); return; }
+  for (const [axis, value] of entries) {
+    const tr = el("tr", { "data-axis": axis, "data-bytes": value });
+    tr.append(el("th", {}, axis), el("td", {}, `${fmt(value / 2 ** 30)} GiB`));
+    table.append(tr);
+  }
+}
+
+function drawTimeline(t) {
+  const svg = clear($("timeline"));
+  $("timeline-note").textContent = t ? t.note : "";
+  svg.style.display = t && t.ops.length ? "" : "none";
+  if (!t || !t.ops.length) return;
+  const pp = Math.max(...t.ops.map((o) => o[0])) + 1;
+  const left = 60, width = 720 - left - 10, row = 20;
+  const scale = width / t.makespan;
+  svg.setAttribute("height", pp * row + 30);
+  for (let r = 0; r < pp; r++) {
+    svg.append(el("text", { x: 4, y: r * row + 15 }, `rank ${r}`));
+    svg.append(el("rect", { x: left, y: r * row + 3, width, height: row - 4, fill: "#eee" }));
+  }
+  for (const [stage, mb, kind, start, end, chunk] of t.ops) {
+    const light = 55 + 12 * chunk;
+    const fill = kind === "F" ? `hsl(212, 60%, ${light}%)` : `hsl(28, 85%, ${light}%)`;
+    const rect = el("rect", { x: left + start * scale, y: stage * row + 3, width: Math.max(0.5, (end - start) * scale - 0.5),
+                             height: row - 4, fill, "data-kind": kind });
+    rect.append(el("title", {}, `${kind === "F" ? "forward" : "backward"} of micro-batch ${mb}` +
+                              (chunk ? `, chunk ${chunk}` : "")));
+    svg.append(rect);
+    if ((end - start) * scale > 12) svg.append(el("text", { x: left + start * scale + 2, y: stage * row + 16 }, `${mb}`));
+  }
+  svg.append(el("text", { x: left, y: pp * row + 20 },
+    `blue: forward, orange: backward, grey: idle; bubble ${fmt(t.bubble * 100, 3)}% of the step`));
+}
+
+// ---- best layouts ----
+
+async function rankLayouts() {
+  $("search-note").textContent = "searching...";
+  const [status, data] = await call("POST", "/api/plan", requestBody(false));
+  const table = clear($("best"));
+  if (status !== 200 || !data.plan.fits) {
+    $("search-note").textContent = status === 200 ? data.plan.reason : data.error;
+    return;
+  }
+  const s = data.plan.search;
+  $("search-note").textContent = `${s.evaluated.toLocaleString()} of ${s.enumerated.toLocaleString()} layouts costed ` +
+    `(${data.command}); click a row to apply it`;
+  const head = el("tr");
+  for (const h of ["#", "layout", "MFU", "tokens/s", "step", "peak GiB", ""]) head.append(el("th", {}, h));
+  table.appendChild(el("thead")).append(head);
+  const body = table.appendChild(el("tbody"));
+  data.plan.ranked.forEach((c, i) => {
+    const tr = el("tr", { class: c.refused ? "refused" : "" });
+    tr.append(el("td", {}, `${i + 1}`), el("th", {}, layoutLabel(c.layout)), el("td", {}, `${fmt(c.mfu * 100, 3)}%`),
+              el("td", {}, fmt(c.tokens_per_s)), el("td", {}, `${fmt(c.step_s, 3)} s`), el("td", {}, fmt(c.peak_GiB, 3)),
+              el("td", {}, c.refused ? `refused: ${c.refused}` : ""));
+    tr.addEventListener("click", () => applyLayout(c.layout));
+    body.append(tr);
+  });
+}
+
+function applyLayout(l) {
+  Object.assign(state, { tp: l.tp, pp: l.pp, cp: l.cp, zero: l.zero_stage, mb: l.micro_batch,
+                         schedule: l.pp_schedule, v: l.pp_virtual_stages, recompute: l.recompute,
+                         rep: l.zero_stage >= 2 ? l.dp_replicate : "" });
+  for (const k of LAYOUT_KEYS) state[k] = String(state[k]);
+  fillForm();
+  writeURL();
+  update();
+}
+
+function applyState(s) {
+  state = { ...DEFAULTS };
+  for (const k of BASE_KEYS) if (s[k] !== undefined) state[k] = String(s[k]);
+  for (const [k, v] of Object.entries(s.shape || {})) state[k] = String(v);
+  for (const [k, v] of Object.entries(s.layout || {})) state[k === "dp_replicate" ? "rep" : k] = String(v);
+  fillForm();
+  writeURL();
+  update();
+}
+
+// ---- the calculations page ----
+
+function stateQuery(s) {
+  const params = new URLSearchParams();
+  for (const k of BASE_KEYS) if (s[k] !== undefined) params.set(k, s[k]);
+  for (const [k, v] of Object.entries(s.shape || {})) params.set(k, v);
+  for (const [k, v] of Object.entries(s.layout || {})) params.set(k, v);
+  return `?${params}#explore`;
+}
+
+function showAnswers(box, answers) {
+  const table = clear(box.querySelector("table"));
+  for (const a of answers) {
+    const tr = el("tr", { "data-answer": a.label });
+    tr.append(el("th", {}, a.label), el("td", { class: "value", "data-value": a.value }, fmt(a.value, 4)), el("td", {}, a.unit));
+    table.append(tr);
+  }
+}
+
+async function loadCards() {
+  const box = $("cards");
+  if (box.dataset.loaded) return;
+  const [status, cards] = await call("GET", "/api/cards");
+  if (status !== 200) { box.textContent = cards.error; return; }
+  box.dataset.loaded = "1";
+  for (const c of cards) {
+    const card = el("div", { class: "card", id: `card-${c.id}` });
+    card.append(el("h3", {}, c.title), el("p", { class: "hint" }, `${c.topic}; ${c.source}`),
+                el("p", { class: "formula" }, c.formula));
+    const inputs = el("div", { class: "inputs" });
+    for (const i of c.inputs) {
+      const label = el("label", {}, `${i.label}${i.unit ? ` (${i.unit})` : ""}`);
+      label.append(el("input", { type: "number", step: "any", name: i.name, value: i.default, "data-input": i.name }));
+      inputs.append(label);
+    }
+    card.append(inputs, el("table", { class: "numbers answers" }), el("p", { class: "error" }));
+    if (c.quoted) card.append(el("p", { class: "hint" }, `Usually quoted: ${c.quoted}`));
+    if (c.correction) card.append(el("p", { class: "correction" }, `Corrected: ${c.correction}`));
+    if (c.explore && Object.keys(c.explore).length) card.append(el("a", { href: stateQuery(c.explore), class: "to-explorer" }, "open in the explorer"));
+    showAnswers(card, c.answers);
+    inputs.addEventListener("input", async () => {
+      const body = {};
+      for (const input of inputs.querySelectorAll("input")) if (input.value !== "") body[input.name] = Number(input.value);
+      const [st, data] = await call("POST", `/api/cards/${c.id}`, body);
+      card.querySelector(".error").textContent = st === 200 ? "" : data.error;
+      if (st === 200) showAnswers(card, data.answers);
+    });
+    box.append(card);
+  }
+}
+
+// ---- runs ----
+
+function lineChart(svg, series, height) {
+  clear(svg);
+  svg.setAttribute("height", height);
+  const points = series.flatMap((s) => s.xs.map((x, i) => [x, s.ys[i]]).filter(([, y]) => y !== null));
+  if (!points.length) { svg.append(el("text", { x: 10, y: 20 }, "no points")); return; }
+  const xs = points.map((p) => p[0]), ys = points.map((p) => p[1]);
+  const [x0, x1, y0, y1] = [Math.min(...xs), Math.max(...xs), Math.min(...ys), Math.max(...ys)];
+  const left = 60, right = 700, top = 10, bottom = height - 30;
+  const px = (x) => left + (x1 > x0 ? (x - x0) / (x1 - x0) : 0.5) * (right - left);
+  const py = (y) => bottom - (y1 > y0 ? (y - y0) / (y1 - y0) : 0.5) * (bottom - top);
+  svg.append(el("line", { x1: left, x2: right, y1: bottom, y2: bottom, stroke: "#999" }));
+  svg.append(el("text", { x: 4, y: top + 10 }, fmt(y1, 3)), el("text", { x: 4, y: bottom }, fmt(y0, 3)));
+  svg.append(el("text", { x: left, y: height - 12 }, `step ${x0}`), el("text", { x: right - 60, y: height - 12 }, `step ${x1}`));
+  series.forEach((s, n) => {
+    const pts = s.xs.map((x, i) => [x, s.ys[i]]).filter(([, y]) => y !== null).map(([x, y]) => `${px(x)},${py(y)}`);
+    svg.append(el("polyline", { points: pts.join(" "), fill: "none", stroke: s.color, "stroke-width": 1.5, "data-series": s.name }));
+    svg.append(el("text", { x: right - 160, y: top + 12 + 14 * n, style: `fill: ${s.color}` }, s.name));
+  });
+}
+
+async function loadRuns() {
+  const box = clear($("runs"));
+  const [status, data] = await call("GET", "/api/runs");
+  if (status !== 200) { box.textContent = data.error; return; }
+  if (!data.root) { box.append(el("p", {}, data.note)); return; }
+  box.append(el("h2", {}, `Runs in ${data.root}`));
+  const table = el("table", { class: "numbers" });
+  const head = el("tr");
+  for (const h of ["run", "model", "world", "dp_replicate x dp_shard x cp x tp x pp", "steps", "loss", "val loss"]) head.append(el("th", {}, h));
+  table.append(head);
+  for (const r of data.runs) {
+    const tr = el("tr");
+    const link = el("a", { href: `#run/${encodeURIComponent(r.name)}` }, r.name);
+    const l = r.layout;
+    tr.append(el("th"), el("td", {}, r.model || "?"), el("td", {}, l ? `${l.world}` : "?"),
+              el("td", {}, l ? `${l.dp_replicate} x ${l.dp_shard} x ${l.cp} x ${l.tp} x ${l.pp}` : "?"),
+              el("td", {}, `${r.steps}`), el("td", {}, fmt(r.loss)), el("td", {}, fmt(r.val_loss)));
+    tr.firstChild.append(link);
+    table.append(tr);
+  }
+  box.append(table);
+}
+
+async function loadRun(name) {
+  $("run").hidden = false;
+  clear($("runs"));
+  const [status, run] = await call("GET", `/api/runs/${encodeURIComponent(name)}`);
+  $("run-title").textContent = status === 200 ? `Run ${run.name}` : run.error;
+  if (status !== 200) return;
+  const l = run.layout;
+  $("run-layout").textContent = `${run.model}, ${run.precision}, ${run.world} ranks on ${run.backend}: dp_replicate ` +
+    `${l.dp_replicate} x dp_shard ${l.dp_shard} x cp ${l.cp} x tp ${l.tp} x pp ${l.pp}`;
+  const c = run.curves;
+  lineChart($("run-loss"), [{ name: "train loss", xs: c.step, ys: c.loss, color: "#4e79a7" },
+                            { name: "validation loss", xs: c.val_step, ys: c.val_loss, color: "#e15759" }], 220);
+  lineChart($("run-tps"), [{ name: "tokens/s", xs: c.step, ys: c.tokens_per_s, color: "#59a14f" }], 180);
+  drawCheck(run);
+}
+
+function drawCheck(run) {
+  const table = clear($("check"));
+  const svg = clear($("run-check"));
+  $("check-note").textContent = run.check_note || "";
+  const rows = run.check;
+  svg.setAttribute("height", rows.length ? rows.length * 18 + 24 : 20);
+  if (!rows.length) return;
+  const head = el("tr");
+  for (const h of ["rank", "bucket or collective", "predicted", "measured", "measured / predicted"]) head.append(el("th", {}, h));
+  table.append(head);
+  rows.forEach((r, i) => {
+    const ratio = r.predicted ? r.measured / r.predicted : NaN;
+    const tr = el("tr", { "data-rank": r.rank, "data-key": r.key });
+    tr.append(el("td", {}, `${r.rank}`), el("th", {}, r.key + (r.estimated ? " (estimate)" : "")),
+              el("td", {}, fmt(r.predicted, 6)), el("td", {}, fmt(r.measured, 6)), el("td", {}, fmt(ratio, 5)));
+    table.append(tr);
+    const y = 4 + i * 18, left = 230, width = 440, top = Math.max(r.predicted, r.measured) || 1;
+    svg.append(el("text", { x: 4, y: y + 11 }, `rank ${r.rank} ${r.key}`));
+    svg.append(el("rect", { x: left, y, width: (r.predicted / top) * width, height: 7, fill: "#9fbfe0", "data-predicted": r.predicted }));
+    svg.append(el("rect", { x: left, y: y + 7, width: (r.measured / top) * width, height: 7, fill: "#1f4e89", "data-measured": r.measured }));
+  });
+  svg.append(el("text", { x: 230, y: rows.length * 18 + 18 }, "light: predicted, dark: measured (each pair to its own scale)"));
+}
+
+// ---- views ----
+
+function route() {
+  const hash = location.hash || "#explore";
+  const view = hash.startsWith("#run") ? "runs" : hash.slice(1);
+  for (const v of ["explore", "cards", "runs"]) {
+    $(`view-${v}`).hidden = v !== view;
+    $(`nav-${v}`).classList.toggle("active", v === view);
+  }
+  if (view === "cards") loadCards();
+  if (hash === "#runs") { $("run").hidden = true; loadRuns(); }
+  if (hash.startsWith("#run/")) loadRun(decodeURIComponent(hash.slice(5)));
+}
+
+function fillChoices() {
+  const auto = (select, values) => {
+    select.append(el("option", { value: "" }, "auto"));
+    for (const v of values) select.append(el("option", { value: String(v) }, String(v)));
+  };
+  for (const name of Object.keys(OPTIONS.models)) $("in-model").append(el("option", { value: name }, name));
+  for (const gpu of OPTIONS.gpus) $("in-gpu").append(el("option", { value: gpu }, gpu));
+  for (const [k, values] of Object.entries(CHOICES)) auto($(`in-${k}`), values);
+  auto($("in-schedule"), OPTIONS.schedules);
+  auto($("in-recompute"), OPTIONS.recompute);
+  for (const p of OPTIONS.presets) {
+    const button = el("button", { type: "button", "data-preset": p.name, title: p.text }, p.title);
+    button.addEventListener("click", () => applyState(p.state));
+    $("presets").append(button);
+  }
+}
+
+async function main() {
+  const [status, options] = await call("GET", "/api/options");
+  if (status !== 200) { document.body.textContent = options.error; return; }
+  OPTIONS = options;
+  fillChoices();
+  readURL();
+  fillForm();
+  $("inputs").addEventListener("input", onInput);
+  $("inputs").addEventListener("change", onInput);
+  $("search").addEventListener("click", rankLayouts);
+  window.addEventListener("hashchange", route);
+  route();
+  await update();
+  document.body.dataset.ready = "1";
+}
+
+main();

@@ -1,0 +1,233 @@
+"""The explorer's page in a real headless browser (the system's Chromium, driven by Playwright):
+the lecture's presets and their verdicts, the memory bars against `gridtrain plan --json`, the
+ranked layouts, the URL as the whole state, every calculation card at its worked problem's
+inputs, and a run's page. Screenshots go to docs/explorer/ (linked from the README)."""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from gridtrain.explore.server import make_server
+from test_explore_api import cli_plan_json
+
+playwright = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install '.[test]')")
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no Chromium on this machine (apt-get install chromium)")
+SHOTS = Path(__file__).resolve().parents[1] / "docs" / "explorer"
+FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+         "--disable-sync", "--no-first-run", "--disable-quic"]
+
+
+@pytest.fixture(scope="module")
+def runs_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("explore-runs")
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(runs_root: Path, corpus_dir: Path) -> Path:
+    """A finished run of FSDP over 2 processes that wrote its accounting (memory and collectives)."""
+    from conftest import tiny_overrides
+
+    items = tiny_overrides(runs_root, corpus_dir) | {"run_dir": str(runs_root / "fsdp2"), "train.steps": 12,
+                                                     "train.val_every": 4, "metrics.account_every": 4,
+                                                     "metrics.log_every": 1, "parallel.zero_stage": 3}
+    flags = [arg for key, value in items.items() for arg in (f"--{key}", str(value).lower())]
+    proc = subprocess.run([sys.executable, "-m", "gridtrain", "train", "--nproc", "2", *flags],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return runs_root / "fsdp2"
+
+
+@pytest.fixture(scope="module")
+def base_url(runs_root: Path):
+    server = make_server(runs_dir=runs_root)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/"
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with playwright.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def page(browser, base_url):
+    context = browser.new_context(viewport={"width": 1150, "height": 1300})
+    pg = context.new_page()
+    errors: list[str] = []
+    pg.on("pageerror", lambda e: errors.append(str(e)))
+    pg.goto(base_url)
+    pg.wait_for_selector("body[data-ready='1']")
+    yield pg
+    context.close()
+    assert errors == [], errors
+
+
+def settle(page) -> None:
+    """Wait until the page has drawn the answer to its latest change."""
+    page.wait_for_selector("body[data-pending='0']", state="attached")
+
+
+def preset(page, name: str) -> str:
+    page.click(f"[data-preset='{name}']")
+    settle(page)
+    return page.inner_text("#verdict")
+
+
+def bars(page) -> dict[tuple[int, str], float]:
+    rects = page.eval_on_selector_all("#memory rect[data-bucket]",
+                                      "rs => rs.map(r => [r.dataset.rank, r.dataset.bucket, r.dataset.gib])")
+    return {(int(rank), bucket): float(gib) for rank, bucket, gib in rects}
+
+
+def test_7b_pure_dp_does_not_fit_and_zero3_fits_with_the_plans_bars(page):
+    assert preset(page, "7b-8gpu").startswith("does not fit")
+    assert "no layout with tp=1,cp=1,pp=1,zero=0" in page.inner_text("#reason")
+    page.screenshot(path=str(SHOTS / "preset-7b-8gpu.png"), full_page=True)
+    page.select_option("#in-zero", "3")
+    page.wait_for_function("() => document.getElementById('verdict').textContent.startsWith('fits')")
+    settle(page)
+    command = page.inner_text("#command")
+    assert "zero=3" in command and "dp_shard=8" in command
+    code, plan, _ = cli_plan_json(command)
+    assert code == 0 and plan["fits"]
+    expected = {(r["rank"], b): v for r in plan["memory"]["pipeline_ranks"] for b, v in r["buckets_GiB"].items()}
+    assert bars(page) == pytest.approx(expected, rel=1e-12)
+    assert len(expected) == 5  # one pipeline rank: first, last and peak at once
+
+
+def test_405b_on_128_gpus_fits_with_tp_pp_fsdp(page):
+    verdict = preset(page, "405b-128gpu")
+    assert verdict.startswith("fits") and "tp 8, pp 4" in verdict and "ZeRO 3" in verdict
+    assert page.eval_on_selector_all("#timeline rect[data-kind]", "rs => rs.length") > 0
+    ranks = {rank for rank, _ in bars(page)}
+    assert ranks == {0, 3}  # the first pipeline rank (the peak) and the last
+    page.screenshot(path=str(SHOTS / "preset-405b-128gpu.png"), full_page=True)
+
+
+def test_405b_on_8_gpus_fits_no_layout_and_says_why(page):
+    assert preset(page, "405b-8gpu").startswith("does not fit")
+    code, _, err = cli_plan_json(page.inner_text("#command"))
+    reason = page.inner_text("#reason")
+    assert code == 2 and reason.startswith("no layout of this model fits on 8 x H100-SXM")
+    assert reason.strip() in err  # the planner's own words
+    page.screenshot(path=str(SHOTS / "preset-405b-8gpu.png"), full_page=True)
+
+
+def test_a_ranked_layout_applies_on_click_and_the_url_keeps_the_state(page, browser):
+    preset(page, "7b-8gpu")
+    page.click("#search")
+    page.wait_for_selector("#best tbody tr")
+    code, plan, _ = cli_plan_json(page.inner_text("#search-note").split("(")[1].split(")")[0])
+    assert code == 0
+    second = plan["ranked"][1]["layout"]
+    page.click("#best tbody tr:nth-child(2)")
+    settle(page)
+    chosen = {k: page.input_value(f"#in-{k}") for k in ("tp", "pp", "cp", "zero", "mb", "recompute")}
+    assert chosen == {"tp": str(second["tp"]), "pp": str(second["pp"]), "cp": str(second["cp"]),
+                      "zero": str(second["zero_stage"]), "mb": str(second["micro_batch"]),
+                      "recompute": second["recompute"]}
+    verdict, command = page.inner_text("#verdict"), page.inner_text("#command")
+    fresh = browser.new_page()
+    fresh.goto(page.url)
+    fresh.wait_for_selector("body[data-ready='1']")
+    settle(fresh)
+    assert fresh.inner_text("#verdict") == verdict and fresh.inner_text("#command") == command
+    assert {k: fresh.input_value(f"#in-{k}") for k in chosen} == chosen
+    fresh.close()
+
+
+def test_an_invalid_choice_shows_the_planners_reason(page):
+    page.select_option("#in-tp", "16")
+    page.wait_for_function("() => document.getElementById('verdict').textContent.startsWith('invalid')")
+    assert "tp=16 cannot split this model" in page.inner_text("#reason")
+
+
+# Each card at its worked problem's inputs, against answers derived by hand (GB = 1e9 bytes).
+CARDS = {
+    "ring": {"bytes each GPU sends": 2 * 2 * 7 / 8, "steps": 14, "time": 70 + 0.07},
+    "tree": {"ring": 70.07, "tree": 6 * (2 / 50 * 1e3 + 5e-3), "tree steps": 6},
+    "zero-memory": {"no ZeRO": 7 * 16, "ZeRO-1": 7 * (4 + 12 / 64), "ZeRO-2": 7 * (2 + 14 / 64), "ZeRO-3": 7 * 16 / 64},
+    "zero3-traffic": {"ZeRO-3 bytes per GPU": 3 * 14 * 63 / 64, "ZeRO-3 time": 3 * 14 * 63 / 64 / 100 * 1e3,
+                      "ZeRO-1/2 bytes per GPU": 2 * 14 * 63 / 64, "ZeRO-3 / ZeRO-1/2": 1.5},
+    "accumulation": {"accumulation steps": 64, "step time": 64 * 120 + 50, "throughput": 2048 / 7.730,
+                     "communication share": 50 / 7730 * 100, "share if reduced every micro-batch": 3200 / 10880 * 100},
+    "lr": {"linear scaling": 2.4e-3, "square-root scaling": 3e-4 * math.sqrt(8), "warmup steps": 8000, "warmup share": 8},
+    "comm-compute": {"all-reduce time": 2 * 20 * 63 / 64 / 600 * 1e3, "compute time": 300,
+                     "communication / compute": 65.625 / 300},
+    "overlap": {"exposed": 1.5, "hidden": 97.5, "overhead on the backward": 0.75},
+    "hierarchical": {"across nodes": 2 * 20 * 7 / 8 / 100 * 1e3, "inside the nodes": 2 * 7 / 8 * 20 / 600 * 1e3,
+                     "MFU with it exposed": 50 * 242 / (242 + 350)},
+    "bubble": {"bubble / ideal time (Narayanan)": 25, "bubble / step (GPipe)": 20, "1F1B: first stage holds": 8,
+               "GPipe: first stage holds": 24},
+    "interleaved-sends": {"boundaries": 15, "bytes per step": 180, "time at bw": 300},
+    "tp": {"column shard rows": 8192, "column shard columns": 1024, "bytes per all-reduce per GPU": 112,
+           "forward: 2 per layer": 17.5, "one all-reduce at bw": 2 * 7 / 8 * 64 * 2**20 / 600e9 * 1e3},
+    "gqa": {"query heads per rank": 8, "KV heads per rank": 1, "copies of each KV head": 1},
+    "checkpoint": {"size": 980, "one writer": 98, "parallel writers": 98 / 64},
+    "young": {"Young interval": math.sqrt(2 * 98 * 86400) / 60, "steps between checkpoints": math.sqrt(2 * 98 * 86400) / 10,
+              "lost per crash": math.sqrt(2 * 98 * 86400) / 120, "waste": math.sqrt(2 * 98 / 86400) * 100,
+              "cost of a crash": 512 * 2 * (math.sqrt(2 * 98 * 86400) / 2 + 98) / 3600, "crashes in the run": 30},
+    "fp16": {"smallest normal": 2.0**-14, "smallest subnormal": 2.0**-24, "largest": 65504, "loss scale after": 16384},
+}
+
+
+def card_answers(page, card_id: str) -> dict[str, float]:
+    rows = page.eval_on_selector_all(f"#card-{card_id} tr[data-answer]",
+                                     "rs => rs.map(r => [r.dataset.answer, r.querySelector('.value').dataset.value])")
+    return {label: float(value) for label, value in rows}
+
+
+def test_every_card_shows_the_worked_answers_and_answers_new_inputs(page):
+    page.goto(page.url.split("#")[0] + "#cards")
+    page.wait_for_selector("#card-ring tr[data-answer]")
+    shown = {card: card_answers(page, card) for card in CARDS}
+    for card, expected in CARDS.items():
+        assert {k: shown[card][k] for k in expected} == pytest.approx(expected, rel=1e-9), card
+    all_ids = page.eval_on_selector_all(".card", "cs => cs.map(c => c.id.slice(5))")
+    assert sorted(all_ids) == sorted(CARDS)  # no card left untested
+    # The usually quoted answers that are wrong carry the reason on the card.
+    assert "round (N-1)/N to 1" in page.inner_text("#card-zero3-traffic .correction")
+    assert "one phase" in page.inner_text("#card-tp .correction")
+    # Typing recomputes: 16 GPUs -> 2 x 2 GB x 15/16 = 3.75 GB per GPU.
+    page.fill("#card-ring input[name='N']", "16")
+    page.wait_for_function("() => document.querySelector('#card-ring tr[data-answer=\"steps\"] .value').dataset.value === '30'")
+    assert card_answers(page, "ring")["bytes each GPU sends"] == pytest.approx(3.75)
+    # A card's link opens its explorer state.
+    page.click("#card-zero-memory a.to-explorer")
+    page.wait_for_selector("#view-explore:not([hidden])")
+    settle(page)
+    assert page.input_value("#in-num_gpus") == "64" and page.input_value("#in-zero") == "3"
+
+
+@pytest.mark.dist
+def test_a_runs_page_draws_its_curves_and_the_check(page, fsdp_run):
+    page.goto(page.url.split("#")[0] + "#runs")
+    page.wait_for_selector("#runs a")
+    assert page.inner_text("#runs a") == fsdp_run.name
+    page.click("#runs a")
+    page.wait_for_selector("#check tr[data-key]")
+    points = page.eval_on_selector_all("#run-loss polyline", "ps => ps.map(p => p.getAttribute('points').split(' ').length)")
+    assert len(points) == 2 and points[1] == 4  # train loss, and validation at steps 0, 4, 8 and 12
+    assert page.eval_on_selector_all("#run-tps polyline", "ps => ps.length") == 1
+    rows = page.eval_on_selector_all("#check tr[data-key]", "trs => trs.map(tr => [tr.dataset.rank, tr.dataset.key, "
+                                     "[...tr.querySelectorAll('td')].map(td => td.textContent)])")
+    keys = {(int(rank), key) for rank, key, _ in rows}
+    assert {(r, b) for r in (0, 1) for b in ("weights", "gradients", "optimizer", "activations")} <= keys
+    assert any(key.startswith("dp_shard/") for _, key in keys)  # FSDP's collectives, by axis
+    weights = next(cells for rank, key, cells in rows if key == "weights")
+    assert weights[1] == weights[2] and weights[3] == "1"  # predicted = measured, ratio 1
+    page.screenshot(path=str(SHOTS / "run-page.png"), full_page=True)
