@@ -5,7 +5,6 @@ inputs, and a run's page. Screenshots go to docs/explorer/ (linked from the READ
 
 from __future__ import annotations
 
-import math
 import os
 import shutil
 import subprocess
@@ -17,6 +16,7 @@ import pytest
 
 from gridtrain.explore.server import make_server
 from test_explore_api import cli_plan_json
+from test_plan_lessons import CARDS
 
 playwright = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install '.[test]')")
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -42,7 +42,7 @@ def fsdp_run(runs_root: Path, corpus_dir: Path) -> Path:
     flags = [arg for key, value in items.items() for arg in (f"--{key}", str(value).lower())]
     proc = subprocess.run([sys.executable, "-m", "gridtrain", "train", "--nproc", "2", *flags],
                           capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
     return runs_root / "fsdp2"
 
 
@@ -154,35 +154,6 @@ def test_an_invalid_choice_shows_the_planners_reason(page):
     page.select_option("#in-tp", "16")
     page.wait_for_function("() => document.getElementById('verdict').textContent.startsWith('invalid')")
     assert "tp=16 cannot split this model" in page.inner_text("#reason")
-
-
-# Each card at its worked problem's inputs, against answers derived by hand (GB = 1e9 bytes).
-CARDS = {
-    "ring": {"bytes each GPU sends": 2 * 2 * 7 / 8, "steps": 14, "time": 70 + 0.07},
-    "tree": {"ring": 70.07, "tree": 6 * (2 / 50 * 1e3 + 5e-3), "tree steps": 6},
-    "zero-memory": {"no ZeRO": 7 * 16, "ZeRO-1": 7 * (4 + 12 / 64), "ZeRO-2": 7 * (2 + 14 / 64), "ZeRO-3": 7 * 16 / 64},
-    "zero3-traffic": {"ZeRO-3 bytes per GPU": 3 * 14 * 63 / 64, "ZeRO-3 time": 3 * 14 * 63 / 64 / 100 * 1e3,
-                      "ZeRO-1/2 bytes per GPU": 2 * 14 * 63 / 64, "ZeRO-3 / ZeRO-1/2": 1.5},
-    "accumulation": {"accumulation steps": 64, "step time": 64 * 120 + 50, "throughput": 2048 / 7.730,
-                     "communication share": 50 / 7730 * 100, "share if reduced every micro-batch": 3200 / 10880 * 100},
-    "lr": {"linear scaling": 2.4e-3, "square-root scaling": 3e-4 * math.sqrt(8), "warmup steps": 8000, "warmup share": 8},
-    "comm-compute": {"all-reduce time": 2 * 20 * 63 / 64 / 600 * 1e3, "compute time": 300,
-                     "communication / compute": 65.625 / 300},
-    "overlap": {"exposed": 1.5, "hidden": 97.5, "overhead on the backward": 0.75},
-    "hierarchical": {"across nodes": 2 * 20 * 7 / 8 / 100 * 1e3, "inside the nodes": 2 * 7 / 8 * 20 / 600 * 1e3,
-                     "MFU with it exposed": 50 * 242 / (242 + 350)},
-    "bubble": {"bubble / ideal time (Narayanan)": 25, "bubble / step (GPipe)": 20, "1F1B: first stage holds": 8,
-               "GPipe: first stage holds": 24},
-    "interleaved-sends": {"boundaries": 15, "bytes per step": 180, "time at bw": 300},
-    "tp": {"column shard rows": 8192, "column shard columns": 1024, "bytes per all-reduce per GPU": 112,
-           "forward: 2 per layer": 17.5, "one all-reduce at bw": 2 * 7 / 8 * 64 * 2**20 / 600e9 * 1e3},
-    "gqa": {"query heads per rank": 8, "KV heads per rank": 1, "copies of each KV head": 1},
-    "checkpoint": {"size": 980, "one writer": 98, "parallel writers": 98 / 64},
-    "young": {"Young interval": math.sqrt(2 * 98 * 86400) / 60, "steps between checkpoints": math.sqrt(2 * 98 * 86400) / 10,
-              "lost per crash": math.sqrt(2 * 98 * 86400) / 120, "waste": math.sqrt(2 * 98 / 86400) * 100,
-              "cost of a crash": 512 * 2 * (math.sqrt(2 * 98 * 86400) / 2 + 98) / 3600, "crashes in the run": 30},
-    "fp16": {"smallest normal": 2.0**-14, "smallest subnormal": 2.0**-24, "largest": 65504, "loss scale after": 16384},
-}
 
 
 def card_answers(page, card_id: str) -> dict[str, float]:

@@ -2,8 +2,6 @@
 // keeps the state (in the URL), sends it, and draws the answers as SVG.
 "use strict";
 
-const $ = (id) => document.getElementById(id);
-const SVG = "http://www.w3.org/2000/svg";
 const BUCKETS = ["weights", "gradients", "optimizer", "activations", "buffers"];
 const COLORS = {
   weights: "#4e79a7", gradients: "#f28e2b", optimizer: "#e15759", activations: "#76b7b2", buffers: "#59a14f",
@@ -13,7 +11,7 @@ const PART_LABELS = {
   compute: "compute", tp: "TP communication", cp: "CP communication", pp: "pipeline sends",
   bubble: "pipeline bubble", dp: "exposed DP/FSDP", optimizer: "optimizer step",
 };
-const BASE_KEYS = ["model", "gpu", "num_gpus", "seq_len", "global_batch", "tokens", "precision"];
+const BASE_KEYS = ["model", "gpu", "cluster", "num_gpus", "seq_len", "global_batch", "tokens", "precision"];
 const LAYOUT_KEYS = ["tp", "pp", "cp", "zero", "rep", "mb", "schedule", "v", "recompute"];
 const SHAPE_KEYS = ["dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size"];
 const DEFAULTS = { model: "llama3-8b", gpu: "h100", num_gpus: "8", seq_len: "4096", global_batch: "512",
@@ -25,36 +23,6 @@ let OPTIONS = null;
 let state = {};
 let sequence = 0;
 let timer = null;
-
-// ---- small helpers ----
-
-function fmt(x, digits = 4) {
-  if (x === null || x === undefined || !isFinite(x)) return "–";
-  const a = Math.abs(x);
-  if (a !== 0 && (a >= 1e9 || a < 1e-3)) return x.toExponential(digits - 1).replace("e+", "e");
-  return Number(x.toPrecision(digits)).toLocaleString("en-US", { maximumFractionDigits: 8 });
-}
-
-function el(tag, attrs = {}, text = "") {
-  const node = ["svg", "rect", "line", "text", "g", "polyline", "title"].includes(tag)
-    ? document.createElementNS(SVG, tag) : document.createElement(tag);
-  for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, v);
-  if (text !== "") node.textContent = text;
-  return node;
-}
-
-function clear(node) { while (node.firstChild) node.removeChild(node.firstChild); return node; }
-
-async function call(method, url, body) {
-  const init = { method, headers: { "Content-Type": "application/json" } };
-  if (body !== undefined) init.body = JSON.stringify(body);
-  try {
-    const response = await fetch(url, init);
-    return [response.status, await response.json()];
-  } catch (e) {
-    return [0, { error: `no answer from the server: ${e}` }];
-  }
-}
 
 function layoutLabel(l) {
   const parts = [`tp ${l.tp}`, `pp ${l.pp}`, `cp ${l.cp}`, `dp ${l.dp_replicate * l.dp_shard}`];
@@ -130,6 +98,7 @@ function number(v) { return v === undefined || v === "" ? undefined : Number(v);
 
 function requestBody(withLayout = true) {
   const body = { model: state.model, gpu: state.gpu, precision: state.precision };
+  if (state.cluster) body.cluster = state.cluster;
   for (const k of ["num_gpus", "seq_len", "global_batch", "tokens"]) if (number(state[k]) !== undefined) body[k] = number(state[k]);
   const shape = {};
   for (const k of SHAPE_KEYS) if (number(state[k]) !== undefined) shape[k] = number(state[k]);
@@ -200,8 +169,9 @@ function renderPlan(status, data) {
       `${fmt(mem.limit_GiB, 3)} GiB usable; ${layoutLabel(cand.layout)}`;
   } else {
     verdict.className = "verdict nofit";
-    verdict.textContent = cand ? `does not fit: the leanest layout needs ${fmt(mem.total_GiB, 3)} GiB of ` +
-      `${fmt(mem.limit_GiB, 3)} GiB usable` : "does not fit: no layout can run these inputs";
+    const fix = (plan.reason.split("\n").find((line) => line.trim().startsWith("try:")) || "").trim();
+    verdict.textContent = (cand ? `does not fit: the leanest layout needs ${fmt(mem.total_GiB, 3)} GiB of ` +
+      `${fmt(mem.limit_GiB, 3)} GiB usable` : "does not fit: no layout can run these inputs") + (fix ? `; ${fix}` : "");
   }
   $("model-params").textContent = `${fmt(plan.problem.params / 1e9, 4)}B parameters (${plan.problem.model}` +
     `${Object.keys(requestBody(false).shape || {}).length ? ", custom shape" : ""})`;
@@ -381,142 +351,6 @@ function applyState(s) {
   update();
 }
 
-// ---- the calculations page ----
-
-function stateQuery(s) {
-  const params = new URLSearchParams();
-  for (const k of BASE_KEYS) if (s[k] !== undefined) params.set(k, s[k]);
-  for (const [k, v] of Object.entries(s.shape || {})) params.set(k, v);
-  for (const [k, v] of Object.entries(s.layout || {})) params.set(k, v);
-  return `?${params}#explore`;
-}
-
-function showAnswers(box, answers) {
-  const table = clear(box.querySelector("table"));
-  for (const a of answers) {
-    const tr = el("tr", { "data-answer": a.label });
-    tr.append(el("th", {}, a.label), el("td", { class: "value", "data-value": a.value }, fmt(a.value, 4)), el("td", {}, a.unit));
-    table.append(tr);
-  }
-}
-
-async function loadCards() {
-  const box = $("cards");
-  if (box.dataset.loaded) return;
-  const [status, cards] = await call("GET", "/api/cards");
-  if (status !== 200) { box.textContent = cards.error; return; }
-  box.dataset.loaded = "1";
-  for (const c of cards) {
-    const card = el("div", { class: "card", id: `card-${c.id}` });
-    card.append(el("h3", {}, c.title), el("p", { class: "hint" }, `${c.topic}; ${c.source}`),
-                el("p", { class: "formula" }, c.formula));
-    const inputs = el("div", { class: "inputs" });
-    for (const i of c.inputs) {
-      const label = el("label", {}, `${i.label}${i.unit ? ` (${i.unit})` : ""}`);
-      label.append(el("input", { type: "number", step: "any", name: i.name, value: i.default, "data-input": i.name }));
-      inputs.append(label);
-    }
-    card.append(inputs, el("table", { class: "numbers answers" }), el("p", { class: "error" }));
-    if (c.quoted) card.append(el("p", { class: "hint" }, `Usually quoted: ${c.quoted}`));
-    if (c.correction) card.append(el("p", { class: "correction" }, `Corrected: ${c.correction}`));
-    if (c.explore && Object.keys(c.explore).length) card.append(el("a", { href: stateQuery(c.explore), class: "to-explorer" }, "open in the explorer"));
-    showAnswers(card, c.answers);
-    inputs.addEventListener("input", async () => {
-      const body = {};
-      for (const input of inputs.querySelectorAll("input")) if (input.value !== "") body[input.name] = Number(input.value);
-      const [st, data] = await call("POST", `/api/cards/${c.id}`, body);
-      card.querySelector(".error").textContent = st === 200 ? "" : data.error;
-      if (st === 200) showAnswers(card, data.answers);
-    });
-    box.append(card);
-  }
-}
-
-// ---- runs ----
-
-function lineChart(svg, series, height) {
-  clear(svg);
-  svg.setAttribute("height", height);
-  const points = series.flatMap((s) => s.xs.map((x, i) => [x, s.ys[i]]).filter(([, y]) => y !== null));
-  if (!points.length) { svg.append(el("text", { x: 10, y: 20 }, "no points")); return; }
-  const xs = points.map((p) => p[0]), ys = points.map((p) => p[1]);
-  const [x0, x1, y0, y1] = [Math.min(...xs), Math.max(...xs), Math.min(...ys), Math.max(...ys)];
-  const left = 60, right = 700, top = 10, bottom = height - 30;
-  const px = (x) => left + (x1 > x0 ? (x - x0) / (x1 - x0) : 0.5) * (right - left);
-  const py = (y) => bottom - (y1 > y0 ? (y - y0) / (y1 - y0) : 0.5) * (bottom - top);
-  svg.append(el("line", { x1: left, x2: right, y1: bottom, y2: bottom, stroke: "#999" }));
-  svg.append(el("text", { x: 4, y: top + 10 }, fmt(y1, 3)), el("text", { x: 4, y: bottom }, fmt(y0, 3)));
-  svg.append(el("text", { x: left, y: height - 12 }, `step ${x0}`), el("text", { x: right - 60, y: height - 12 }, `step ${x1}`));
-  series.forEach((s, n) => {
-    const pts = s.xs.map((x, i) => [x, s.ys[i]]).filter(([, y]) => y !== null).map(([x, y]) => `${px(x)},${py(y)}`);
-    svg.append(el("polyline", { points: pts.join(" "), fill: "none", stroke: s.color, "stroke-width": 1.5, "data-series": s.name }));
-    svg.append(el("text", { x: right - 160, y: top + 12 + 14 * n, style: `fill: ${s.color}` }, s.name));
-  });
-}
-
-async function loadRuns() {
-  const box = clear($("runs"));
-  const [status, data] = await call("GET", "/api/runs");
-  if (status !== 200) { box.textContent = data.error; return; }
-  if (!data.root) { box.append(el("p", {}, data.note)); return; }
-  box.append(el("h2", {}, `Runs in ${data.root}`));
-  const table = el("table", { class: "numbers" });
-  const head = el("tr");
-  for (const h of ["run", "model", "world", "dp_replicate x dp_shard x cp x tp x pp", "steps", "loss", "val loss"]) head.append(el("th", {}, h));
-  table.append(head);
-  for (const r of data.runs) {
-    const tr = el("tr");
-    const link = el("a", { href: `#run/${encodeURIComponent(r.name)}` }, r.name);
-    const l = r.layout;
-    tr.append(el("th"), el("td", {}, r.model || "?"), el("td", {}, l ? `${l.world}` : "?"),
-              el("td", {}, l ? `${l.dp_replicate} x ${l.dp_shard} x ${l.cp} x ${l.tp} x ${l.pp}` : "?"),
-              el("td", {}, `${r.steps}`), el("td", {}, fmt(r.loss)), el("td", {}, fmt(r.val_loss)));
-    tr.firstChild.append(link);
-    table.append(tr);
-  }
-  box.append(table);
-}
-
-async function loadRun(name) {
-  $("run").hidden = false;
-  clear($("runs"));
-  const [status, run] = await call("GET", `/api/runs/${encodeURIComponent(name)}`);
-  $("run-title").textContent = status === 200 ? `Run ${run.name}` : run.error;
-  if (status !== 200) return;
-  const l = run.layout;
-  $("run-layout").textContent = `${run.model}, ${run.precision}, ${run.world} ranks on ${run.backend}: dp_replicate ` +
-    `${l.dp_replicate} x dp_shard ${l.dp_shard} x cp ${l.cp} x tp ${l.tp} x pp ${l.pp}`;
-  const c = run.curves;
-  lineChart($("run-loss"), [{ name: "train loss", xs: c.step, ys: c.loss, color: "#4e79a7" },
-                            { name: "validation loss", xs: c.val_step, ys: c.val_loss, color: "#e15759" }], 220);
-  lineChart($("run-tps"), [{ name: "tokens/s", xs: c.step, ys: c.tokens_per_s, color: "#59a14f" }], 180);
-  drawCheck(run);
-}
-
-function drawCheck(run) {
-  const table = clear($("check"));
-  const svg = clear($("run-check"));
-  $("check-note").textContent = run.check_note || "";
-  const rows = run.check;
-  svg.setAttribute("height", rows.length ? rows.length * 18 + 24 : 20);
-  if (!rows.length) return;
-  const head = el("tr");
-  for (const h of ["rank", "bucket or collective", "predicted", "measured", "measured / predicted"]) head.append(el("th", {}, h));
-  table.append(head);
-  rows.forEach((r, i) => {
-    const ratio = r.predicted ? r.measured / r.predicted : NaN;
-    const tr = el("tr", { "data-rank": r.rank, "data-key": r.key });
-    tr.append(el("td", {}, `${r.rank}`), el("th", {}, r.key + (r.estimated ? " (estimate)" : "")),
-              el("td", {}, fmt(r.predicted, 6)), el("td", {}, fmt(r.measured, 6)), el("td", {}, fmt(ratio, 5)));
-    table.append(tr);
-    const y = 4 + i * 18, left = 230, width = 440, top = Math.max(r.predicted, r.measured) || 1;
-    svg.append(el("text", { x: 4, y: y + 11 }, `rank ${r.rank} ${r.key}`));
-    svg.append(el("rect", { x: left, y, width: (r.predicted / top) * width, height: 7, fill: "#9fbfe0", "data-predicted": r.predicted }));
-    svg.append(el("rect", { x: left, y: y + 7, width: (r.measured / top) * width, height: 7, fill: "#1f4e89", "data-measured": r.measured }));
-  });
-  svg.append(el("text", { x: 230, y: rows.length * 18 + 18 }, "light: predicted, dark: measured (each pair to its own scale)"));
-}
-
 // ---- views ----
 
 function route() {
@@ -538,6 +372,7 @@ function fillChoices() {
   };
   for (const name of Object.keys(OPTIONS.models)) $("in-model").append(el("option", { value: name }, name));
   for (const gpu of OPTIONS.gpus) $("in-gpu").append(el("option", { value: gpu }, gpu));
+  for (const name of OPTIONS.clusters) $("in-cluster").append(el("option", { value: name }, name));
   for (const [k, values] of Object.entries(CHOICES)) auto($(`in-${k}`), values);
   auto($("in-schedule"), OPTIONS.schedules);
   auto($("in-recompute"), OPTIONS.recompute);

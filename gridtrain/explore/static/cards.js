@@ -1,0 +1,53 @@
+// gridtrain explore: the calculations page, generated from GET /api/cards (gridtrain/plan/lessons.py).
+"use strict";
+
+// ---- the calculations page ----
+
+function stateQuery(s) {
+  const params = new URLSearchParams();
+  for (const k of BASE_KEYS) if (s[k] !== undefined) params.set(k, s[k]);
+  for (const [k, v] of Object.entries(s.shape || {})) params.set(k, v);
+  for (const [k, v] of Object.entries(s.layout || {})) params.set(k, v);
+  return `?${params}#explore`;
+}
+
+function showAnswers(box, answers) {
+  const table = clear(box.querySelector("table"));
+  for (const a of answers) {
+    const tr = el("tr", { "data-answer": a.label });
+    tr.append(el("th", {}, a.label), el("td", { class: "value", "data-value": a.value }, fmt(a.value, 4)), el("td", {}, a.unit));
+    table.append(tr);
+  }
+}
+
+async function loadCards() {
+  const box = $("cards");
+  if (box.dataset.loaded) return;
+  const [status, cards] = await call("GET", "/api/cards");
+  if (status !== 200) { box.textContent = cards.error; return; }
+  box.dataset.loaded = "1";
+  for (const c of cards) {
+    const card = el("div", { class: "card", id: `card-${c.id}` });
+    card.append(el("h3", {}, c.title), el("p", { class: "hint" }, `${c.topic}; ${c.source}`),
+                el("p", { class: "formula" }, c.formula));
+    const inputs = el("div", { class: "inputs" });
+    for (const i of c.inputs) {
+      const label = el("label", {}, `${i.label}${i.unit ? ` (${i.unit})` : ""}`);
+      label.append(el("input", { type: "number", step: "any", name: i.name, value: i.default, "data-input": i.name }));
+      inputs.append(label);
+    }
+    card.append(inputs, el("table", { class: "numbers answers" }), el("p", { class: "error" }));
+    if (c.quoted) card.append(el("p", { class: "hint" }, `Usually quoted: ${c.quoted}`));
+    if (c.correction) card.append(el("p", { class: "correction" }, `Corrected: ${c.correction}`));
+    if (c.explore && Object.keys(c.explore).length) card.append(el("a", { href: stateQuery(c.explore), class: "to-explorer" }, "open in the explorer"));
+    showAnswers(card, c.answers);
+    inputs.addEventListener("input", async () => {
+      const body = {};
+      for (const input of inputs.querySelectorAll("input")) if (input.value !== "") body[input.name] = Number(input.value);
+      const [st, data] = await call("POST", `/api/cards/${c.id}`, body);
+      card.querySelector(".error").textContent = st === 200 ? "" : data.error;
+      if (st === 200) showAnswers(card, data.answers);
+    });
+    box.append(card);
+  }
+}

@@ -1,0 +1,36 @@
+// gridtrain explore: the helpers the page's scripts share (loaded first): element and SVG
+// builders, number formatting, and the JSON calls to the server.
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+const SVG = "http://www.w3.org/2000/svg";
+
+// ---- small helpers ----
+
+function fmt(x, digits = 4) {
+  if (x === null || x === undefined || !isFinite(x)) return "–";
+  const a = Math.abs(x);
+  if (a !== 0 && (a >= 1e9 || a < 1e-3)) return x.toExponential(digits - 1).replace("e+", "e");
+  return Number(x.toPrecision(digits)).toLocaleString("en-US", { maximumFractionDigits: 8 });
+}
+
+function el(tag, attrs = {}, text = "") {
+  const node = ["svg", "rect", "line", "text", "g", "polyline", "title"].includes(tag)
+    ? document.createElementNS(SVG, tag) : document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, v);
+  if (text !== "") node.textContent = text;
+  return node;
+}
+
+function clear(node) { while (node.firstChild) node.removeChild(node.firstChild); return node; }
+
+async function call(method, url, body) {
+  const init = { method, headers: { "Content-Type": "application/json" } };
+  if (body !== undefined) init.body = JSON.stringify(body);
+  try {
+    const response = await fetch(url, init);
+    return [response.status, await response.json()];
+  } catch (e) {
+    return [0, { error: `no answer from the server: ${e}` }];
+  }
+}

@@ -1,0 +1,63 @@
+"""The calculation cards (gridtrain.plan.lessons): every card's answers at its worked problem's
+inputs against values derived by hand, the corrections where a commonly quoted answer is wrong,
+and the API's refusals. tests/test_explore_page.py checks the same answers as the page shows them."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from gridtrain.explore import cards
+from gridtrain.plan.lessons import CARDS as LESSONS
+
+# Each card at its worked problem's inputs, against answers derived by hand (GB = 1e9 bytes).
+CARDS = {
+    "ring": {"bytes each GPU sends": 2 * 2 * 7 / 8, "steps": 14, "time": 70 + 0.07},
+    "tree": {"ring": 70.07, "tree": 6 * (2 / 50 * 1e3 + 5e-3), "tree steps": 6},
+    "zero-memory": {"no ZeRO": 7 * 16, "ZeRO-1": 7 * (4 + 12 / 64), "ZeRO-2": 7 * (2 + 14 / 64), "ZeRO-3": 7 * 16 / 64},
+    "zero3-traffic": {"ZeRO-3 bytes per GPU": 3 * 14 * 63 / 64, "ZeRO-3 time": 3 * 14 * 63 / 64 / 100 * 1e3,
+                      "ZeRO-1/2 bytes per GPU": 2 * 14 * 63 / 64, "ZeRO-3 / ZeRO-1/2": 1.5},
+    "accumulation": {"accumulation steps": 64, "step time": 64 * 120 + 50, "throughput": 2048 / 7.730,
+                     "communication share": 50 / 7730 * 100, "share if reduced every micro-batch": 3200 / 10880 * 100},
+    "lr": {"linear scaling": 2.4e-3, "square-root scaling": 3e-4 * math.sqrt(8), "warmup steps": 8000, "warmup share": 8},
+    "comm-compute": {"all-reduce time": 2 * 20 * 63 / 64 / 600 * 1e3, "compute time": 300,
+                     "communication / compute": 65.625 / 300},
+    "overlap": {"exposed": 1.5, "hidden": 97.5, "overhead on the backward": 0.75},
+    "hierarchical": {"across nodes": 2 * 20 * 7 / 8 / 100 * 1e3, "inside the nodes": 2 * 7 / 8 * 20 / 600 * 1e3,
+                     "MFU with it exposed": 50 * 242 / (242 + 350)},
+    "bubble": {"bubble / ideal time (Narayanan)": 25, "bubble / step (GPipe)": 20, "1F1B: first stage holds": 8,
+               "GPipe: first stage holds": 24},
+    "interleaved-sends": {"boundaries": 15, "bytes per step": 180, "time at bw": 300},
+    "tp": {"column shard rows": 8192, "column shard columns": 1024, "bytes per all-reduce per GPU": 112,
+           "forward: 2 per layer": 17.5, "one all-reduce at bw": 2 * 7 / 8 * 64 * 2**20 / 600e9 * 1e3},
+    "gqa": {"query heads per rank": 8, "KV heads per rank": 1, "copies of each KV head": 1},
+    "checkpoint": {"size": 980, "one writer": 98, "parallel writers": 98 / 64},
+    "young": {"Young interval": math.sqrt(2 * 98 * 86400) / 60, "steps between checkpoints": math.sqrt(2 * 98 * 86400) / 10,
+              "lost per crash": math.sqrt(2 * 98 * 86400) / 120, "waste": math.sqrt(2 * 98 / 86400) * 100,
+              "cost of a crash": 512 * 2 * (math.sqrt(2 * 98 * 86400) / 2 + 98) / 3600, "crashes in the run": 30},
+    "fp16": {"smallest normal": 2.0**-14, "smallest subnormal": 2.0**-24, "largest": 65504, "loss scale after": 16384},
+}
+
+
+def test_every_card_gives_the_worked_answers():
+    shown = {c["id"]: {a["label"]: a["value"] for a in c["answers"]} for c in cards.card_list()}
+    assert sorted(shown) == sorted(CARDS)  # no card left untested
+    for card, expected in CARDS.items():
+        assert {k: shown[card][k] for k in expected} == pytest.approx(expected, rel=1e-9), card
+
+
+def test_every_card_states_its_formula_source_and_an_explorer_state_or_none():
+    for c in LESSONS:
+        assert c.formula and c.source and c.inputs
+        assert bool(c.correction) <= bool(c.quoted)  # a correction corrects a quoted answer
+        if c.explore:
+            assert {"model", "num_gpus"} <= set(c.explore)
+
+
+@pytest.mark.parametrize("body, status", [
+    ({"N": "8"}, 400), ({"N": 2.5}, 400), ({"N": -1}, 400), ({"N": float("nan")}, 400), ({"X": 1}, 400),
+    ({"N": 2_000_000}, 400), ([], 400), ({"N": 1}, 200), ({"lat": 0}, 200),
+])
+def test_a_card_refuses_inputs_it_cannot_answer(body, status):
+    assert cards.answer("ring", body)[0] == status
