@@ -1,4 +1,5 @@
-"""The `gridtrain` command: train, model, data prepare, calibrate, plan, explore, plot, export, import."""
+"""The `gridtrain` command: train, model, data prepare, calibrate, plan, explore, plot, export, import,
+sample, eval."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from gridtrain.config import ConfigError
 from gridtrain.config_load import all_keys, load_config, parse_overrides
 from gridtrain.errors import BadInput, UserError, one_line
 from gridtrain.argtypes import number
+from gridtrain.cli_inference import add_inference_parsers
 from gridtrain.launch import launch
 from gridtrain.rundir import check_run_dir, unwritable
 from gridtrain.plan.app.options import add_plan_parser
@@ -82,6 +84,10 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     shutdown(finished=True)
     if "loss/val" in final and trainer.is_writer:
         print(f"final validation loss {final['loss/val']:.4f} (perplexity {final['loss/val_ppl']:.2f})")
+    if cfg.train.sample_tokens and trainer.world.rank == 0 and (cfg.checkpoint.final or cfg.checkpoint.interval):
+        from gridtrain.train.inference import print_sample
+
+        print_sample(Path(cfg.run_dir), cfg.train.sample_tokens, cfg.train.sample_prompt)
     del dims
     return 0
 
@@ -348,6 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="default: RUN_DIR/curves.png")
     p.set_defaults(func=cmd_plot)
     add_interchange_parsers(sub)
+    add_inference_parsers(sub)
     return parser
 
 

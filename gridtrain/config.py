@@ -119,6 +119,11 @@ class TrainConfig:
     """Validation loss every N steps (and at the end); 0 turns it off."""
     val_batches: int = 8
     """Micro-batches of held-out data per validation."""
+    sample_tokens: int = 200
+    """At the end of the run, print a sample of this many tokens from its final checkpoint
+    (`gridtrain sample` with the defaults below; 0: none)."""
+    sample_prompt: str = ""
+    """The end-of-run sample's prompt ('': a new document)."""
     threads: int | None = None
     """CPU threads for torch (None: torch's default)."""
     collective_timeout_s: float = 600.0
@@ -137,9 +142,14 @@ class TrainConfig:
 class CheckpointConfig:
     dir: str | None = None
     """Checkpoint directory; None means <run_dir>/checkpoints."""
-    interval: int | str = 0
-    """Save every N steps (and at the end); 0 turns saving off; "auto" times a save after the
-    first step and saves every Daly-optimal interval for checkpoint.mtbf_hours."""
+    interval: int | str = "auto"
+    """Save every N steps (and at the end); "auto" times a save after the first step and saves
+    every Daly-optimal interval for checkpoint.mtbf_hours; 0: no saves along the way (the final
+    one still, unless checkpoint.final is false)."""
+    final: bool = True
+    """Save the last step's checkpoint whatever the interval, so every finished run keeps its
+    model (for `gridtrain sample`, `eval`, `export` and --resume). False with interval 0: a run
+    that saves nothing."""
     mtbf_hours: float = 24.0
     """Mean time between failures of the whole job, for interval = "auto" (a cluster's per-GPU
     MTBF divided by the GPU count; Llama 3 saw one interruption every ~2.8 h on 16,384 GPUs)."""

@@ -91,6 +91,7 @@ def _check_train(cfg: Config) -> list[str]:
     problems += _at_least("train.loss_scale_growth_interval", t.loss_scale_growth_interval, 1)
     problems += _choice("train.recompute", t.recompute, RECOMPUTE)
     problems += _at_least("train.val_every", t.val_every, 0) + _at_least("train.val_batches", t.val_batches, 1)
+    problems += _at_least("train.sample_tokens", t.sample_tokens, 0)
     if t.threads is not None:
         cores = os.cpu_count() or 1
         problems += _at_least("train.threads", t.threads, 1)

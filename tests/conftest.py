@@ -100,6 +100,9 @@ def tiny_overrides(tmp_path: Path, corpus: Path) -> dict[str, Any]:
         "train.threads": 1,
         "metrics.tensorboard": False,
         "metrics.progress": False,
+        "checkpoint.interval": 0,  # tests that save ask for it
+        "checkpoint.final": False,
+        "train.sample_tokens": 0,
     }
 
 

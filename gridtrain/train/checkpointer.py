@@ -1,9 +1,9 @@
 """The run's checkpoint policy: when to save, how (blocking or in the background), what a failed
 save does, resuming, and saving on a stop signal. `checkpoint.py` is the mechanism beneath it.
 
-- When: every `checkpoint.interval` steps and at the last step, or with "auto" after a first timed
-  save, at Daly's interval for the job's MTBF (Daly 2006, "A higher order estimate of the optimum
-  checkpoint interval for restart dumps").
+- When: every `checkpoint.interval` steps, or with "auto" after a first timed save at Daly's
+  interval for the job's MTBF (Daly 2006, "A higher order estimate of the optimum checkpoint
+  interval for restart dumps"); and at the last step (checkpoint.final).
 - How: `checkpoint.async_save` writes in the background and commits as soon as every rank has
   written, so a crash loses at most the steps since the last commit.
 - A failed save never touches the earlier checkpoints; `checkpoint.on_save_error` stops the run
@@ -104,7 +104,8 @@ class Checkpointer:
             self._committed(self.saver.poll)
         if self.interval is None:
             self.choose_interval(step, step_s)
-        elif self.interval > 0 and (step % self.interval == 0 or step == last_step):
+        elif (self.interval > 0 and step % self.interval == 0) or (
+                step == last_step and (self.interval > 0 or self.cfg.final)):
             self.save(step)
 
     def choose_interval(self, step: int, step_s: float) -> None:

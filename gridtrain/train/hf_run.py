@@ -67,17 +67,23 @@ def find_checkpoint(root: Path, step: int | None = None) -> Path:
 
     The one place that asks gridtrain.train.checkpoint which checkpoints exist."""
     if step is None:
-        path = checkpoint.latest_checkpoint(root)
+        path, skipped = checkpoint.latest_valid_checkpoint(root)
         if path is None:
-            raise InterchangeError(f"no intact checkpoint in {root}: train with --checkpoint.interval N")
+            why = f" ({len(skipped)} found, none intact: {skipped[0][1]})" if skipped else ""
+            raise InterchangeError(f"no intact checkpoint in {root}{why}: a run saves one at its end (and "
+                                   "along the way with checkpoint.interval); was this one stopped before?")
     else:
         found = dict(checkpoint.list_checkpoints(root))
         if step not in found:
-            raise InterchangeError(f"no checkpoint of step {step} in {root}; steps there: {sorted(found)}")
+            raise InterchangeError(f"no checkpoint of step {step} in {root}; steps there: {sorted(found) or 'none'}")
         path = found[step]
         problem = verify(path)
         if problem:
-            raise InterchangeError(f"checkpoint {path} is not intact: {problem}")
+            intact = next((s for s, p in reversed(checkpoint.list_checkpoints(root)) if s != step and not verify(p)),
+                          None)
+            offer = f"; the newest intact one is step {intact} (--step {intact})" if intact is not None else \
+                "; no other checkpoint there is intact"
+            raise InterchangeError(f"checkpoint {path} is not intact: {problem}{offer}")
     try:
         check_metadata(path)
     except UntrustedCheckpointError as err:

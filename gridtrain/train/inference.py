@@ -1,0 +1,218 @@
+"""What a run learned, in one process: `gridtrain sample` and `gridtrain eval`.
+
+`load_run` reads the run's record (model shape, tokenizer, data), picks its newest intact
+checkpoint (or a given step's) and loads the full weights into one CPU process, whatever layout
+wrote them: DCP reshards FSDP, TP and PP shards on reading. Sampling streams text as it is
+produced; evaluation reports the loss, perplexity and bits per byte on the run's validation split
+or on any text.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, TextIO
+
+import numpy as np
+import torch
+
+from gridtrain.config import Config
+from gridtrain.data.tokenizer import ByteTokenizer, Tokenizer, build_tokenizer
+from gridtrain.errors import BadInput
+from gridtrain.model.generate import Sampling, generate
+from gridtrain.model.llama import Transformer
+from gridtrain.rundir import RunRecord
+from gridtrain.train.hf_run import find_checkpoint, load_model_weights, model_shapes
+
+
+@dataclass
+class LoadedRun:
+    cfg: Config
+    model: Transformer
+    tokenizer: Tokenizer
+    checkpoint: Path
+
+
+def run_tokenizer(cfg: Config) -> Tokenizer:
+    """The tokenizer the run trained with (a trained BPE comes from the data cache)."""
+    from gridtrain.data.corpus import default_corpus
+
+    corpus = Path(cfg.data.corpus).resolve() if cfg.data.corpus else default_corpus()
+    return build_tokenizer(cfg.data.tokenizer, corpus=corpus, cache_dir=Path(cfg.data.cache_dir).expanduser())
+
+
+def load_run(run_dir: Path, step: int | None = None) -> LoadedRun:
+    """The run's model with the weights of its newest intact checkpoint (or of `step`)."""
+    cfg = RunRecord.load(Path(run_dir), with_layout=False).config
+    args = cfg.model.args()
+    root = cfg.checkpoint_dir if cfg.checkpoint.dir else Path(run_dir) / "checkpoints"
+    path = find_checkpoint(root, step)
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to_empty(device="cpu")
+    model.after_to_empty()
+    missing, unexpected = model.load_state_dict(load_model_weights(path, args, model_shapes(args)), strict=False)
+    assert not unexpected and set(missing) <= {"output.weight"}, (missing, unexpected)
+    return LoadedRun(cfg, model.eval(), run_tokenizer(cfg), path)
+
+
+def encode_prompt(tokenizer: Tokenizer, text: str, context: int, max_new_tokens: int) -> tuple[list[int], str]:
+    """The prompt's ids, cut from the left to leave room for the new tokens, and a note saying so."""
+    try:
+        ids = [int(i) for i in tokenizer.encode(text)]
+    except Exception as err:  # noqa: BLE001 - a tokenizer's own error type
+        raise BadInput(f"the run's tokenizer ({tokenizer.name}) cannot encode the prompt: {err}") from None
+    if not ids:
+        ids = [tokenizer.eos_id]  # an empty prompt starts a new document
+    if max_new_tokens >= context:
+        raise BadInput(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the model's "
+                       f"context of {context} tokens: ask for fewer than {context}")
+    room = context - max_new_tokens
+    if len(ids) > room:
+        return ids[-room:], (f"the prompt's {len(ids)} tokens and {max_new_tokens} new ones exceed the model's "
+                             f"context of {context}: kept the prompt's last {room} tokens")
+    return ids, ""
+
+
+class TextStream:
+    """Decode tokens as they come and write the text that is final so far (a byte tokenizer's
+    UTF-8 character, or a BPE token, may need the next token to be whole)."""
+
+    def __init__(self, tokenizer: Tokenizer, out: TextIO) -> None:
+        self.tokenizer, self.out, self.ids, self.shown = tokenizer, out, [], 0
+
+    def add(self, token: int) -> None:
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids)
+        final = text[:-1] if text.endswith("\ufffd") else text  # an unfinished character waits
+        if len(final) > self.shown:
+            self.out.write(final[self.shown:])
+            self.out.flush()
+            self.shown = len(final)
+
+    def close(self) -> str:
+        text = self.tokenizer.decode(self.ids)
+        self.out.write(text[self.shown:])
+        self.out.flush()
+        return text
+
+
+def sample(run: LoadedRun, prompt: str, max_new_tokens: int, sampling: Sampling, seed: int = 0,
+           num_samples: int = 1, out: TextIO | None = None, use_cache: bool = True) -> list[list[int]]:
+    """Stream `num_samples` continuations of `prompt` to `out`; returns their new token ids."""
+    out = out or sys.stdout
+    ids, note = encode_prompt(run.tokenizer, prompt, run.model.args.max_seq_len, max_new_tokens)
+    if note:
+        print(f"note: {note}", file=sys.stderr)
+    generator = torch.Generator().manual_seed(seed)
+    samples = []
+    for n in range(num_samples):
+        if num_samples > 1:
+            out.write(f"{'' if n == 0 else chr(10)}--- sample {n + 1} of {num_samples}\n")
+        out.write(prompt[-len(run.tokenizer.decode(ids)):] if note else prompt)
+        stream = TextStream(run.tokenizer, out)
+        for token in generate(run.model, torch.tensor([ids]), max_new_tokens, sampling, generator, use_cache,
+                              stop_id=run.tokenizer.eos_id):
+            stream.add(int(token[0]))
+        stream.close()
+        out.write("\n")
+        samples.append(stream.ids)
+    return samples
+
+
+def print_sample(run_dir: Path, tokens: int, prompt: str, out: TextIO | None = None) -> None:
+    """The end of `gridtrain train`: a sample from the checkpoint it just saved (seed 0)."""
+    out = out or sys.stdout
+    run = load_run(run_dir)
+    step = int(run.checkpoint.name.removeprefix("step-"))
+    out.write(f"sample of the model at step {step} (more: gridtrain sample {run_dir}):\n")
+    sample(run, prompt, min(tokens, run.model.args.max_seq_len - 1), Sampling(0.8, 50, 0.95), out=out)
+
+
+def token_bytes(tokenizer: Tokenizer) -> np.ndarray:
+    """UTF-8 bytes each token id stands for (0 for `<eos>`): the denominator of bits per byte."""
+    if isinstance(tokenizer, ByteTokenizer):
+        out = np.ones(tokenizer.vocab_size, dtype=np.int64)
+        out[tokenizer.eos_id] = 0
+        return out
+    hf = tokenizer._tok  # a byte-level BPE: each character of a token's string is one byte
+    out = np.zeros(tokenizer.vocab_size, dtype=np.int64)
+    for token, index in hf.get_vocab(with_added_tokens=False).items():
+        if index < len(out):
+            out[index] = len(token)
+    out[tokenizer.eos_id] = 0
+    return out
+
+
+@torch.no_grad()
+def evaluate(run: LoadedRun, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, float]:
+    """Mean loss over every target token of `batches` (as the training run's validation computes
+    it: the run's precision, the sum of each batch's mean x its tokens), perplexity, bits per byte."""
+    from gridtrain.train.build import loss_fn
+    from gridtrain.train.precision import Precision
+
+    precision = Precision(run.cfg.train, torch.device("cpu"))
+    nbytes = torch.from_numpy(token_bytes(run.tokenizer))
+    total, count, total_bytes, sequences = torch.zeros(()), torch.zeros(()), 0, 0
+    for inputs, targets in batches:
+        with precision.autocast():
+            loss = loss_fn(run.model(inputs), targets)
+        total += loss.float() * targets.numel()
+        count += targets.numel()
+        total_bytes += int(nbytes[targets].sum())
+        sequences += len(targets)
+    if count == 0:
+        raise BadInput("nothing to evaluate: the data holds no sequence of the run's length")
+    loss = (total / count).item()
+    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": int(count.item()),
+            "sequences": sequences, "bytes": total_bytes,
+            "bits_per_byte": (total.item() / math.log(2) / total_bytes) if total_bytes else float("nan")}
+
+
+def validation_batches(run: LoadedRun, run_dir: Path, batches: int | None = None
+                       ) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
+    """The run's validation split, the sequences its training validated on (`Evaluator`: the first
+    train.val_batches micro-batches, whole pipeline batches under PP), or the first `batches`
+    micro-batches."""
+    from gridtrain.data.sampler import ValReader
+    from gridtrain.data.shards import TokenStore, ensure_prepared
+
+    cfg = run.cfg
+    prepared = ensure_prepared(cfg.data.corpus, cfg.data.tokenizer, Path(cfg.data.cache_dir).expanduser(),
+                               cfg.data.val_fraction, cfg.train.seed)
+    reader = ValReader(TokenStore(prepared, "val"), cfg.data.seq_len)
+    mb = cfg.train.micro_batch
+    if batches is not None:
+        return reader.batches(mb, batches)
+    dims = RunRecord.load(Path(run_dir)).dims
+    size = mb
+    if dims is not None and dims.pp > 1:
+        size = mb * (cfg.train.global_batch // (mb * dims.dp_replicate * dims.dp_shard))
+    whole = min(max(1, cfg.train.val_batches * mb // size) * size, reader.num_samples // size * size)
+    return reader.batches(mb, max(1, whole // mb))
+
+
+def text_batches(run: LoadedRun, source: Path, batches: int) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
+    """Any text file, directory or JSON lines, tokenised with the run's tokenizer (documents
+    ended by <eos>, as the run's data), cut into sequences of the run's length, in batches of its
+    micro-batch."""
+    from gridtrain.data.corpus import iter_documents
+    from gridtrain.data.tokenizer import encode_batch
+
+    seq, mb = run.cfg.data.seq_len, run.cfg.train.micro_batch
+    need = batches * mb * seq + 1
+    stream: list[np.ndarray] = []
+    held = 0
+    for text in iter_documents(source):
+        ids = np.asarray(encode_batch(run.tokenizer, [text])[0], dtype=np.int64)
+        stream += [ids, np.array([run.tokenizer.eos_id])]
+        held += len(ids) + 1
+        if held >= need:
+            break
+    tokens = np.concatenate(stream) if stream else np.zeros(0, dtype=np.int64)
+    count = min(batches * mb, (len(tokens) - 1) // seq)
+    for first in range(0, count, mb):
+        rows = np.stack([tokens[i * seq:(i + 1) * seq + 1] for i in range(first, min(first + mb, count))])
+        yield torch.from_numpy(rows[:, :-1].copy()), torch.from_numpy(rows[:, 1:].copy())
