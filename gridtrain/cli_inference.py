@@ -62,9 +62,10 @@ def add_inference_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt", help="text to continue (default: a new document)")
     p.add_argument("--prompt-file", help="read the prompt from this UTF-8 file")
     p.add_argument("--max-new-tokens", type=number(int, 1), default=200)
-    p.add_argument("--temperature", type=number(float, 0), default=0.8, help="0: greedy (deterministic)")
-    p.add_argument("--top-k", type=number(int, 0), default=50, help="sample among the k likeliest (0: all)")
-    p.add_argument("--top-p", type=number(float, 0, 1, low_open=True), default=0.95,
+    p.add_argument("--temperature", type=number(float, 0), default=1.0,
+                   help="divides the logits; 0: greedy (deterministic)")
+    p.add_argument("--top-k", type=number(int, 0), default=0, help="sample among the k likeliest (0: all)")
+    p.add_argument("--top-p", type=number(float, 0, 1, low_open=True), default=1.0,
                    help="sample among the likeliest tokens holding this probability (1: all)")
     p.add_argument("--seed", type=number(int, 0), default=0)
     p.add_argument("--num-samples", type=number(int, 1, 100), default=1)

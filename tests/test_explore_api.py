@@ -24,7 +24,7 @@ from gridtrain.explore.server import MAX_BODY, make_server
 def server(tmp_path_factory: pytest.TempPathFactory):
     runs = tmp_path_factory.mktemp("runs")
     (runs / "not-a-run").mkdir()
-    srv = make_server(runs_dir=runs)
+    srv = make_server(runs_dir=runs, timeout=2)
     thread = threading.Thread(target=srv.serve_forever, daemon=True)
     thread.start()
     yield srv
@@ -99,6 +99,19 @@ def test_the_api_answers_what_plan_json_prints_for_20_random_inputs():
     assert fitting and not_fitting  # both kinds of answer were compared
 
 
+def test_every_recompute_the_page_offers_gets_an_answer():
+    for mode in api.LAYOUT["recompute"].choices:
+        status, data = api.plan({"model": "llama3-8b", "num_gpus": 8, "layout": {"recompute": mode}})
+        assert status == 200, data  # 'attention' is the planner's only: refused for training, with the reason
+    assert "gridtrain train refuses" in data["plan"]["reason"]
+
+
+def test_a_search_that_would_take_minutes_stops_with_the_fix(monkeypatch):
+    monkeypatch.setattr(api, "REQUEST_SECONDS", 0.0)
+    status, data = api.plan({"model": "llama3-405b", "num_gpus": 8192, "shape": {"vocab_size": 3}})
+    assert status == 422 and "ran out of its time" in data["error"] and "fix more of the layout" in data["error"]
+
+
 def test_a_layout_the_planner_refuses_is_a_422_with_its_reason():
     status, data = api.plan({"model": "llama3-8b", "num_gpus": 8, "layout": {"tp": 3}})
     assert status == 422
@@ -119,7 +132,11 @@ def test_a_layout_the_planner_refuses_is_a_422_with_its_reason():
     ({"model": "llama3-8b", "num_gpus": 8, "layout": [1, 2]}, "layout: expected an object"),
     ({"model": "gpt5", "num_gpus": 8}, "model: 'gpt5' is not one of"),
     ({"model": "llama3-8b", "num_gpus": 8, "hbm_usable": 0}, "hbm_usable: 0 is out of range"),
-    ({"model": "llama3-8b", "num_gpus": 8, "tokens": float("inf")}, "tokens: inf is out of range"),
+    ({"model": "llama3-8b", "num_gpus": 8, "tokens": float("inf")}, "tokens: inf is not a finite number"),
+    ({"model": "llama3-8b", "num_gpus": float("inf")}, "num_gpus: inf is not a finite number"),
+    ({"model": "llama3-8b", "num_gpus": 8, "layout": {"tp": float("nan")}}, "layout.tp: nan is not a finite number"),
+    ({"model": "llama3-8b", "num_gpus": 8, "shape": {"dim": 1e400}}, "shape.dim: inf is not a finite number"),
+    ({"model": "llama3-8b", "num_gpus": 8, "layout": 0}, "layout: expected an object"),
     ({"model": "llama3-8b", "num_gpus": 8, "colour": "red"}, "colour: unknown field"),
     ([1, 2, 3], "must be a JSON object"),
 ])
@@ -143,6 +160,13 @@ def test_junk_gets_a_4xx_and_the_server_keeps_serving(server):
     assert request(server, "POST", "/api/cards/ring", json.dumps({"N": "eight"}))[0] == 400
     assert request(server, "POST", "/api/cards/ring", json.dumps({"N": 1e30}))[0] == 400
     assert request(server, "POST", "/api/cards/nope", "{}")[0] == 404
+    assert request(server, "POST", "/api/plan", "[" * 30000 + "]" * 30000)[0] == 400  # too deep for json
+    assert request(server, "POST", "/api/plan", "{}", {"Content-Length": "1_0"})[0] == 400
+    assert request(server, "POST", "/api/plan", "{}", {"Content-Length": "100"})[0] in (400, 408)  # 2 bytes came
+    assert request(server, "GET", "/static/%00")[0] == 404
+    assert request(server, "GET", "/static/" + "a" * 5000)[0] == 404
+    status, data = request(server, "TRACE", "/")
+    assert status == 501 and "error" in data  # http.server's own refusals are JSON too
     assert request(server, "GET", "/api/runs/..")[0] == 404
     assert request(server, "GET", "/api/runs/not-a-run")[0] == 404
     # ... and the next good request is answered.

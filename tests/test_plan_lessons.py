@@ -24,9 +24,9 @@ CARDS = {
     "comm-compute": {"all-reduce time": 2 * 20 * 63 / 64 / 600 * 1e3, "compute time": 300,
                      "communication / compute": 65.625 / 300},
     "overlap": {"exposed": 1.5, "hidden": 97.5, "overhead on the backward": 0.75},
-    "hierarchical": {"across nodes": 2 * 20 * 7 / 8 / 100 * 1e3, "inside the nodes": 2 * 7 / 8 * 20 / 600 * 1e3,
+    "hierarchical": {"across nodes": 2 * 20 * 7 / 8 / 100 * 1e3, "inside the nodes": 2 * 20 / 600 * 1e3,
                      "MFU with it exposed": 50 * 242 / (242 + 350)},
-    "bubble": {"bubble / ideal time (Narayanan)": 25, "bubble / step (GPipe)": 20, "1F1B: first stage holds": 8,
+    "bubble": {"bubble / ideal time": 25, "bubble / step": 20, "1F1B: first stage holds": 8,
                "GPipe: first stage holds": 24},
     "interleaved-sends": {"boundaries": 15, "bytes per step": 180, "time at bw": 300},
     "tp": {"column shard rows": 8192, "column shard columns": 1024, "bytes per all-reduce per GPU": 112,
@@ -34,7 +34,8 @@ CARDS = {
     "gqa": {"query heads per rank": 8, "KV heads per rank": 1, "copies of each KV head": 1},
     "checkpoint": {"size": 980, "one writer": 98, "parallel writers": 98 / 64},
     "young": {"Young interval": math.sqrt(2 * 98 * 86400) / 60, "steps between checkpoints": math.sqrt(2 * 98 * 86400) / 10,
-              "lost per crash": math.sqrt(2 * 98 * 86400) / 120, "waste": math.sqrt(2 * 98 / 86400) * 100,
+              "lost per crash": math.sqrt(2 * 98 * 86400) / 120, "checkpoint overhead": 98 / math.sqrt(2 * 98 * 86400) * 100,
+              "waste (overhead + lost work)": math.sqrt(2 * 98 / 86400) * 100,
               "cost of a crash": 512 * 2 * (math.sqrt(2 * 98 * 86400) / 2 + 98) / 3600, "crashes in the run": 30},
     "fp16": {"smallest normal": 2.0**-14, "smallest subnormal": 2.0**-24, "largest": 65504, "loss scale after": 16384},
 }
@@ -61,3 +62,11 @@ def test_every_card_states_its_formula_source_and_an_explorer_state_or_none():
 ])
 def test_a_card_refuses_inputs_it_cannot_answer(body, status):
     assert cards.answer("ring", body)[0] == status
+
+
+def test_cards_refuse_what_their_formula_cannot_answer():
+    assert cards.answer("tree", {"N": 1})[0] == 200  # no ring, no ratio: not a division by zero
+    assert cards.answer("young", {"C": 1e6, "mtbf_h": 0.001})[0] == 422
+    assert cards.answer("gqa", {"heads": 8, "kv": 64})[0] == 422
+    interleaved = {a["label"]: a["value"] for a in cards.answer("interleaved-sends", {"pp": 1})[1]["answers"]}
+    assert interleaved["boundaries"] == 0 and interleaved["bytes per step"] == 0

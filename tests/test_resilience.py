@@ -159,13 +159,15 @@ def test_async_save_writes_the_same_checkpoints(tmp_path, make_config, checkpoin
             assert torch.equal(sync[key], background[key]), (step, key)
 
 
-def test_auto_interval_times_a_save_after_the_first_step(tmp_path, make_config, caplog):
+def test_auto_interval_times_a_save_after_the_warm_up(tmp_path, make_config, caplog):
+    from gridtrain.train.checkpointer import AUTO_AFTER
     from gridtrain.train.trainer import Trainer
 
     with caplog.at_level(logging.INFO, logger="gridtrain"):
-        trainer = Trainer(make_config(tmp_path, **{"checkpoint.interval": "auto", "checkpoint.mtbf_hours": 1e-4}))
+        trainer = Trainer(make_config(tmp_path, **{"checkpoint.interval": "auto", "checkpoint.mtbf_hours": 1e-4,
+                                                   "train.steps": AUTO_AFTER + 1}))
         trainer.run()
-    assert (tmp_path / "run" / "checkpoints" / "step-0000001").is_dir()
+    assert (tmp_path / "run" / "checkpoints" / f"step-{AUTO_AFTER:07d}").is_dir()
     match = re.search(r"checkpoint.interval auto: a save takes ([\d.]+) s, a step ([\d.]+) s, the job's MTBF is "
                       r"0.0001 h .* = every (\d+) steps", caplog.text)
     assert match, caplog.text

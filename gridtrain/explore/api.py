@@ -19,12 +19,15 @@ from gridtrain.model.args import PRESETS
 from gridtrain.layout.schedules import BACKWARD, RUNTIME_SCHEDULES, schedule as row_of
 from gridtrain.names import PLAN_RECOMPUTE
 from gridtrain.plan import pipeline
-from gridtrain.plan.search import PlanError
+from gridtrain.plan.search import DEADLINE, PlanError
 from gridtrain.plan.specs import ACCELERATOR_ALIASES, ACCELERATORS, CLUSTERS
 
 MAX_GPUS = 131_072
 """The largest cluster the explorer plans (8x the 16,384 GPUs of Llama 3 405B); `gridtrain plan`
 takes more from the command line."""
+REQUEST_SECONDS = 10.0
+"""How long one request may search: past it the planner answers with PlanError (a 422 naming the
+fix) rather than keep a thread busy for minutes."""
 MAX_TIMELINE_OPS = 4096
 """Pipeline timelines with more forward and backward ops than this are not drawn."""
 
@@ -93,6 +96,8 @@ def _value(name: str, value: object, field: Field) -> object:
         return value.lower()
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise BadRequest(f"{name}: expected a number, got {type(value).__name__} {value!r:.60}")
+    if not math.isfinite(value):
+        raise BadRequest(f"{name}: {value!r} is not a finite number")
     if field.kind == "int" and value != int(value):
         raise BadRequest(f"{name}: expected a whole number, got {value!r}")
     low_ok = value > field.low if field.low_open else value >= field.low
@@ -103,7 +108,7 @@ def _value(name: str, value: object, field: Field) -> object:
 
 
 def _section(body: dict, key: str, fields: dict[str, Field]) -> dict[str, object]:
-    part = body.get(key) or {}
+    part = {} if body.get(key) is None else body[key]
     if not isinstance(part, dict):
         raise BadRequest(f"{key}: expected an object of {', '.join(fields)}")
     unknown = sorted(set(part) - set(fields))
@@ -183,12 +188,15 @@ def plan(body: object) -> tuple[int, dict]:
         args = plan_args(body)
     except BadRequest as e:
         return 400, {"error": str(e)}
+    deadline = DEADLINE.set(time.monotonic() + REQUEST_SECONDS)
     try:
         report, error = run_plan_json(args)
     except BadRequest as e:
         return 400, {"error": str(e)}
     except PlanError as e:
         report, error = None, str(e)
+    finally:
+        DEADLINE.reset(deadline)
     command = "gridtrain plan " + shlex.join(args[:-1])
     if report is None:
         return 422, {"error": error or "the planner took no plan from these inputs", "command": command}
@@ -237,6 +245,7 @@ def options() -> dict[str, object]:
     accelerators = {name: {"hbm_gb": acc.hbm_gb, "peak_tflops": acc.bf16_tflops}
                     for name, acc in ACCELERATORS.items()}
     return {"models": models, "gpus": _gpu_names(), "accelerators": accelerators, "clusters": list(CLUSTERS),
+            "cluster_accelerators": {name: make().accelerator.name for name, make in CLUSTERS.items()},
             "schedules": list(RUNTIME_SCHEDULES), "recompute": list(PLAN_RECOMPUTE), "presets": PRESETS_TRY,
             "fields": {name: {"low": f.low, "high": f.high} for name, f in {**FIELDS, **LAYOUT}.items()
                        if f.kind in ("int", "float")}}

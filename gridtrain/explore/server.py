@@ -30,6 +30,16 @@ class Handler(BaseHTTPRequestHandler):
     server_version = "gridtrain-explore"
     runs_dir: Path | None = None
     quiet = True
+    timeout = 30
+    """Seconds a connection may sit idle or send a body slower than this (then it is closed)."""
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """http.server's own refusals (a malformed request line, an unknown method) as JSON too."""
+        self.close_connection = True
+        try:
+            self._json(code, {"error": message or explain or f"HTTP {code}"})
+        except OSError:
+            pass
 
     def log_message(self, format: str, *args: object) -> None:
         if not self.quiet:
@@ -64,8 +74,12 @@ class Handler(BaseHTTPRequestHandler):
             self._guarded(lambda: self._get_api(path))
             return
         name = "index.html" if path == "/" else path.removeprefix("/static/") if path.startswith("/static/") else ""
-        target = (STATIC / name).resolve()
-        if not name or STATIC.resolve() not in target.parents or not target.is_file():
+        try:
+            target = (STATIC / name).resolve()
+            found = bool(name) and STATIC.resolve() in target.parents and target.is_file()
+        except (ValueError, OSError):  # a NUL byte, a name too long
+            found = False
+        if not found:
             self._json(404, {"error": f"no page at {path[:200]}"})
             return
         kind = mimetypes.guess_type(target.name)[0] or "application/octet-stream"
@@ -91,20 +105,30 @@ class Handler(BaseHTTPRequestHandler):
         if route is None:
             self._json(404 if path.startswith("/api/") else 405, {"error": f"no API at POST {path[:200]}"})
             return
-        try:
-            length = int(self.headers.get("Content-Length", "0"))
-        except ValueError:
-            self._json(400, {"error": "Content-Length is not a number"})
-            return
-        if length > MAX_BODY or length < 0:
-            self._json(413, {"error": f"the body has {length:,} bytes; at most {MAX_BODY:,}"})
+        lengths = self.headers.get_all("Content-Length") or ["0"]
+        if len(lengths) > 1 or not lengths[0].strip().isdigit():
             self.close_connection = True
+            self._json(400, {"error": "Content-Length must be given once, as a whole number of bytes"})
             return
-        raw = self.rfile.read(length)
+        length = int(lengths[0])
+        if length > MAX_BODY:
+            self.close_connection = True
+            self._json(413, {"error": f"the body has {length:,} bytes; at most {MAX_BODY:,}"})
+            return
+        try:
+            raw = self.rfile.read(length)
+        except TimeoutError:
+            self.close_connection = True
+            self._json(408, {"error": f"the body did not arrive within {self.timeout} s"})
+            return
+        if len(raw) < length:
+            self.close_connection = True
+            self._json(400, {"error": f"the body ended after {len(raw):,} of {length:,} bytes"})
+            return
         try:
             body = json.loads(raw or b"{}")
-        except (ValueError, UnicodeDecodeError) as e:
-            self._json(400, {"error": f"the body is not JSON: {e}"[:300]})
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
+            self._json(400, {"error": f"the body is not JSON this server reads: {type(e).__name__}"})
             return
         self._guarded(lambda: route(body))
 
@@ -114,9 +138,10 @@ class Handler(BaseHTTPRequestHandler):
     do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _refuse
 
 
-def make_server(host: str = "127.0.0.1", port: int = 0, runs_dir: Path | None = None) -> ThreadingHTTPServer:
+def make_server(host: str = "127.0.0.1", port: int = 0, runs_dir: Path | None = None,
+                timeout: float = Handler.timeout) -> ThreadingHTTPServer:
     """A server bound to host:port (port 0: a free one), not yet serving."""
-    handler = type("BoundHandler", (Handler,), {"runs_dir": runs_dir})
+    handler = type("BoundHandler", (Handler,), {"runs_dir": runs_dir, "timeout": timeout})
     server = ThreadingHTTPServer((host, port), handler)
     server.daemon_threads = True
     return server

@@ -127,11 +127,13 @@ def hierarchical_all_reduce_time(payload: float, gpus_per_node: int, num_nodes: 
     `leader=True` is the simpler leader-based version: reduce to one GPU per node, all-reduce the
     whole payload between nodes over `inter` (the node's link), broadcast inside the node. Worked
     example: 10B model (20 GB fp16), 8 nodes at 100 GB/s -> 2 x 20 x 7/8 / 100 = 350 ms across nodes.
-    The node steps are pipelined ring reduce and broadcast, (g-1)/g x payload / bw each.
+    The node steps are a pipelined chain reduce to the leader and broadcast from it: the leader
+    takes in (and every GPU receives) the whole payload, payload / bw each, plus the pipeline's
+    fill of g-1 latencies.
     """
     g = gpus_per_node
     if leader:
-        intra_phase = (g - 1) / g * payload / intra.effective + (g - 1) * intra.latency_s if g > 1 else 0.0
+        intra_phase = payload / intra.effective + (g - 1) * intra.latency_s if g > 1 else 0.0
         return HierarchicalTime(intra_phase, ring_all_reduce_time(payload, num_nodes, inter), intra_phase)
     return HierarchicalTime(reduce_scatter_time(payload, g, intra),
                             ring_all_reduce_time(payload / g, num_nodes, inter),
@@ -204,7 +206,9 @@ def pp_total_bytes_per_step(activation_bytes: float, pp: int, num_microbatches: 
                             virtual: int = 1) -> float:
     """All point-to-point bytes of one step over the whole pipeline: (pp x v - 1) stage boundaries,
     each crossed forward and backward by every micro-batch. Worked example: 500 MB, pp 4, m 12, v 4
-    -> 15 x 24 x 0.5 GB = 180 GB."""
+    -> 15 x 24 x 0.5 GB = 180 GB. One pipeline rank sends nothing (its stages share the GPU)."""
+    if pp <= 1:
+        return 0.0
     return (pp * virtual - 1) * 2 * num_microbatches * activation_bytes
 
 

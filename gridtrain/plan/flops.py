@@ -31,11 +31,11 @@ def hardware_flops_per_token(shape: ModelShape, seq_len: int, recompute: str = "
     if recompute == "full":
         blocks = shape.num_layers * (block_params(shape) - norm_params(shape))
         return model + 2 * blocks + attention_fwd
-    if recompute == "selective":
+    if recompute in ("selective", "attention"):
         return model + attention_fwd
     if recompute == "none":
         return model
-    raise ValueError(f"recompute must be 'none', 'selective' or 'full', not {recompute!r}")
+    raise ValueError(f"recompute must be 'none', 'selective', 'attention' or 'full', not {recompute!r}")
 
 
 def utilization(tokens_per_s: float, flops_per_token_: float, num_gpus: int, peak_flops: float) -> float:

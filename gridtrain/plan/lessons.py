@@ -62,8 +62,9 @@ def _ring(M, N, bw, lat):
 def _tree(M, N, bw, lat):
     link = Link(bw * GB, lat * 1e-6)
     ring, tree = comm.ring_all_reduce_time(M * GB, N, link), comm.tree_all_reduce_time(M * GB, N, link)
-    return [("ring", ring / ms, "ms"), ("tree", tree / ms, "ms"), ("ring steps", 2 * (N - 1), ""),
-            ("tree steps", 2 * math.ceil(math.log2(N)), ""), ("tree / ring", tree / ring, "x")]
+    out = [("ring", ring / ms, "ms"), ("tree", tree / ms, "ms"), ("ring steps", 2 * (N - 1), ""),
+           ("tree steps", 2 * math.ceil(math.log2(N)), "")]
+    return out + ([("tree / ring", tree / ring, "x")] if ring > 0 else [])
 
 
 def _zero(P, N):
@@ -116,15 +117,16 @@ def _hierarchical(M, g, nodes, intra, inter, compute_ms, mfu):
 
 def _bubble(pp, m, v, act_gb):
     sched = "interleaved-1f1b" if v > 1 else "1f1b"
-    return [("bubble / ideal time (Narayanan)", pipeline.bubble_ratio(int(pp), int(m), int(v)) * 100, "%"),
-            ("bubble / step (GPipe)", pipeline.bubble_fraction(int(pp), int(m), int(v), sched) * 100, "%"),
+    return [("bubble / ideal time", pipeline.bubble_ratio(int(pp), int(m), int(v)) * 100, "%"),
+            ("bubble / step", pipeline.bubble_fraction(int(pp), int(m), int(v), sched) * 100, "%"),
             ("1F1B: first stage holds", in_flight("1f1b", int(pp), 0, int(m)) * act_gb, "GB"),
             ("GPipe: first stage holds", in_flight("gpipe", int(pp), 0, int(m)) * act_gb, "GB")]
 
 
 def _sends(act_gb, pp, m, v, bw):
     total = comm.pp_total_bytes_per_step(act_gb * GB, int(pp), int(m), int(v))
-    return [("boundaries", pp * v - 1, ""), ("bytes per step", total / GB, "GB"), ("time at bw", total / (bw * GB) / ms, "ms")]
+    boundaries = pp * v - 1 if pp > 1 else 0  # one pipeline rank's stages share its GPU
+    return [("boundaries", boundaries, ""), ("bytes per step", total / GB, "GB"), ("time at bw", total / (bw * GB) / ms, "ms")]
 
 
 def _tp(d, tp, s, b, bytes_per_value, layers, bw):
@@ -138,6 +140,8 @@ def _tp(d, tp, s, b, bytes_per_value, layers, bw):
 
 
 def _gqa(heads, kv, tp):
+    if heads % kv:
+        raise ValueError(f"{int(kv)} KV heads must divide the {int(heads)} query heads")
     q, k, copies = tp_heads(int(heads), int(kv), int(tp))
     return [("query heads per rank", q, ""), ("KV heads per rank", k, ""), ("copies of each KV head", copies, "")]
 
@@ -150,12 +154,15 @@ def _checkpoint(P, gbps, writers):
 
 def _young(C, mtbf_h, step_s, gpus, price, days):
     m = mtbf_h * 3600
+    if C >= m:
+        raise ValueError("Young's interval assumes a checkpoint much shorter than the MTBF; this one is longer")
     tau = reliability.young_interval(C, m)
     cost = reliability.cost_per_failure(int(gpus), price, tau, restart_s=C)
     crashes = reliability.expected_failures(days * 86400, m)
     return [("Young interval", tau / 60, "min"), ("Daly interval", reliability.daly_interval(C, m) / 60, "min"),
             ("steps between checkpoints", tau / step_s, ""), ("lost per crash", reliability.expected_lost_seconds(tau) / 60, "min"),
-            ("waste", reliability.waste_fraction(tau, C, m) * 100, "%"), ("cost of a crash", cost, "$"),
+            ("checkpoint overhead", C / tau * 100, "%"),
+            ("waste (overhead + lost work)", reliability.waste_fraction(tau, C, m) * 100, "%"), ("cost of a crash", cost, "$"),
             ("crashes in the run", crashes, ""), ("cost of all crashes", crashes * cost, "$")]
 
 
@@ -226,7 +233,8 @@ CARDS: tuple[Card, ...] = (
           Input("compute_ms", "compute per step", 242, "ms"), Input("mfu", "MFU without communication", 50, "%")),
          _hierarchical, "Jia et al. 2018; Sergeev and Del Balso 2018 (Horovod)",
          quoted="350 ms across nodes, 5x the NVLink all-reduce; the node steps add ~10 ms; MFU 50% -> 20%",
-         correction="a pipelined reduce and broadcast of 20 GB at 600 GB/s take 7/8 x 20/600 = 29 ms each: 58 ms, not 10",
+         correction="in a pipelined reduce to the leader and broadcast from it every GPU takes in the whole 20 GB, "
+                    "at least 20/600 = 33 ms each: 67 ms, not 10",
          explore={"model": "llama3-8b", "gpu": "h100", "num_gpus": 64, "seq_len": 4096, "global_batch": 512,
                   "layout": {"tp": 1, "pp": 1, "cp": 1, "zero": 0}}),
     Card("bubble", "Pipeline bubble and activations in flight", "pipeline parallelism",
@@ -270,7 +278,8 @@ CARDS: tuple[Card, ...] = (
           Input("gpus", "GPUs", 512, whole=True), Input("price", "price per GPU-hour", 2, "$"), Input("days", "run", 30, "days")),
          _young, "Young 1974; Daly 2006", quoted="68.5 min, ~410 steps, 34 min lost, 2.4% overhead; ~$618 per crash, ~$18,500",
          correction="GPUs x price x (tau/2 + restart) = 512 x $2 x (34.3 + 1.6) min = $613; the quoted $618 does not "
-                    "follow from its inputs. The waste at Young's interval is sqrt(2C/M) = 4.8% (checkpoints and lost work)",
+                    "follow from its inputs. The 2.4% is the checkpoints' overhead alone; with the work a crash "
+                    "loses, the waste at Young's interval is sqrt(2C/M) = 4.8%",
          explore=SEVENTY_B | {"num_gpus": 512}),
     Card("fp16", "fp16 range and dynamic loss scaling", "mixed precision",
          "min normal 2^(1-bias); max (2 - 2^-10) 2^15; the scale halves on overflow, doubles after W clean steps",

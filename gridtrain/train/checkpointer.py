@@ -1,7 +1,7 @@
 """The run's checkpoint policy: when to save, how (blocking or in the background), what a failed
 save does, resuming, and saving on a stop signal. `checkpoint.py` is the mechanism beneath it.
 
-- When: every `checkpoint.interval` steps, or with "auto" after a first timed save at Daly's
+- When: every `checkpoint.interval` steps, or with "auto" after a save timed at step 5, at Daly's
   interval for the job's MTBF (Daly 2006, "A higher order estimate of the optimum checkpoint
   interval for restart dumps"); and at the last step (checkpoint.final).
 - How: `checkpoint.async_save` writes in the background and commits as soon as every rank has
@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime
 import logging
 import signal
+import statistics
 import time
 from pathlib import Path
 from typing import Callable
@@ -39,6 +40,12 @@ class Stopped(Exception):
         self.signum = signum
 
 
+AUTO_AFTER = 5
+"""checkpoint.interval = "auto" times its first save after this step, against the median step
+since the first: the first step warms up (data, allocator, kernels), 15x a later one on the
+default model, and would space the saves 15x too closely."""
+
+
 class Checkpointer:
     """Saves and resumes one rank's model parts, optimizers and trainer state (`state()`: the
     tensors an exact resume needs besides model and optimizer). Every method is collective."""
@@ -50,6 +57,8 @@ class Checkpointer:
         self.rank = rank
         self.interval = None if cfg.interval == "auto" else cfg.interval
         """Steps between saves; None until "auto" has timed its first save."""
+        self.step_times: list[float] = []
+        """Seconds of each step before "auto" chooses."""
         timeout = datetime.timedelta(seconds=cfg.timeout_s)
         # Its own group: its timeout allows for rank 0 hashing every shard.
         self.group = dist.new_group(backend="gloo", timeout=timeout) if distributed else None
@@ -103,7 +112,9 @@ class Checkpointer:
         if self.saver and self.saver.pending:
             self._committed(self.saver.poll)
         if self.interval is None:
-            self.choose_interval(step, step_s)
+            self.step_times.append(step_s)
+            if step >= AUTO_AFTER or step == last_step:  # the median leaves out the warm-up step
+                self.choose_interval(step, statistics.median(self.step_times[1:] or self.step_times))
         elif (self.interval > 0 and step % self.interval == 0) or (
                 step == last_step and (self.interval > 0 or self.cfg.final)):
             self.save(step)

@@ -123,12 +123,14 @@ def sample(run: LoadedRun, prompt: str, max_new_tokens: int, sampling: Sampling,
 
 
 def print_sample(run_dir: Path, tokens: int, prompt: str, out: TextIO | None = None) -> None:
-    """The end of `gridtrain train`: a sample from the checkpoint it just saved (seed 0)."""
+    """The end of `gridtrain train`: a sample from the checkpoint it just saved, as `gridtrain sample`
+    gives it with its defaults (the model's own distribution, seed 0). A lower temperature or top-k
+    make a small model repeat itself (runs of spaces, for one trained on Python)."""
     out = out or sys.stdout
     run = load_run(run_dir)
     step = int(run.checkpoint.name.removeprefix("step-"))
     out.write(f"sample of the model at step {step} (more: gridtrain sample {run_dir}):\n")
-    sample(run, prompt, min(tokens, run.model.args.max_seq_len - 1), Sampling(0.8, 50, 0.95), out=out)
+    sample(run, prompt, min(tokens, run.model.args.max_seq_len - 1), Sampling(), out=out)
 
 
 def token_bytes(tokenizer: Tokenizer) -> np.ndarray:

@@ -26,7 +26,7 @@ let timer = null;
 
 function layoutLabel(l) {
   const parts = [`tp ${l.tp}`, `pp ${l.pp}`, `cp ${l.cp}`, `dp ${l.dp_replicate * l.dp_shard}`];
-  if (l.dp_replicate > 1 && l.dp_shard > 1) parts[3] += ` (${l.dp_replicate} x ${l.dp_shard})`;
+  if (l.zero_stage >= 2 && l.dp_replicate * l.dp_shard > 1) parts[3] += ` (${l.dp_replicate} replicas x ${l.dp_shard} shards)`;
   parts.push(`ZeRO ${l.zero_stage}`, `mb ${l.micro_batch} x ${l.num_microbatches}`);
   if (l.pp > 1) parts.push(l.pp_schedule + (l.pp_virtual_stages > 1 ? ` v${l.pp_virtual_stages}` : ""));
   if (l.sequence_parallel) parts.push("SP");
@@ -82,6 +82,8 @@ function onInput(event) {
     state[k] = event.target.value;
   }
   if (k === "model") { for (const s of SHAPE_KEYS) delete state[s]; fillForm(); }
+  clear($("best"));  // ranked for other inputs
+  $("search-note").textContent = "";
   writeURL();
   schedule();
 }
@@ -109,12 +111,19 @@ function requestBody(withLayout = true) {
   for (const k of ["schedule", "recompute"]) if (state[k]) layout[k] = state[k];
   const note = [];
   const fixed = ["tp", "pp", "cp"].every((k) => layout[k] !== undefined);
+  const repInput = $("in-rep");
+  repInput.disabled = !(fixed && (layout.zero === 2 || layout.zero === 3));
+  repInput.title = repInput.disabled ? "HSDP replicas apply once tp, pp, cp are fixed and ZeRO is 2 or 3" : "";
+  repInput.classList.remove("invalid");
+  $("in-gpu").disabled = Boolean(state.cluster);
+  $("in-gpu").title = state.cluster ? `the cluster's accelerator: ${OPTIONS.cluster_accelerators[state.cluster]}` : "";
   if (fixed && body.num_gpus) {
     const dp = body.num_gpus / (layout.tp * layout.pp * layout.cp);
     const rep = number(state.rep) || 1;
     if (Number.isInteger(dp)) {
       if ((layout.zero === 2 || layout.zero === 3)) {
         if (Number.isInteger(dp / rep)) layout.dp_shard = dp / rep;
+        else repInput.classList.add("invalid");
         note.push(`dp = ${body.num_gpus} / (tp ${layout.tp} x pp ${layout.pp} x cp ${layout.cp}) = ${dp}` +
                   (Number.isInteger(dp / rep) ? ` = ${rep} replica(s) x ${dp / rep} shards`
                                               : `: ${rep} replicas do not divide it`));
@@ -269,7 +278,7 @@ function drawMetrics(plan, cand) {
 function drawBytes(bytes) {
   const table = clear($("bytes"));
   const entries = Object.entries(bytes || {});
-  if (!entries.length) { table.appendChild(el("tr")).append(el("td", {}, "no collectives: one GPU")); return; }
+  if (!entries.length) { table.appendChild(el("tr")).append(el("td", {}, "no collectives")); return; }
   for (const [axis, value] of entries) {
     const tr = el("tr", { "data-axis": axis, "data-bytes": value });
     tr.append(el("th", {}, axis), el("td", {}, `${fmt(value / 2 ** 30)} GiB`));
@@ -354,7 +363,8 @@ function applyState(s) {
 // ---- views ----
 
 function route() {
-  const hash = location.hash || "#explore";
+  let hash = location.hash || "#explore";
+  if (!/^#(explore|cards|runs|run\/.*)$/.test(hash)) hash = "#explore";
   const view = hash.startsWith("#run") ? "runs" : hash.slice(1);
   for (const v of ["explore", "cards", "runs"]) {
     $(`view-${v}`).hidden = v !== view;
@@ -362,7 +372,12 @@ function route() {
   }
   if (view === "cards") loadCards();
   if (hash === "#runs") { $("run").hidden = true; loadRuns(); }
-  if (hash.startsWith("#run/")) loadRun(decodeURIComponent(hash.slice(5)));
+  if (hash.startsWith("#run/")) {
+    let name = null;
+    try { name = decodeURIComponent(hash.slice(5)); } catch (e) { name = null; }
+    if (name === null) { $("run").hidden = false; clearRun(); $("run-title").textContent = "not a run name: " + hash.slice(5); }
+    else loadRun(name);
+  }
 }
 
 function fillChoices() {

@@ -41,12 +41,23 @@ async function loadCards() {
     if (c.correction) card.append(el("p", { class: "correction" }, `Corrected: ${c.correction}`));
     if (c.explore && Object.keys(c.explore).length) card.append(el("a", { href: stateQuery(c.explore), class: "to-explorer" }, "open in the explorer"));
     showAnswers(card, c.answers);
+    let latest = 0;
     inputs.addEventListener("input", async () => {
+      const mine = ++latest;
       const body = {};
+      const blank = [...inputs.querySelectorAll("input")].filter((input) => input.value === "").map((i) => i.name);
       for (const input of inputs.querySelectorAll("input")) if (input.value !== "") body[input.name] = Number(input.value);
+      const error = card.querySelector(".error");
+      if (blank.length) {
+        error.textContent = `give a number for ${blank.join(", ")}`;
+        clear(card.querySelector("table"));
+        return;
+      }
       const [st, data] = await call("POST", `/api/cards/${c.id}`, body);
-      card.querySelector(".error").textContent = st === 200 ? "" : data.error;
+      if (mine !== latest) return;  // an answer to an older edit
+      error.textContent = st === 200 ? "" : data.error;
       if (st === 200) showAnswers(card, data.answers);
+      else clear(card.querySelector("table"));
     });
     box.append(card);
   }

@@ -46,9 +46,15 @@ async function loadRuns() {
   box.append(table);
 }
 
+function clearRun() {
+  for (const id of ["run-loss", "run-tps", "run-check", "check"]) clear($(id));
+  for (const id of ["run-layout", "check-note"]) $(id).textContent = "";
+}
+
 async function loadRun(name) {
   $("run").hidden = false;
   clear($("runs"));
+  clearRun();
   const [status, run] = await call("GET", `/api/runs/${encodeURIComponent(name)}`);
   $("run-title").textContent = status === 200 ? `Run ${run.name}` : run.error;
   if (status !== 200) return;

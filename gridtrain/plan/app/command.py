@@ -20,7 +20,7 @@ from gridtrain.plan.app.inputs import (LAYOUT_LABELS, batch_sequences, check_con
                                        parse_count, parse_layout, parse_whole, resolve_cluster, resolve_model)
 from gridtrain.plan.app.report import Assumptions, build_report, layout_dict, no_fit_report
 from gridtrain.plan.memory import BUCKETS, CONVENTIONS, GiB
-from gridtrain.plan.runnable import train_command
+from gridtrain.plan.runnable import refusal, train_command
 from gridtrain.plan.search import (Candidate, Constraints, PlanError, Problem, SearchResult, cp_options, degree_options,
                                    search, tp_options)
 from gridtrain.plan.shape import param_counts
@@ -115,10 +115,21 @@ def no_fit_message(problem: Problem, c: Constraints, result: SearchResult) -> st
         return (f"{head}: no tp x cp x pp x dp = {problem.num_gpus:,} leaves a dp that divides the global "
                 f"batch of {problem.global_batch_seqs:,} sequences: make the batch a multiple of a power of "
                 "two" + (", or loosen --layout" if c.given() else ""))
+    if result.leanest is None and c.dp_shard is not None:
+        return (f"{head}: dp_shard={c.dp_shard} divides none of the data-parallel degrees left by the "
+                f"{problem.num_gpus:,} GPUs (dp = GPUs / (tp x cp x pp)): choose a dp_shard that divides dp, or "
+                "fix tp, cp and pp too")
     if result.leanest is None:
-        return (f"{head}: the micro-batch, schedule and virtual stages leave no valid combination (1F1B "
-                "needs m >= pp micro-batches, ZB-V m >= 2 pp, interleaved schedules v >= 2 and micro-batches "
-                "in rounds of pp): loosen --layout")
+        return (f"{head}: no tp x cp x pp x dp = {problem.num_gpus:,} leaves a valid micro-batch and schedule "
+                f"for {problem.global_batch_seqs:,} sequences per step (1F1B needs m >= pp micro-batches per data-"
+                "parallel rank, ZB-V m >= 2 pp, interleaved schedules v >= 2 and micro-batches in rounds of pp): "
+                + ("loosen --layout" if c.given() else "use fewer GPUs or a larger --global-batch"))
+    if result.refused:
+        lean = result.leanest
+        why = refusal(problem.model_keys, problem.global_batch_seqs, problem.precision, lean.layout) if lean else ""
+        example = f" (the leanest, {render.layout_label(layout_dict(lean.layout))}: {why})" if why else ""
+        return (f"{head}: every layout that fits in memory is one gridtrain train refuses, {result.refused:,} of "
+                f"them{example}; --any-layout ranks them, labelled")
     fixes = _relaxations(problem, c) if c.given() else [_more_gpus(problem)]
     return f"{head}: {_leanest_text(problem, result.leanest)}.\n  try: " + "\n  try: ".join(
         fixes or ["more GPUs, or --hbm-usable closer to 1"])

@@ -194,8 +194,15 @@ def check_constraints(problem: Problem, c: Constraints) -> list[str]:
         out.append(f"the global batch of {problem.global_batch_seqs:,} sequences does not split over "
                    f"dp={c.dp}: make the batch a multiple of {c.dp} sequences or choose dp dividing "
                    f"{problem.global_batch_seqs:,}")
-    if c.dp is not None and c.dp_shard is not None and c.dp % c.dp_shard:
-        out.append(f"dp_shard={c.dp_shard} must divide dp={c.dp}")
+    dp = c.dp
+    if dp is None and None not in (c.tp, c.pp, c.cp) and problem.num_gpus % (c.tp * c.pp * c.cp) == 0:
+        dp = problem.num_gpus // (c.tp * c.pp * c.cp)  # type: ignore[operator]
+    if dp is not None and c.dp_shard is not None and dp % c.dp_shard:
+        out.append(f"dp_shard={c.dp_shard} must divide dp={dp}: choose dp_shard among "
+                   f"{[d for d in range(1, dp + 1) if dp % d == 0]}")
+    if c.dp_shard is not None and c.dp_shard > 1 and c.zero_stage in (0, 1):
+        out.append(f"dp_shard={c.dp_shard} shards ZeRO-2/3 (FSDP) state over that many ranks; zero={c.zero_stage} "
+                   "replicates the model over all of dp: drop dp_shard, or choose zero=2 or 3")
     return out
 
 
