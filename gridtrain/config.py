@@ -143,13 +143,13 @@ class CheckpointConfig:
     dir: str | None = None
     """Checkpoint directory; None means <run_dir>/checkpoints."""
     interval: int | str = "auto"
-    """Save every N steps (and at the end); "auto" times a save after the first step and saves
-    every Daly-optimal interval for checkpoint.mtbf_hours; 0: no saves along the way (the final
-    one still, unless checkpoint.final is false)."""
+    """Save every N steps and at the last; "auto" times a save after 5 steps and saves every
+    Daly-optimal interval for checkpoint.mtbf_hours (and at the last step); 0: no saves along the
+    way (the last step's still, unless checkpoint.final is false)."""
     final: bool = True
-    """Save the last step's checkpoint whatever the interval, so every finished run keeps its
-    model (for `gridtrain sample`, `eval`, `export` and --resume). False with interval 0: a run
-    that saves nothing."""
+    """With interval 0, still save the last step, so every finished run keeps its model (for
+    `gridtrain sample`, `eval`, `export` and --resume); false: a run that saves nothing. (With an
+    interval the last step is always saved.)"""
     mtbf_hours: float = 24.0
     """Mean time between failures of the whole job, for interval = "auto" (a cluster's per-GPU
     MTBF divided by the GPU count; Llama 3 saw one interruption every ~2.8 h on 16,384 GPUs)."""

@@ -182,3 +182,38 @@ def test_a_launch_that_dies_is_retried_alone_once_and_says_so(monkeypatch, tmp_p
     assert done[victim]["retried"] == "rank      : 3 (local_rank: 3) exitcode  : -11 (pid: 4242) traceback : Signal 11 (SIGSEGV) received by PID 4242"
     assert launches[1] == [victim]  # alone, before the cases after it
     assert "retried" not in done[cases[2].name]
+
+
+GLOO_READ_ERROR = ("RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+                   "[127.0.0.1]:62643: Connection reset by peer")
+
+
+@pytest.mark.parametrize("error, launches_of_victim, status", [
+    (GLOO_READ_ERROR, 2, "passed"),  # a peer died under the case: run it again alone
+    ("ValueError: the case's own bug", 1, "crashed"),  # its own error: no second chance
+])
+def test_a_case_that_saw_a_peer_die_is_retried_alone(monkeypatch, tmp_path, error, launches_of_victim, status):
+    import gridtrain.parity.sweep as sweep
+
+    cases = [c for c in CASES if c.accepted and c.world == 2][:3]
+    victim, launches = cases[1].name, []
+
+    def fake_launch(world, spec, out):
+        launches.append(list(spec))
+        first = victim in spec and sum(victim in names for names in launches) == 1
+        for name in spec:
+            if first and name == victim:
+                (out / f"{name}.error.txt").write_text(f"Traceback (most recent call last):\n{error}\n")
+                break
+            (out / f"{name}.pp0.pt").touch()
+        return subprocess.CompletedProcess([], 1 if first else 0, "", "")
+
+    monkeypatch.setattr(sweep, "launch", fake_launch)
+    monkeypatch.setattr(sweep, "load_result", lambda out, name: "ran" if (out / f"{name}.pp0.pt").exists() else None)
+    monkeypatch.setattr(sweep, "verdict", lambda case, result, error, refs: {
+        "name": case.name, "status": "passed" if result else "crashed", "problems": [] if result else [error]})
+    done = run_cases(cases, References(tmp_path, tmp_path, tmp_path), tmp_path / "results.jsonl")
+
+    assert [done[c.name]["status"] for c in cases] == ["passed", status, "passed"]
+    assert sum(victim in names for names in launches) == launches_of_victim
+    assert ("retried" in done[victim]) == (status == "passed")

@@ -19,7 +19,7 @@ import torch
 from conftest import tiny_overrides
 from gridtrain.cli import main
 from gridtrain.config_load import load_config
-from gridtrain.model.generate import Sampling, generate
+from gridtrain.model.generate import Sampling, generate, next_token
 from gridtrain.train.hf_run import export_run
 from gridtrain.train.inference import evaluate, load_run, validation_batches
 from gridtrain.train.trainer import Trainer
@@ -99,8 +99,11 @@ def test_eval_reads_any_text(one_process, corpus_dir):
 
 
 @pytest.mark.dist
-def test_an_fsdp2_tp2_checkpoint_samples_and_evaluates_as_one_process(one_process, tmp_path, corpus_dir):
-    items = tiny_overrides(tmp_path, corpus_dir) | TRAIN | {"parallel.dp_shard": 2, "parallel.tp": 2}
+@pytest.mark.parametrize("layout", [{"parallel.dp_shard": 2, "parallel.tp": 2},  # the issue's
+                                    {"parallel.pp": 2, "parallel.cp": 2}],  # validation through a pipeline of CP ranks
+                         ids=["fsdp2_tp2", "pp2_cp2"])
+def test_a_sharded_checkpoint_samples_and_evaluates_as_one_process(one_process, tmp_path, corpus_dir, layout):
+    items = tiny_overrides(tmp_path, corpus_dir) | TRAIN | layout
     flags = [arg for key, value in items.items() for arg in (f"--{key}", str(value).lower())]
     proc = subprocess.run([sys.executable, "-m", "gridtrain", "train", "--nproc", "4", *flags], capture_output=True,
                           text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -141,10 +144,12 @@ def test_bad_inputs_get_one_clear_line(one_process, tmp_path, capsys):
     assert code == 2 and "cannot encode the prompt" in err
     code, _, err = cli("sample", str(one_process), "--prompt", "x", "--prompt-file", "f")
     assert code == 2 and "give one" in err
-    # A prompt longer than the context is cut from the left, and said so.
-    code, out, err = cli("sample", str(one_process), "--prompt", "a" * 300 + "END", "--max-new-tokens", "6",
-                         "--temperature", "0")
-    assert code == 0 and "kept the prompt's last 250 tokens" in err and out.startswith("a" * 247 + "END")
+    # A prompt longer than the run's sequence (32) is cut from the left, at a character, and said so.
+    code, out, err = cli("sample", str(one_process), "--prompt", "a" * 300 + "é" * 12 + "END", "--max-new-tokens",
+                         "6", "--temperature", "0")
+    assert code == 0 and "kept the prompt's last 25 tokens" in err and out.startswith("é" * 11 + "END")
+    code, _, err = cli("sample", str(one_process), "--max-new-tokens", "32")
+    assert code == 2 and "leaves no room for a prompt" in err
 
 
 def test_a_corrupted_checkpoint_offers_the_intact_one(tmp_path, corpus_dir):
@@ -158,3 +163,18 @@ def test_a_corrupted_checkpoint_offers_the_intact_one(tmp_path, corpus_dir):
     assert code == 2 and "is not intact" in err and "step 2 (--step 2)" in err
     code, out, err = cli("sample", items["run_dir"], "--max-new-tokens", "4")  # the newest intact one
     assert code == 0 and "step-0000002" in err
+
+
+def test_sampling_keeps_to_the_tokenizers_vocabulary_and_its_filters():
+    padded = torch.zeros(1, 320)
+    padded[0, 300] = 50.0  # a padded id the tokenizer (257 ids) does not have would win
+    g = torch.Generator().manual_seed(0)
+    assert next_token(padded, Sampling(0), None, vocab=257).item() < 257
+    assert (next_token(padded.repeat(200, 1), Sampling(1.0), g, vocab=257) < 257).all()
+    assert next_token(torch.tensor([[0.0, 1e30, 5.0]]), Sampling(1e-40), None).item() == 1  # greedy, no overflow
+    # Probabilities 0.5, 0.3, 0.15, 0.05: top-p 0.7 keeps the first two (0.5 < 0.7 <= 0.8), top-k 1 the first.
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log().repeat(4000, 1)
+    drawn = next_token(logits, Sampling(1.0, top_p=0.7), g)
+    assert set(drawn.tolist()) == {0, 1} and (drawn == 0).float().mean().item() == pytest.approx(0.5 / 0.8, abs=0.03)
+    assert set(next_token(logits, Sampling(1.0, top_k=1), g).tolist()) == {0}
+    assert set(next_token(logits, Sampling(1.0, top_k=3), g).tolist()) == {0, 1, 2}

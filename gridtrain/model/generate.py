@@ -84,9 +84,17 @@ class Sampling:
     """Keep the smallest set of tokens whose probability reaches p (1: all)."""
 
 
-def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> torch.Tensor:
-    """The next token of each row of `logits` (B, vocab) -> (B,)."""
-    if sampling.temperature == 0:
+GREEDY_BELOW = 1e-5
+"""Temperatures below this decode greedily (dividing by them would overflow the logits)."""
+
+
+def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None,
+               vocab: int | None = None) -> torch.Tensor:
+    """The next token of each row of `logits` (B, vocab) -> (B,), among the first `vocab` ids (the
+    tokenizer's: the model's vocabulary may be padded beyond it)."""
+    if vocab is not None and vocab < logits.shape[-1]:
+        logits = logits[..., :vocab]
+    if sampling.temperature < GREEDY_BELOW:
         return logits.argmax(dim=-1)
     logits = logits.float() / sampling.temperature
     if 0 < sampling.top_k < logits.shape[-1]:
@@ -104,9 +112,9 @@ def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Genera
 @torch.no_grad()
 def generate(model: Transformer, prompt: torch.Tensor, max_new_tokens: int, sampling: Sampling = Sampling(),
              generator: torch.Generator | None = None, use_cache: bool = True,
-             stop_id: int | None = None) -> Iterator[torch.Tensor]:
+             stop_id: int | None = None, vocab: int | None = None) -> Iterator[torch.Tensor]:
     """Yield the next token of each sequence of `prompt` (B, T), one position at a time, up to
-    `max_new_tokens` or until every sequence produced `stop_id`. Positions past the model's
+    `max_new_tokens` or until every sequence produced `stop_id`, drawn among the first `vocab` ids. Positions past the model's
     context are refused: the caller cuts the prompt."""
     total = prompt.shape[1] + max_new_tokens
     if total > model.args.max_seq_len:
@@ -117,7 +125,7 @@ def generate(model: Transformer, prompt: torch.Tensor, max_new_tokens: int, samp
     done = torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)
     for _ in range(max_new_tokens):
         logits = forward_cached(model, new, cache) if cache is not None else model(tokens)
-        token = next_token(logits[:, -1], sampling, generator)
+        token = next_token(logits[:, -1], sampling, generator, vocab)
         yield token
         if stop_id is not None:
             done |= token == stop_id

@@ -4,8 +4,9 @@ Cases of one world size share torchrun launches (`chunk` at a time). Each verdic
 a JSON-lines file, written as soon as it is known, so an interrupted sweep resumes where it
 stopped: 'passed' or 'failed' (with the problems and the largest deviations), 'crashed' (with the
 error), or 'refused' (validate's reason; never run). A case whose launch died without an error of
-its own is run once more alone: only a second death makes it 'crashed', and a case that then ran
-keeps the first death in its line (`retried`), so a flaky launch is never hidden.
+its own, or whose error is a peer's death seen through gloo (a read error, a reset or closed
+connection, a timeout), is run once more alone: only a second death makes it 'crashed', and a
+case that then ran keeps the first death in its line (`retried`), so a flaky launch is never hidden.
 """
 
 from __future__ import annotations
@@ -109,6 +110,10 @@ def run_cases(cases: Iterable[Case], refs: References, results: Path, chunk: int
     return done
 
 
+PEER_DIED = re.compile(r"Read error|Connection reset|Connection closed by peer|[Tt]imed out")
+"""What rank 0 raises when another rank of its launch died: not the case's own failure."""
+
+
 def _run_launch(queue: list[Case], refs: References, record: Callable[[dict], None],
                 retried: dict[str, str] | None = None) -> None:
     """Run the queue in one launch. A case that raised is recorded as crashed; a case the launch
@@ -131,7 +136,7 @@ def _run_launch(queue: list[Case], refs: References, record: Callable[[dict], No
         error = (out / f"{culprit.name}.error.txt").read_text() if errors else proc.stderr[-4000:]
         shutil.rmtree(out, ignore_errors=True)
         missing.remove(culprit)
-        if errors or culprit.name in retried:
+        if (errors and not PEER_DIED.search(error)) or culprit.name in retried:
             record(_noting_retry(verdict(culprit, None, error or f"exit status {proc.returncode}", refs), retried))
         else:
             retried[culprit.name] = last_error_line(error or f"exit status {proc.returncode}")

@@ -41,8 +41,8 @@ class Stopped(Exception):
 
 
 AUTO_AFTER = 5
-"""checkpoint.interval = "auto" times its first save after this step, against the median step
-since the first: the first step warms up (data, allocator, kernels), 15x a later one on the
+"""checkpoint.interval = "auto" times its first save after this many steps of the process (of a
+run or of its resumption), against the median step since the first: the first step warms up (data, allocator, kernels), 15x a later one on the
 default model, and would space the saves 15x too closely."""
 
 
@@ -113,7 +113,8 @@ class Checkpointer:
             self._committed(self.saver.poll)
         if self.interval is None:
             self.step_times.append(step_s)
-            if step >= AUTO_AFTER or step == last_step:  # the median leaves out the warm-up step
+            # Steps of this process (a resumed run warms up again); the median leaves out the first.
+            if len(self.step_times) >= AUTO_AFTER or step == last_step:
                 self.choose_interval(step, statistics.median(self.step_times[1:] or self.step_times))
         elif (self.interval > 0 and step % self.interval == 0) or (
                 step == last_step and (self.interval > 0 or self.cfg.final)):

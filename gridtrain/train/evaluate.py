@@ -73,5 +73,7 @@ class Evaluator:
         self.pmodel.schedule.eval(inputs, target=targets, losses=losses)
         if not losses:
             return None
-        # Each is scaled and divided by the training step's micro-batch count (Trainer.pipeline_loss).
-        return sum(scalar(l) for l in losses) * self.micro_batches / (len(losses) * self.precision.loss_scale)
+        # Each is scaled and divided by the training step's loss shares, micro-batches x CP ranks
+        # (Trainer.pipeline_loss): undone here, so each CP rank holds the mean over its chunks.
+        shares = self.micro_batches * (self.cp_group.size() if self.cp_group is not None else 1)
+        return sum(scalar(l) for l in losses) * shares / (len(losses) * self.precision.loss_scale)

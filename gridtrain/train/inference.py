@@ -71,9 +71,19 @@ def encode_prompt(tokenizer: Tokenizer, text: str, context: int, max_new_tokens:
                        f"context of {context} tokens: ask for fewer than {context}")
     room = context - max_new_tokens
     if len(ids) > room:
-        return ids[-room:], (f"the prompt's {len(ids)} tokens and {max_new_tokens} new ones exceed the model's "
-                             f"context of {context}: kept the prompt's last {room} tokens")
+        kept = ids[-room:]
+        if isinstance(tokenizer, ByteTokenizer):  # start at a character, not inside one
+            while kept and 0x80 <= kept[0] < 0xC0:
+                kept = kept[1:]
+        return kept or [tokenizer.eos_id], (
+            f"the prompt's {len(ids)} tokens and {max_new_tokens} new ones exceed the {context} the model was "
+            f"trained on: kept the prompt's last {len(kept)} tokens")
     return ids, ""
+
+
+def context_of(run: LoadedRun) -> int:
+    """Positions the run trained on (its sequence length; the model's RoPE table may reach further)."""
+    return min(run.model.args.max_seq_len, run.cfg.data.seq_len)
 
 
 class TextStream:
@@ -103,7 +113,7 @@ def sample(run: LoadedRun, prompt: str, max_new_tokens: int, sampling: Sampling,
            num_samples: int = 1, out: TextIO | None = None, use_cache: bool = True) -> list[list[int]]:
     """Stream `num_samples` continuations of `prompt` to `out`; returns their new token ids."""
     out = out or sys.stdout
-    ids, note = encode_prompt(run.tokenizer, prompt, run.model.args.max_seq_len, max_new_tokens)
+    ids, note = encode_prompt(run.tokenizer, prompt, context_of(run), max_new_tokens)
     if note:
         print(f"note: {note}", file=sys.stderr)
     generator = torch.Generator().manual_seed(seed)
@@ -111,10 +121,12 @@ def sample(run: LoadedRun, prompt: str, max_new_tokens: int, sampling: Sampling,
     for n in range(num_samples):
         if num_samples > 1:
             out.write(f"{'' if n == 0 else chr(10)}--- sample {n + 1} of {num_samples}\n")
-        out.write(prompt[-len(run.tokenizer.decode(ids)):] if note else prompt)
+        out.write(run.tokenizer.decode(ids) if note else prompt)  # what the model sees
         stream = TextStream(run.tokenizer, out)
         for token in generate(run.model, torch.tensor([ids]), max_new_tokens, sampling, generator, use_cache,
-                              stop_id=run.tokenizer.eos_id):
+                              stop_id=run.tokenizer.eos_id, vocab=run.tokenizer.vocab_size):
+            if int(token[0]) == run.tokenizer.eos_id:  # the end of a document: the sample ends
+                break
             stream.add(int(token[0]))
         stream.close()
         out.write("\n")
@@ -130,7 +142,7 @@ def print_sample(run_dir: Path, tokens: int, prompt: str, out: TextIO | None = N
     run = load_run(run_dir)
     step = int(run.checkpoint.name.removeprefix("step-"))
     out.write(f"sample of the model at step {step} (more: gridtrain sample {run_dir}):\n")
-    sample(run, prompt, min(tokens, run.model.args.max_seq_len - 1), Sampling(), out=out)
+    sample(run, prompt, min(tokens, context_of(run) - 1), Sampling(), out=out)
 
 
 def token_bytes(tokenizer: Tokenizer) -> np.ndarray:
@@ -190,8 +202,8 @@ def validation_batches(run: LoadedRun, run_dir: Path, batches: int | None = None
         return reader.batches(mb, batches)
     dims = RunRecord.load(Path(run_dir)).dims
     size = mb
-    if dims is not None and dims.pp > 1:
-        size = mb * (cfg.train.global_batch // (mb * dims.dp_replicate * dims.dp_shard))
+    if dims is not None and dims.pp > 1:  # whole pipeline batches, as Evaluator
+        size = mb * cfg.microbatches(dims.dp_replicate * dims.dp_shard)
     whole = min(max(1, cfg.train.val_batches * mb // size) * size, reader.num_samples // size * size)
     return reader.batches(mb, max(1, whole // mb))
 

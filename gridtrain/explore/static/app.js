@@ -3,9 +3,12 @@
 "use strict";
 
 const BUCKETS = ["weights", "gradients", "optimizer", "activations", "buffers"];
-const COLORS = {
+const COLORS = {  // memory buckets
   weights: "#4e79a7", gradients: "#f28e2b", optimizer: "#e15759", activations: "#76b7b2", buffers: "#59a14f",
+};
+const PART_COLORS = {  // parts of the step
   compute: "#4e79a7", tp: "#f28e2b", cp: "#edc948", ep: "#ff9da7", pp: "#b07aa1", bubble: "#bab0ac", dp: "#e15759",
+  optimizer: "#59a14f",
 };
 const PART_LABELS = {
   compute: "compute", tp: "TP communication", cp: "CP communication", pp: "pipeline sends",
@@ -241,14 +244,14 @@ function drawStepTime(cand) {
   svg.setAttribute("height", 60 + 16 * Math.floor((parts.filter(([, v]) => v > 0).length - 1) / 4));
   for (const [name, seconds] of parts) {
     const rect = el("rect", { x: left + (at / total) * width, y: 6, width: (seconds / total) * width, height: 22,
-                             fill: COLORS[name] || "#999", "data-part": name, "data-seconds": seconds });
+                             fill: PART_COLORS[name] || "#999", "data-part": name, "data-seconds": seconds });
     rect.append(el("title", {}, `${PART_LABELS[name] || name}: ${fmt(seconds * 1e3)} ms`));
     svg.append(rect);
     at += seconds;
   }
   parts.filter(([, v]) => v > 0).forEach(([name, seconds], i) => {
     const x = left + (i % 4) * 175, y = 40 + Math.floor(i / 4) * 16;
-    svg.append(el("rect", { x, y, width: 10, height: 10, fill: COLORS[name] || "#999" }));
+    svg.append(el("rect", { x, y, width: 10, height: 10, fill: PART_COLORS[name] || "#999" }));
     svg.append(el("text", { x: x + 14, y: y + 9 }, `${name} ${fmt(seconds * 1e3, 3)} ms`));
   });
 }
