@@ -20,10 +20,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gridtrain.model.args import llama3_405b  # noqa: E402
 from gridtrain.layout import schedules  # noqa: E402
-from gridtrain.plan import activations, census, memory, placement, search, shape, specs, steptime  # noqa: E402
+from gridtrain.plan import activations, census, memory, placement, search, shape, specs, state, steptime  # noqa: E402
 
 CACHED = (steptime.layer_cost, steptime.edge_flops_per_token, steptime._busiest, memory.layer_activation_bytes,
-          memory.head_activation_bytes, memory.layers_per_rank, memory.state_bytes_per_param,
+          memory.head_activation_bytes, memory.layers_per_rank, state.state_bytes_per_param,
           memory.census_activations, activations.block_bytes_per_token, census.rank_elements,
           census.zero1_shares, census._local_elements, census.peak_dp_index, memory.stage_counts,
           schedules.forwards_held, placement.axis_levels, search._divisors,

@@ -10,7 +10,7 @@ import pytest
 from gridtrain.model.args import llama3_405b
 from gridtrain.layout.dims import stage_layer_counts
 from gridtrain.plan import budget, comm, flops, pipeline, shape, specs
-from gridtrain.plan.memory import StateBytes, model_state_bytes
+from gridtrain.plan.state import StateBytes, model_state_bytes
 
 GB, TB = 1e9, 1e12
 approx = pytest.approx

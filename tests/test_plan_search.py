@@ -10,7 +10,7 @@ import pytest
 
 from gridtrain.model.args import llama3_8b, llama3_405b
 from gridtrain.layout.schedules import stage_ranks
-from gridtrain.plan import memory, search, shape, specs
+from gridtrain.plan import memory, search, shape, specs, state
 from gridtrain.plan.layout import Layout
 from gridtrain.plan.search import Constraints, Problem
 
@@ -118,7 +118,7 @@ def test_edge_ranks_and_rank_subsets():
     lay = Layout(tp=8, pp=16, dp_replicate=128, seq_len=8192, num_microbatches=16, sequence_parallel=True)
     full = memory.rank_memory(S405, lay)
     assert memory.rank_memory(S405, lay, ranks=(0, 15)) == [full[0], full[15]]
-    assert memory.state_bytes_per_param(1, 64) == pytest.approx(4 + 12 / 64)
+    assert state.state_bytes_per_param(1, 64) == pytest.approx(4 + 12 / 64)
     assert memory.rank_layers(S405, replace(lay, pp_schedule="interleaved-1f1b", pp_virtual_stages=2)) == list(
         memory.layers_per_rank(126, 16, 2, "interleaved-1f1b"))
 

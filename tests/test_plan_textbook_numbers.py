@@ -13,7 +13,7 @@ from gridtrain.model.args import llama3_70b
 from gridtrain.plan import budget, comm, flops, memory, pipeline, shape, specs
 from gridtrain.plan.app.inputs import batch_sequences
 from gridtrain.plan.layout import Layout
-from gridtrain.plan.memory import model_state_bytes
+from gridtrain.plan.state import StateBytes, model_state_bytes
 
 GB = 1e9
 approx = pytest.approx
@@ -65,7 +65,7 @@ def test_batch_split_4m_tokens():
 def test_bytes_per_param_and_zero():
     # Mixed-precision AdamW = 2 weight + 2 grad + 12 optimizer/master = 16 bytes/param (ZeRO paper,
     # Rajbhandari et al. 2020, sec. 3.1).
-    assert memory.StateBytes.mixed().total == 16
+    assert StateBytes.mixed().total == 16
     # Stage 1 "roughly 4x" and stage 2 "roughly 8x" (the large-N limits of 16/(4 + 12/N) and
     # 16/(2 + 14/N)); stage 3 over 64 GPUs: 64x.
     full = model_state_bytes(1e9, 0, 1).total

@@ -11,9 +11,9 @@ import pytest
 from gridtrain.model.args import llama3_8b, llama3_70b, llama3_405b, small, tiny
 from gridtrain.model.stats import build_meta, count_parameters
 from gridtrain.model.stats import flops_per_token as model_flops_per_token
-from gridtrain.plan import comm, flops, memory, pipeline, reliability, shape, specs
+from gridtrain.plan import comm, flops, memory, pipeline, reliability, shape, specs, state
 from gridtrain.plan.layout import Layout
-from gridtrain.plan.memory import StateBytes
+from gridtrain.plan.state import StateBytes
 
 approx = pytest.approx
 
@@ -134,7 +134,7 @@ def test_hsdp_and_zero_shard_degree():
     assert Layout(dp_replicate=4, dp_shard=8, zero_stage=3).zero_shard_degree == 8
     assert Layout(dp_replicate=4, dp_shard=8, zero_stage=1).zero_shard_degree == 32
     assert Layout(dp_replicate=4, zero_stage=0).zero_shard_degree == 1
-    assert memory.model_state_bytes(1e9, 2, 8, StateBytes.mixed(fp32_grads=True)).gradients == 0.5e9
+    assert state.model_state_bytes(1e9, 2, 8, StateBytes.mixed(fp32_grads=True)).gradients == 0.5e9
 
 
 # ---- pipeline ----
@@ -349,7 +349,7 @@ def test_bytes_per_step_by_axis():
     # kv = 2 x (2 x 1024 / 2) x 1024 x 2 bytes for the 8B's 8 KV heads of 128.
     kv = 2 * 1024 * 1024 * 2
     ring = replace(layout, tp=1, pp=1, cp=2, dp_shard=2, num_microbatches=1)
-    assert memory.buffer_bytes(s, ring, memory.StateBytes()) - memory.buffer_bytes(
-        s, replace(ring, cp=1), memory.StateBytes()) == approx(6 * kv)
+    assert memory.buffer_bytes(s, ring, StateBytes()) - memory.buffer_bytes(
+        s, replace(ring, cp=1), StateBytes()) == approx(6 * kv)
     assert comm.bytes_per_step(s, Layout(dp_replicate=4, zero_stage=0))["dp"] == approx(
         2 * 3 / 4 * shape.param_counts(s).total * 2)

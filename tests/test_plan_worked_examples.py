@@ -16,7 +16,7 @@ from gridtrain.layout.dims import stage_layer_counts
 from gridtrain.plan import budget, comm, memory, pipeline, precision, reliability
 from gridtrain.plan.comm import Link
 from gridtrain.plan.layout import Layout
-from gridtrain.plan.memory import StateBytes, model_state_bytes
+from gridtrain.plan.state import StateBytes, model_state_bytes
 from gridtrain.plan.shape import (attention_params, block_params, from_args, gpt, mlp_params, param_counts,
                                   tp_heads, tp_weight_shard)
 from gridtrain.plan.specs import ACCELERATORS

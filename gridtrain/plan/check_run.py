@@ -21,7 +21,8 @@ from gridtrain.layout.schedules import forwards_held
 from gridtrain.model.args import ModelArgs
 from gridtrain.plan.activations import held_bytes, ring_selective_bytes_per_token, stage_bytes
 from gridtrain.plan.machine import cached_entry
-from gridtrain.plan.memory import STATE_BUCKETS, StateBytes, fsdp_gathers, rank_state, state_index
+from gridtrain.plan.memory import STATE_BUCKETS, fsdp_gathers, rank_state, state_index
+from gridtrain.plan.state import StateBytes
 from gridtrain.plan.run_collectives import collectives, predict_collectives, run_layout
 from gridtrain.plan.shape import from_args
 from gridtrain.rundir import RunRecord

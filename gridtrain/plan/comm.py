@@ -21,8 +21,9 @@ import math
 from dataclasses import dataclass
 
 from gridtrain.plan.layout import Layout
-from gridtrain.plan.memory import StateBytes, kv_heads_per_rank, rank_layers, rank_params
+from gridtrain.plan.memory import kv_heads_per_rank, rank_layers, rank_params
 from gridtrain.plan.shape import ModelShape
+from gridtrain.plan.state import StateBytes
 
 # Innermost (fastest links) to outermost: Llama 3 paper, section 3.3.2, orders the dimensions
 # [TP, CP, PP, DP]. A common alternative is TP, PP, CP, DP; we follow the paper: CP's

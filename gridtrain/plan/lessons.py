@@ -15,7 +15,8 @@ from typing import Callable
 
 from gridtrain.plan import budget, comm, pipeline, precision, reliability
 from gridtrain.plan.comm import Link
-from gridtrain.plan.memory import in_flight, model_state_bytes
+from gridtrain.plan.memory import in_flight
+from gridtrain.plan.state import model_state_bytes
 from gridtrain.plan.shape import tp_heads, tp_weight_shard
 
 GB, MiB, GiB, ms = 1e9, 2**20, 2**30, 1e-3

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gridtrain.plan import shape, specs
-from gridtrain.plan.memory import StateBytes
+from gridtrain.plan.state import StateBytes
 from gridtrain.plan.search import Candidate, Constraints, Problem, search
 from gridtrain.plan.steptime import CALIBRATED, Efficiency
 

@@ -29,9 +29,10 @@ from dataclasses import dataclass, field, replace
 from gridtrain.layout.schedules import DEFAULT_SCHEDULE, SCHEDULES
 from gridtrain.names import RECOMPUTE
 from gridtrain.plan.layout import Layout
-from gridtrain.plan.memory import (RankMemory, StateBytes, buffer_bytes, gathered_bytes_per_param, peak_rank,
-                                   probe_activations, rank_memory, rank_params, state_bytes_per_param)
+from gridtrain.plan.memory import (RankMemory, buffer_bytes, gathered_bytes_per_param, peak_rank, probe_activations,
+                                   rank_memory, rank_params)
 from gridtrain.plan.runnable import refusal
+from gridtrain.plan.state import StateBytes, state_bytes_per_param
 from gridtrain.plan.shape import ModelShape, tp_heads
 from gridtrain.plan.specs import ClusterSpec
 from gridtrain.plan.steptime import CALIBRATED, Efficiency, PipelineTime, StepTime, pipeline_time, step_time

@@ -38,9 +38,9 @@ from dataclasses import dataclass
 from gridtrain.plan import placement
 from gridtrain.plan.flops import flops_per_token, hardware_flops_per_token
 from gridtrain.plan.layout import Layout
-from gridtrain.plan.memory import (StateBytes, edge_ranks, kv_heads_per_rank, layer_activation_bytes, layers_per_rank,
-                                   rank_params)
+from gridtrain.plan.memory import edge_ranks, kv_heads_per_rank, layer_activation_bytes, layers_per_rank, rank_params
 from gridtrain.plan.pipeline import schedule_bubble, split_cost
+from gridtrain.plan.state import StateBytes
 from gridtrain.plan.shape import ModelShape, block_params, matmul_params, norm_params
 from gridtrain.plan.specs import ClusterSpec
 

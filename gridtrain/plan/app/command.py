@@ -19,7 +19,8 @@ from gridtrain.plan.app import explain, render
 from gridtrain.plan.app.inputs import (LAYOUT_LABELS, batch_sequences, check_constraints, constraints_label,
                                        parse_count, parse_layout, parse_whole, resolve_cluster, resolve_model)
 from gridtrain.plan.app.report import Assumptions, build_report, layout_dict, no_fit_report
-from gridtrain.plan.memory import BUCKETS, CONVENTIONS, GiB
+from gridtrain.plan.memory import BUCKETS, GiB
+from gridtrain.plan.state import CONVENTIONS
 from gridtrain.plan.runnable import refusal, train_command
 from gridtrain.plan.search import (Candidate, Constraints, PlanError, Problem, SearchResult, cp_options, degree_options,
                                    search, tp_options)
