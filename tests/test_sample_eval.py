@@ -178,3 +178,22 @@ def test_sampling_keeps_to_the_tokenizers_vocabulary_and_its_filters():
     assert set(drawn.tolist()) == {0, 1} and (drawn == 0).float().mean().item() == pytest.approx(0.5 / 0.8, abs=0.03)
     assert set(next_token(logits, Sampling(1.0, top_k=1), g).tolist()) == {0}
     assert set(next_token(logits, Sampling(1.0, top_k=3), g).tolist()) == {0, 1, 2}
+
+
+def test_the_stream_writes_exactly_the_decoded_text():
+    """Random byte tokens (ASCII, lead and continuation bytes, invalid ones): what the stream has
+    written when it closes is the decoding of all of them, however the characters split."""
+    import random
+
+    from gridtrain.data.tokenizer import ByteTokenizer
+    from gridtrain.train.inference import TextStream
+
+    tok, rng = ByteTokenizer(), random.Random(0)
+    for _ in range(3000):
+        ids = [rng.choice([rng.randrange(256), rng.randrange(0x80, 0xC0), rng.randrange(0xC0, 0xF5), 97])
+               for _ in range(rng.randrange(1, 12))]
+        out = io.StringIO()
+        stream = TextStream(tok, out)
+        for i in ids:
+            stream.add(i)
+        assert stream.close() == out.getvalue() == tok.decode(ids), ids

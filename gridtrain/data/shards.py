@@ -144,13 +144,13 @@ def _iter_encoded(source: Path, tokenizer: Tokenizer, dtype: np.dtype) -> Iterat
         batch.append(doc)
         num_chars += len(doc)
         if num_chars >= _BATCH_CHARS:
-            yield from _encode_with_eos(batch, tokenizer, dtype)
+            yield from encode_with_eos(batch, tokenizer, dtype)
             batch, num_chars = [], 0
     if batch:
-        yield from _encode_with_eos(batch, tokenizer, dtype)
+        yield from encode_with_eos(batch, tokenizer, dtype)
 
 
-def _encode_with_eos(texts: list[str], tokenizer: Tokenizer, dtype: np.dtype) -> list[np.ndarray]:
+def encode_with_eos(texts: list[str], tokenizer: Tokenizer, dtype: np.dtype) -> list[np.ndarray]:
     out = []
     for ids in encode_batch(tokenizer, texts):
         ids = np.asarray(ids)

@@ -7,6 +7,7 @@ take is a 4xx naming the field, the value and what it accepts, never a traceback
 from __future__ import annotations
 
 import argparse
+import functools
 import io
 import json
 import math
@@ -144,13 +145,20 @@ def plan_args(body: object) -> list[str]:
     return args + ["--json"]
 
 
+@functools.cache
+def _parser() -> argparse.ArgumentParser:
+    """`gridtrain plan`'s option parser, built once (parsing leaves it unchanged)."""
+    from gridtrain.plan.app.options import plan_parser
+
+    return plan_parser()
+
+
 def run_plan_json(args: list[str]) -> tuple[dict | None, str]:
     """`gridtrain plan ARGS` through the command's own code: (its JSON or None, its error line)."""
     from gridtrain.plan.app.command import run_plan
-    from gridtrain.plan.app.options import plan_parser
 
     try:
-        parsed, extra = plan_parser().parse_known_args(args)
+        parsed, extra = _parser().parse_known_args(args)
     except (argparse.ArgumentError, SystemExit) as e:
         raise BadRequest(f"gridtrain plan refuses these options: {e}") from None
     out, err = io.StringIO(), io.StringIO()

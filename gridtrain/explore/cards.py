@@ -6,8 +6,11 @@ from __future__ import annotations
 import math
 from typing import Callable
 
+from gridtrain.explore.api import BadRequest, Field, _value
 from gridtrain.plan.lessons import CARDS, card
 
+MAY_BE_ZERO = ("lat", "overflows", "clean_steps")
+"""Inputs that may be 0 (a latency, a count of steps); the others are sizes, rates or counts > 0."""
 MAX_INPUT, MAX_WHOLE = 1e18, 1_000_000
 """Inputs beyond these are refused (whole numbers count GPUs, layers or steps, some of them one by
 one): no worked problem of distributed training needs more."""
@@ -38,13 +41,12 @@ def answer(card_id: str, body: object) -> tuple[int, dict]:
     for key, value in body.items():
         if key not in names:
             return 400, {"error": f"{key[:80]}: not an input of {c.id}; it takes {', '.join(names)}"}
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            return 400, {"error": f"{key}: expected a finite number, got {value!r:.60}"}
-        if not 0 < value <= MAX_INPUT and not (value == 0 and key in ("lat", "overflows", "clean_steps")):
-            return 400, {"error": f"{key}: {value!r} is out of range (> 0 and <= {MAX_INPUT:g})"}
-        if names[key].whole and (value != int(value) or value > MAX_WHOLE):
-            return 400, {"error": f"{key}: {names[key].label} is a whole number up to {MAX_WHOLE:,}, got {value!r}"}
-        values[key] = int(value) if names[key].whole else float(value)
+        whole = names[key].whole
+        field = Field("int" if whole else "float", 0, MAX_WHOLE if whole else MAX_INPUT, low_open=key not in MAY_BE_ZERO)
+        try:
+            values[key] = _value(key, value, field)
+        except BadRequest as e:
+            return 400, {"error": str(e)}
     try:
         rows = c.answer(values)
     except (ValueError, ZeroDivisionError, OverflowError) as e:

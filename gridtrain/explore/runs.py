@@ -4,12 +4,12 @@ axis beside the planner's prediction (what `gridtrain plan --check` prints)."""
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 from gridtrain.errors import UserError
 from gridtrain.rundir import RunRecord
+from gridtrain.train.metrics import read_metrics
 
 MAX_POINTS = 2000
 """Curve points sent per run; longer runs are thinned evenly (the last step always kept)."""
@@ -22,18 +22,11 @@ def _run_dirs(root: Path) -> list[Path]:
 
 
 def _metrics(run: Path) -> list[dict]:
-    path = run / "metrics.jsonl"
-    if not path.is_file():
+    """The run's records (a resumed run's later ones replace earlier ones); none if unreadable."""
+    try:
+        return read_metrics(run)
+    except UserError:
         return []
-    rows = []
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue  # a line cut by a kill
-        if isinstance(rec, dict) and isinstance(rec.get("step"), int):
-            rows.append(rec)
-    return rows
 
 
 def _finite(value: object) -> float | None:

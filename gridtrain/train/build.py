@@ -40,18 +40,26 @@ class Data:
     tokens: int
 
 
+def prepared_data(cfg: Config) -> Path:
+    """The run's token shards, prepared first if they are not (ensure_prepared)."""
+    return ensure_prepared(cfg.data.corpus, cfg.data.tokenizer, Path(cfg.data.cache_dir).expanduser(),
+                           cfg.data.val_fraction, cfg.train.seed)
+
+
+def val_reader(cfg: Config, prepared: Path) -> ValReader:
+    return ValReader(TokenStore(prepared, "val"), cfg.data.seq_len)
+
+
 def build_data(cfg: Config, world: World) -> Data:
     """Token shards (prepared once, by rank 0, while the others wait) and the readers."""
-    cache = Path(cfg.data.cache_dir).expanduser()
-    args = (cfg.data.corpus, cfg.data.tokenizer, cache, cfg.data.val_fraction, cfg.train.seed)
     if world.rank == 0:
-        prepared = ensure_prepared(*args)
+        prepared = prepared_data(cfg)
     if world.distributed:
         dist.barrier()
     if world.rank != 0:
-        prepared = ensure_prepared(*args)
+        prepared = prepared_data(cfg)
     store = TokenStore(prepared, "train")
-    val = ValReader(TokenStore(prepared, "val"), cfg.data.seq_len) if cfg.train.val_every else None
+    val = val_reader(cfg, prepared) if cfg.train.val_every else None
     return Data(BatchReader(store, cfg.data.seq_len, cfg.train.seed), val, store.num_tokens)
 
 

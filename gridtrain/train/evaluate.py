@@ -15,6 +15,14 @@ from gridtrain.train.build import Data, loss_fn, scalar
 from gridtrain.train.precision import Precision
 
 
+def validation_batches(cfg: Config, pipeline_micro_batches: int | None = None) -> tuple[int, int]:
+    """(sequences per validation batch, batches): train.val_batches micro-batches, in whole pipeline
+    batches of micro_batch x `pipeline_micro_batches` when a pipeline schedule runs them."""
+    mb = cfg.train.micro_batch
+    size = mb if pipeline_micro_batches is None else mb * pipeline_micro_batches
+    return size, max(1, cfg.train.val_batches * mb // size)
+
+
 class Evaluator:
     """Runs validation on one rank's model parts: through the pipeline schedule's forward-only
     pass when there is one (whole pipeline batches of micro_batch x accumulation sequences only)."""
@@ -26,9 +34,8 @@ class Evaluator:
         self.micro_batches, self.tp, self.pp_group, self.device = micro_batches, tp, pp_group, device
         self.cp_group = cp_group
         """Under context parallelism each rank validates its chunks of every sequence."""
-        mb = cfg.train.micro_batch
-        self.size = mb if pmodel.schedule is None else mb * accum
-        """Sequences per validation batch."""
+        self.size, self.batches = validation_batches(cfg, None if pmodel.schedule is None else accum)
+        """Sequences per validation batch, and how many."""
         self.check_split()
 
     def check_split(self) -> None:
@@ -44,8 +51,7 @@ class Evaluator:
         for part in self.pmodel.parts:
             part.eval()
         total, count = torch.zeros(()), torch.zeros(())
-        batches = max(1, self.cfg.train.val_batches * self.cfg.train.micro_batch // self.size)
-        for inputs, targets in self.val.batches(self.size, batches):
+        for inputs, targets in self.val.batches(self.size, self.batches):
             if len(inputs) < self.size:
                 break
             if self.cp_group is not None:

@@ -19,6 +19,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 
+from gridtrain.config import Config
 from gridtrain.model.args import ModelArgs
 from gridtrain.model.hf import InterchangeError, hf_config, to_hf_state_dict
 from gridtrain.model.llama import Transformer
@@ -56,10 +57,10 @@ def atomic_dir(final: Path) -> Iterator[Path]:
     os.replace(tmp, final)
 
 
-def read_run(run_dir: Path) -> tuple[ModelArgs, Path]:
-    """(model shape, checkpoint directory) from the run's record."""
+def read_run(run_dir: Path) -> tuple[Config, Path]:
+    """(configuration, checkpoint directory) from the run's record."""
     cfg = RunRecord.load(run_dir, with_layout=False).config
-    return cfg.model.args(), cfg.checkpoint_dir if cfg.checkpoint.dir else run_dir / "checkpoints"
+    return cfg, cfg.checkpoint_dir if cfg.checkpoint.dir else run_dir / "checkpoints"
 
 
 def find_checkpoint(root: Path, step: int | None = None) -> Path:
@@ -133,7 +134,8 @@ def export_run(run_dir: Path, out: Path, step: int | None = None, max_shard_byte
     `max_shard_bytes` with transformers' index file. One file's weights are in memory at a time.
     Returns `out`."""
     require_free(Path(out))
-    args, root = read_run(Path(run_dir))
+    cfg, root = read_run(Path(run_dir))
+    args = cfg.model.args()
     path = find_checkpoint(root, step)
     shapes = model_shapes(args)
     shards = plan_shards(shapes, max_shard_bytes)

@@ -24,7 +24,7 @@ from gridtrain.errors import BadInput
 from gridtrain.model.generate import Sampling, generate
 from gridtrain.model.llama import Transformer
 from gridtrain.rundir import RunRecord
-from gridtrain.train.hf_run import find_checkpoint, load_model_weights, model_shapes
+from gridtrain.train.hf_run import find_checkpoint, load_model_weights, model_shapes, read_run
 
 
 @dataclass
@@ -45,9 +45,8 @@ def run_tokenizer(cfg: Config) -> Tokenizer:
 
 def load_run(run_dir: Path, step: int | None = None) -> LoadedRun:
     """The run's model with the weights of its newest intact checkpoint (or of `step`)."""
-    cfg = RunRecord.load(Path(run_dir), with_layout=False).config
+    cfg, root = read_run(Path(run_dir))
     args = cfg.model.args()
-    root = cfg.checkpoint_dir if cfg.checkpoint.dir else Path(run_dir) / "checkpoints"
     path = find_checkpoint(root, step)
     with torch.device("meta"):
         model = Transformer(args)
@@ -87,26 +86,29 @@ def context_of(run: LoadedRun) -> int:
 
 
 class TextStream:
-    """Decode tokens as they come and write the text that is final so far (a byte tokenizer's
-    UTF-8 character, or a BPE token, may need the next token to be whole)."""
+    """Decode tokens as they come and write their text once it is whole: the byte tokenizer and
+    byte-level BPE decode to concatenated bytes, so only the tokens since the last whole
+    character are decoded again (a UTF-8 character may need the next token)."""
 
     def __init__(self, tokenizer: Tokenizer, out: TextIO) -> None:
-        self.tokenizer, self.out, self.ids, self.shown = tokenizer, out, [], 0
+        self.tokenizer, self.out, self.ids, self.pending = tokenizer, out, [], []
 
     def add(self, token: int) -> None:
         self.ids.append(token)
-        text = self.tokenizer.decode(self.ids)
-        final = text[:-1] if text.endswith("\ufffd") else text  # an unfinished character waits
-        if len(final) > self.shown:
-            self.out.write(final[self.shown:])
-            self.out.flush()
-            self.shown = len(final)
+        self.pending.append(token)
+        text = self.tokenizer.decode(self.pending)
+        if not text.endswith("\ufffd"):  # an unfinished character waits for its next bytes
+            self._write(text)
+
+    def _write(self, text: str) -> None:
+        self.out.write(text)
+        self.out.flush()
+        self.pending = []
 
     def close(self) -> str:
-        text = self.tokenizer.decode(self.ids)
-        self.out.write(text[self.shown:])
-        self.out.flush()
-        return text
+        if self.pending:
+            self._write(self.tokenizer.decode(self.pending))
+        return self.tokenizer.decode(self.ids)
 
 
 def sample(run: LoadedRun, prompt: str, max_new_tokens: int, sampling: Sampling, seed: int = 0,
@@ -190,21 +192,18 @@ def validation_batches(run: LoadedRun, run_dir: Path, batches: int | None = None
     """The run's validation split, the sequences its training validated on (`Evaluator`: the first
     train.val_batches micro-batches, whole pipeline batches under PP), or the first `batches`
     micro-batches."""
-    from gridtrain.data.sampler import ValReader
-    from gridtrain.data.shards import TokenStore, ensure_prepared
+    from gridtrain.train import evaluate
+    from gridtrain.train.build import prepared_data, val_reader
 
     cfg = run.cfg
-    prepared = ensure_prepared(cfg.data.corpus, cfg.data.tokenizer, Path(cfg.data.cache_dir).expanduser(),
-                               cfg.data.val_fraction, cfg.train.seed)
-    reader = ValReader(TokenStore(prepared, "val"), cfg.data.seq_len)
+    reader = val_reader(cfg, prepared_data(cfg))
     mb = cfg.train.micro_batch
     if batches is not None:
         return reader.batches(mb, batches)
     dims = RunRecord.load(Path(run_dir)).dims
-    size = mb
-    if dims is not None and dims.pp > 1:  # whole pipeline batches, as Evaluator
-        size = mb * cfg.microbatches(dims.dp_replicate * dims.dp_shard)
-    whole = min(max(1, cfg.train.val_batches * mb // size) * size, reader.num_samples // size * size)
+    pipelined = dims is not None and dims.pp > 1
+    size, count = evaluate.validation_batches(cfg, cfg.microbatches(dims.dp) if pipelined else None)
+    whole = min(count * size, reader.num_samples // size * size)  # Evaluator stops at a short batch
     return reader.batches(mb, max(1, whole // mb))
 
 
@@ -213,16 +212,15 @@ def text_batches(run: LoadedRun, source: Path, batches: int) -> Iterable[tuple[t
     ended by <eos>, as the run's data), cut into sequences of the run's length, in batches of its
     micro-batch."""
     from gridtrain.data.corpus import iter_documents
-    from gridtrain.data.tokenizer import encode_batch
+    from gridtrain.data.shards import encode_with_eos
 
     seq, mb = run.cfg.data.seq_len, run.cfg.train.micro_batch
     need = batches * mb * seq + 1
     stream: list[np.ndarray] = []
     held = 0
     for text in iter_documents(source):
-        ids = np.asarray(encode_batch(run.tokenizer, [text])[0], dtype=np.int64)
-        stream += [ids, np.array([run.tokenizer.eos_id])]
-        held += len(ids) + 1
+        stream += encode_with_eos([text], run.tokenizer, np.dtype(np.int64))
+        held += len(stream[-1])
         if held >= need:
             break
     tokens = np.concatenate(stream) if stream else np.zeros(0, dtype=np.int64)
