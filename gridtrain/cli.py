@@ -18,6 +18,7 @@ from gridtrain.argtypes import number
 from gridtrain.cli_inference import add_inference_parsers
 from gridtrain.launch import launch
 from gridtrain.rundir import check_run_dir, unwritable
+from gridtrain.runlock import refuse_if_held
 from gridtrain.plan.app.options import add_plan_parser
 from gridtrain.validate import tokenizer_vocab, validate
 
@@ -48,6 +49,7 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
               file=sys.stderr)
         return 2
     dims = validate(cfg)  # every rank checks again, but nothing starts if this fails
+    refuse_if_held(Path(cfg.run_dir))  # another job trains into it: say whose, before anything starts
     check_run_dir(cfg)  # before any rank writes into it
     if cfg.parallel.nproc > 1 and "LOCAL_RANK" not in os.environ:
         return launch(cfg.parallel.nproc, sys.argv[1:] if args.argv is None else args.argv, args.max_restarts)
@@ -68,7 +70,7 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     except (CollectiveTimeout, TrainingDiverged, CheckpointSaveError, InvalidCheckpointError) as err:
         print(f"gridtrain: {one_line(err, anticipated=True)}", file=sys.stderr, flush=True)
         shutdown()
-        return 1
+        return 2 if isinstance(err, InvalidCheckpointError) else 1
     except Stopped as stopped:
         if trainer.world.rank == 0:
             print(f"gridtrain: {stopped}", file=sys.stderr, flush=True)
@@ -81,6 +83,9 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     except BaseException:
         shutdown()
         raise
+    finally:
+        if trainer is not None and trainer.lock is not None:
+            trainer.lock.release()
     shutdown(finished=True)
     if "loss/val" in final and trainer.is_writer:
         print(f"final validation loss {final['loss/val']:.4f} (perplexity {final['loss/val_ppl']:.2f})")

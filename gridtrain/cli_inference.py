@@ -9,7 +9,11 @@ import sys
 from pathlib import Path
 
 from gridtrain.argtypes import number
-from gridtrain.errors import BadInput, MissingInput
+from gridtrain.errors import BadInput
+from gridtrain.inputs import read_input
+
+PROMPT_FILE_BYTES = 16 * 2**20
+"""The largest --prompt-file read (16 MiB): the prompt is cut to the model's context anyway."""
 
 
 def cmd_sample(args: argparse.Namespace, extra: list[str]) -> int:
@@ -21,10 +25,9 @@ def cmd_sample(args: argparse.Namespace, extra: list[str]) -> int:
     prompt = args.prompt if args.prompt is not None else ""
     if args.prompt_file is not None:
         path = Path(args.prompt_file)
-        if not path.is_file():
-            raise MissingInput(f"--prompt-file {path}: no such file")
+        data = read_input(path, f"--prompt-file {path}", PROMPT_FILE_BYTES)  # before the checkpoint loads
         try:
-            prompt = path.read_text(encoding="utf-8")
+            prompt = data.decode("utf-8")
         except UnicodeDecodeError as err:
             raise BadInput(f"--prompt-file {path} is not UTF-8 text ({err.reason} at byte {err.start})") from None
     run = load_run(Path(args.run_dir), args.step)

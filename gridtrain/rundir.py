@@ -25,6 +25,7 @@ from gridtrain.config_load import config_from_dict
 from gridtrain.errors import BadInput, MissingInput
 from gridtrain.model.args import model_args
 from gridtrain.layout.dims import ParallelDims
+from gridtrain.validate import model_problems
 
 DATA_KEYS = ("corpus", "tokenizer", "seq_len", "val_fraction")
 """The data settings a resume must keep: they decide which sample each step reads."""
@@ -62,17 +63,22 @@ class RunRecord:
 
     @classmethod
     def load(cls, run_dir: Path, with_layout: bool = True) -> RunRecord:
-        """The record of the run in `run_dir`; a missing, damaged or foreign file is one line
-        naming it (MissingInput, BadInput), not a KeyError three calls later. Without
-        `with_layout`, the configuration is enough (what `export` needs)."""
+        """The record of the run in `run_dir`, through the same checks as the command line: each
+        key's type and range (config_load), and a model `gridtrain train` would build
+        (validate.model_problems). A missing, damaged, foreign or crafted file is one line naming
+        it (MissingInput, BadInput), not a KeyError three calls later or an allocation of
+        terabytes. Without `with_layout`, the configuration is enough (what `export` needs)."""
         record, path = _read_record(run_dir), run_dir / "config.json"
         try:
             cfg = config_from_dict(record["config"])
+            problems = model_problems(cfg.model.args(), cfg.data.seq_len)
             dims = ParallelDims(**record["dims"]) if with_layout or "dims" in record else None
         except ConfigError as err:
             raise BadInput(f"{path} does not hold a configuration of this gridtrain ({'; '.join(err.problems)})") from None
-        except (KeyError, TypeError) as err:
+        except (KeyError, TypeError, ValueError) as err:
             raise BadInput(f"{path} is not a gridtrain run record ({type(err).__name__}: {err})") from None
+        if problems:
+            raise BadInput(f"{path} describes a model gridtrain does not build: {'; '.join(problems)}")
         return cls(cfg, dims, record.get("device", "cpu"), record.get("threads") or 1, record.get("cpu_count"),
                    record.get("peak_flops"), record.get("backend", "gloo"))
 

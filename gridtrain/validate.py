@@ -11,9 +11,10 @@ import os
 from pathlib import Path
 
 from gridtrain.config import Config, ConfigError
+from gridtrain.errors import MissingInput, UserError
 from gridtrain.layout.dims import ParallelDims, stage_layer_counts
 from gridtrain.layout.schedules import RUNTIME_SCHEDULES, SCHEDULES
-from gridtrain.model.args import PRESETS
+from gridtrain.model.args import PRESETS, ModelArgs
 from gridtrain.names import LR_SCHEDULES, ON_SAVE_ERROR, PRECISIONS, RECOMPUTE
 
 
@@ -31,16 +32,25 @@ def _in_range(key: str, value: float, low: float, high: float) -> list[str]:
     return [] if low <= value <= high else [f"{key} = {value} must lie in [{low}, {high}]"]
 
 
+def model_problems(args: ModelArgs, seq_len: int | None = None) -> list[str]:
+    """What `gridtrain train` refuses in a model shape (`gridtrain import` applies the same):
+    its broken relations, and a rotary table too large to build. `seq_len`: data.seq_len, named
+    in the advice."""
+    problems = args.validate()
+    if not problems and args.max_seq_len * args.head_dim // 2 * 8 > 2**30:  # complex64 per position and pair
+        gib = args.max_seq_len * args.head_dim // 2 * 8 / 2**30
+        given = f" (data.seq_len is {seq_len})" if seq_len is not None else ""
+        problems.append(f"the rotary table, model.max_seq_len ({args.max_seq_len:,}) x head_dim / 2 "
+                        f"({args.head_dim // 2:,}) complex numbers, would need {gib:,.1f} GiB per process: lower "
+                        f"max_seq_len{given} or head_dim = model.dim / model.n_heads")
+    return problems
+
+
 def _check_model(cfg: Config) -> list[str]:
     if cfg.model.preset not in PRESETS:
         return [f"model.preset = '{cfg.model.preset}' is unknown; choose one of {', '.join(PRESETS)}"]
     args = cfg.model.args()
-    problems = args.validate()
-    if not problems and args.max_seq_len * args.head_dim // 2 * 8 > 2**30:  # complex64 per position and pair
-        gib = args.max_seq_len * args.head_dim // 2 * 8 / 2**30
-        problems.append(f"the rotary table, model.max_seq_len ({args.max_seq_len:,}) x head_dim / 2 "
-                        f"({args.head_dim // 2:,}) complex numbers, would need {gib:,.1f} GiB per process: lower "
-                        f"max_seq_len (data.seq_len is {cfg.data.seq_len}) or head_dim = model.dim / model.n_heads")
+    problems = model_problems(args, cfg.data.seq_len)
     if cfg.data.seq_len > args.max_seq_len:
         problems.append(
             f"data.seq_len ({cfg.data.seq_len}) is longer than the model's context "
@@ -138,15 +148,14 @@ def tokenizer_vocab(spec: str, key: str = "data.tokenizer") -> tuple[int | None,
         if int(n) < 257:
             return None, f"{key} = '{spec}': a BPE needs N >= 257 (256 byte symbols + <eos>), e.g. bpe:8192"
         return int(n), None
-    path = Path(spec).expanduser()
-    if not path.is_file():
-        return None, f"{key} = '{spec}' is not 'byte', 'bpe:N' or an existing tokenizer.json file"
-    from tokenizers import Tokenizer  # only for this path: the file must parse
+    from gridtrain.data.tokenizer import read_tokenizer_json  # only for this path: the file must parse
 
     try:
-        return Tokenizer.from_file(str(path)).get_vocab_size(), None
-    except Exception as err:  # noqa: BLE001 - tokenizers raises a bare Exception
-        return None, f"{key} = '{spec}' is not a tokenizer.json that tokenizers can read ({err})"
+        return read_tokenizer_json(Path(spec).expanduser(), f"{key} = '{spec}'").get_vocab_size(), None
+    except MissingInput:
+        return None, f"{key} = '{spec}' is not 'byte', 'bpe:N' or an existing tokenizer.json file"
+    except UserError as err:  # a directory, a device, too large, not a tokenizer.json
+        return None, str(err)
 
 
 def world_size(cfg: Config) -> int:

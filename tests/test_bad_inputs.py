@@ -193,6 +193,32 @@ OTHERS = [
     (["import", "{d}/hf", "{d}/new"], "{d}/hf/config.json is not readable JSON"),
     (["import", "{d}/trunc", "{d}/new"], "{d}/trunc/model.safetensors is not a readable safetensors file"),
     (["bogus"], "invalid choice: 'bogus'"),
+    # Files gridtrain reads, checked before they are trusted (hf* folders: see `inputs`).
+    (["import", "{d}/hflist", "{d}/new"], "{d}/hflist/config.json is an array (a list), not an object of settings"),
+    (["import", "{d}/hfzcfg", "{d}/new"], "{d}/hfzcfg/config.json is not a regular file"),
+    (["import", "{d}/hfvocab", "{d}/new"], "vocab_size = 320.5 is not a JSON integer"),
+    (["import", "{d}/hflayers", "{d}/new"], 'num_hidden_layers = "2" is not a JSON integer'),
+    (["import", "{d}/hfcount", "{d}/new"], "intermediate_size = 160.0 is not a JSON integer (a count is written 2, not 2.0"),
+    (["import", "{d}/hfeps", "{d}/new"], 'rms_norm_eps = "abc" is not a finite JSON number'),
+    (["import", "{d}/hftie", "{d}/new"], 'tie_word_embeddings = "yes" is not true or false'),
+    (["import", "{d}/hfrope", "{d}/new"], 'rope_parameters = "default" is not a JSON object'),
+    (["import", "{d}/hfmaxpos", "{d}/new"], "max_position_embeddings = 1000000000000.0 is not a JSON integer"),
+    (["import", "{d}/hfrotary", "{d}/new"], "the rotary table, model.max_seq_len (1,000,000,000,000) x head_dim"),
+    (["import", "{d}/hfmillion", "{d}/new"],
+     "the weights in {d}/hfmillion do not fit its config.json: num_hidden_layers is 1,000,000, the safetensors headers hold 2"),
+    (["import", "{d}/hfvocab640", "{d}/new"],
+     "model.embed_tokens.weight has shape [320, 64], (vocab_size, hidden_size) is [640, 64]"),
+    (["import", "{d}/hfzero", "{d}/new"], "{d}/hfzero/model.safetensors is not a regular file"),
+    (["import", "{d}/hfdir", "{d}/new"], "{d}/hfdir/model.safetensors is a directory, not a file"),
+    (["import", "{d}/hfindex", "{d}/new"], "names shard files outside {d}/hfindex (['../hfmillion/model.safetensors'])"),
+    (["sample", "{d}/run", "--prompt-file", "/dev/zero"], "--prompt-file /dev/zero is not a regular file"),
+    (["sample", "{d}/run", "--prompt-file", "{d}/fifo"], "--prompt-file {d}/fifo is not a regular file"),
+    (["sample", "{d}/run", "--prompt-file", "{d}"], "--prompt-file {d} is a directory, not a file"),
+    (["data", "prepare", "--tokenizer", "/dev/zero", "--out", "{d}/out"], "--tokenizer = '/dev/zero' is not a regular file"),
+    (["data", "prepare", "--tokenizer", "{d}/fifo", "--out", "{d}/out"], "--tokenizer = '{d}/fifo' is not a regular file"),
+    (["data", "prepare", "--tokenizer", "{d}", "--out", "{d}/out"], "--tokenizer = '{d}' is a directory, not a file"),
+    (["train", "--data.tokenizer", "/dev/zero"], "data.tokenizer = '/dev/zero' is not a regular file"),
+    (["train", "--data.tokenizer", "{d}"], "data.tokenizer = '{d}' is a directory, not a file"),
 ]
 
 BAD_BY_TYPE = {"int": ["abc", "1.5", "1e20"], "float": ["abc", "inf", "nan"], "bool": ["maybe"]}
@@ -241,6 +267,35 @@ def inputs(tmp_path: Path) -> Path:
         "vocab_size": 320, "max_position_embeddings": 64, "rope_theta": 10000.0, "rms_norm_eps": 1e-5,
         "tie_word_embeddings": False}))
     (d / "trunc" / "model.safetensors").write_bytes(b"\x40\x00\x00\x00\x00\x00\x00\x00{\"a\":")
+    # Files gridtrain reads, checked before they are trusted: Hugging Face folders whose config.json
+    # changes one key of `trunc`'s; two layers' worth of tiny weights beside some.
+    import os
+
+    import torch
+    from safetensors.torch import save_file
+
+    config = json.loads((d / "trunc" / "config.json").read_text()) | {"model_type": "llama"}
+    weights = {"model.embed_tokens.weight": torch.zeros(320, 64), "model.layers.0.input_layernorm.weight": torch.ones(64),
+               "model.layers.1.input_layernorm.weight": torch.ones(64)}
+    for name, change in {"hfvocab": {"vocab_size": 320.5}, "hflayers": {"num_hidden_layers": "2"},
+                         "hfcount": {"intermediate_size": 160.0}, "hfeps": {"rms_norm_eps": "abc"},
+                         "hftie": {"tie_word_embeddings": "yes"}, "hfrope": {"rope_parameters": "default"},
+                         "hfmaxpos": {"max_position_embeddings": 1e12},
+                         "hfrotary": {"max_position_embeddings": 10**12}, "hfmillion": {"num_hidden_layers": 10**6},
+                         "hfvocab640": {"vocab_size": 640}, "hfzero": {}, "hfdir": {}, "hfindex": {}}.items():
+        (d / name).mkdir()
+        (d / name / "config.json").write_text(json.dumps(config | change))
+        if name not in ("hfzero", "hfdir", "hfindex"):
+            save_file(weights, d / name / "model.safetensors")
+    (d / "hfzero" / "model.safetensors").symlink_to("/dev/zero")
+    (d / "hfdir" / "model.safetensors").mkdir()
+    (d / "hfindex" / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"model.norm.weight": "../hfmillion/model.safetensors"}}))
+    (d / "hflist").mkdir()
+    (d / "hflist" / "config.json").write_text("[1, 2]")
+    (d / "hfzcfg").mkdir()
+    (d / "hfzcfg" / "config.json").symlink_to("/dev/zero")
+    os.mkfifo(d / "fifo")
     return d
 
 

@@ -332,3 +332,29 @@ def test_json_lines_that_are_not_utf8_are_named_by_line(tmp_path):
     bad.write_bytes(b'{"text": "ok"}\n{"text": "\xff"}\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:2 is not valid UTF-8"):
         list(iter_documents(bad))
+
+
+def test_prepare_removes_the_folders_a_killed_prepare_left(tmp_path, corpus):
+    """A prepare killed by SIGKILL leaves its `.<name>.tmp-HOST-PID-*` folder (or `.old-`); the next
+    prepare beside it removes those whose process is gone on this host, and nothing else: not a
+    live prepare's, not another host's, not a name off the pattern, not a file."""
+    import socket
+    import subprocess
+    import sys
+
+    root, _ = corpus
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # reaped: its pid names no process
+    host, live = socket.gethostname(), os.getpid()
+    stale = [f".p.tmp-{host}-{gone.pid}-abcd_123", f".other.old-{host}-{gone.pid}-zz9zz9zz"]
+    kept = [f".p.tmp-{host}-{live}-abcd_123", f".p.tmp-elsewhere-{gone.pid}-abcd_123", f".p.tmp-{host}-{gone.pid}",
+            f"p.tmp-{host}-{gone.pid}-abcd_123", f".p.tmp-{host}-{gone.pid}-ABCD_123"]
+    for name in stale + kept:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "train-00000.bin").write_bytes(b"\0" * 100)
+    (tmp_path / f".q.tmp-{host}-{gone.pid}-abcd_123.txt").write_text("a file, not a folder")
+    (tmp_path / f".q.tmp-{host}-{gone.pid}-abcdefgh").write_text("a file of the folders' name")
+    prepare(root, ByteTokenizer(), tmp_path / "p", val_fraction=0.1)
+    left = {p.name for p in tmp_path.iterdir()}
+    assert left == {"corpus", "p", *kept, f".q.tmp-{host}-{gone.pid}-abcd_123.txt", f".q.tmp-{host}-{gone.pid}-abcdefgh"}
+    assert (tmp_path / kept[0] / "train-00000.bin").is_file()

@@ -69,6 +69,11 @@ def runs(tmp_path_factory, corpus_dir) -> dict[str, Run]:
     return out
 
 
+def weights_of(run_dir, args):
+    """The model weights of the run's newest checkpoint, read as export and sample read them."""
+    return hf_run.load_model_weights(hf_run.open_checkpoint(run_dir / "checkpoints", args)[1], args)
+
+
 def token_ids(vocab: int = 320) -> torch.Tensor:
     return torch.randint(0, vocab, (2, SEQ), generator=torch.Generator().manual_seed(0))
 
@@ -221,11 +226,33 @@ def test_reads_the_transformers_4_spelling_of_rope():
      "Llama 3.1's"),
     ({"head_dim": 32}, "head_dim 32"),
     ({"num_key_value_heads": 3}, "n_kv_heads"),
+    ({"num_attention_heads": 0}, "model.n_heads = 0 must be positive (in config.json, model.n_heads is num_attention_heads)"),
+    ({"max_position_embeddings": 10**12}, "the rotary table, model.max_seq_len (1,000,000,000,000)"),  # train refuses it
+    ({"rope_theta": 10**400, "rope_parameters": None}, "rope_theta = 1000000000"),  # past float's range
+    ({"rope_parameters": {"rope_type": "llama3", "factor": "8"}}, 'rope_parameters.factor = "8" is not a finite JSON number'),
 ])
 def test_unsupported_hf_configs_are_refused(change, message):
     cfg = hf.hf_config(PRESETS["tiny"]()) | change
     with pytest.raises(hf.InterchangeError, match=re.escape(message)):
         hf.args_from_hf_config(cfg)
+
+
+def test_config_keys_of_the_wrong_json_type_are_listed_together():
+    """Each key names its value as config.json spells it and the JSON type expected; a count is
+    an integer, so 2.0 is refused too."""
+    cfg = hf.hf_config(PRESETS["tiny"]()) | {"vocab_size": 320.5, "num_hidden_layers": "2", "hidden_size": 64.0,
+                                             "num_attention_heads": True, "rms_norm_eps": "abc",
+                                             "tie_word_embeddings": 0, "rope_scaling": [], "rope_theta": float("nan")}
+    with pytest.raises(hf.InterchangeError) as refused:
+        hf.args_from_hf_config(cfg)
+    count = 'is not a JSON integer (a count is written 2, not 2.0 or "2")'
+    assert str(refused.value).splitlines() == [
+        "unsupported Hugging Face config:", f"  - hidden_size = 64.0 {count}", f'  - num_hidden_layers = "2" {count}',
+        f"  - num_attention_heads = true {count}", f"  - vocab_size = 320.5 {count}",
+        '  - rms_norm_eps = "abc" is not a finite JSON number', "  - rope_theta = NaN is not a finite JSON number",
+        "  - tie_word_embeddings = 0 is not true or false", "  - rope_scaling = [] is not a JSON object (or null)"]
+    with pytest.raises(hf.InterchangeError, match=r"config.json is an array \(a list\), not an object"):
+        hf.args_from_hf_config([1, 2])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -327,7 +354,7 @@ def test_import_reads_sharded_safetensors(runs, tmp_path):
     index = {"metadata": {}, "weight_map": {k: f for f, keys in shards.items() for k in keys}}
     (out / "model.safetensors.index.json").write_text(json.dumps(index))
     run_dir = hf_import.import_hf(out, tmp_path / "imported")
-    loaded = hf_run.load_model_weights(hf_run.find_checkpoint(run_dir / "checkpoints"), run.cfg.model.args())
+    loaded = weights_of(run_dir, run.cfg.model.args())
     for key, value in loaded.items():
         assert torch.equal(value, run.weights[key]), key
 
@@ -347,7 +374,7 @@ def test_import_holds_one_weight_at_a_time(runs, tmp_path, monkeypatch):
         run_dir = hf_import.import_hf(out, tmp_path / "imported")
     print(f"import: peak {live.peak:,} B of tensors; largest weight {largest:,} B, all {total:,} B")
     assert live.peak <= 2 * largest + 4096 < total / 3
-    loaded = hf_run.load_model_weights(hf_run.find_checkpoint(run_dir / "checkpoints"), runs["gqa"].cfg.model.args())
+    loaded = weights_of(run_dir, runs["gqa"].cfg.model.args())
     assert all(torch.equal(value, runs["gqa"].weights[key]) for key, value in loaded.items())
 
 
@@ -356,7 +383,7 @@ def test_import_reads_half_precision_weights_as_fp32(runs, tmp_path):
     weights = load_file(out / "model.safetensors")
     save_file({k: v.to(torch.bfloat16) for k, v in weights.items()}, out / "model.safetensors")
     run_dir = hf_import.import_hf(out, tmp_path / "imported")
-    loaded = hf_run.load_model_weights(hf_run.find_checkpoint(run_dir / "checkpoints"), runs["tied"].cfg.model.args())
+    loaded = weights_of(run_dir, runs["tied"].cfg.model.args())
     for key, value in loaded.items():
         assert value.dtype == torch.float32
         assert torch.equal(value, runs["tied"].weights[key].to(torch.bfloat16).float()), key
@@ -368,8 +395,11 @@ def _break(name: str, weights: dict[str, torch.Tensor]) -> None:
         weights[q] = weights[q][:32]
     elif name == "missing":
         del weights["model.layers.1.mlp.down_proj.weight"]
-    elif name == "extra":
-        weights["model.layers.9.mlp.gate_proj.weight"] = weights["model.layers.0.mlp.gate_proj.weight"].clone()
+    elif name == "extra":  # layer 1 stored as layer 9
+        for key in [k for k in weights if k.startswith("model.layers.1.")]:
+            weights[key.replace(".1.", ".9.", 1)] = weights.pop(key)
+    elif name == "layers":
+        weights["model.layers.2.mlp.gate_proj.weight"] = weights["model.layers.0.mlp.gate_proj.weight"].clone()
     elif name == "dtype":
         weights[q] = weights[q].to(torch.int32)
     elif name == "head":
@@ -380,6 +410,7 @@ def _break(name: str, weights: dict[str, torch.Tensor]) -> None:
     ("shape", "model.layers.0.self_attn.q_proj.weight has shape [32, 64], the model [64, 64]"),
     ("missing", "model.layers.1.mlp.down_proj.weight is missing"),
     ("extra", "model.layers.9.mlp.gate_proj.weight is not in the model"),
+    ("layers", "do not fit its config.json: num_hidden_layers is 2, the safetensors headers hold 3 layers"),
     ("dtype", "model.layers.0.self_attn.q_proj.weight is stored as I32, not a float type"),
     ("head", hf.TIED_HEAD_DIFFERS),
     ("cut", "model.safetensors is not a readable safetensors file"),
@@ -395,6 +426,68 @@ def test_import_checks_every_weight_before_writing(runs, tmp_path, name, message
     with pytest.raises(hf.InterchangeError, match=re.escape(message)):
         hf_import.import_hf(out, tmp_path / "imported")
     assert not (tmp_path / "imported").exists()
+
+
+def header_only_safetensors(path: Path, shapes: dict[str, tuple[int, ...]]) -> None:
+    """A safetensors file of F32 zeros with these shapes, written as a header and a sparse file:
+    a header may claim any size its file covers, and this one costs nothing on disk."""
+    header, offset = {}, 0
+    for name, shape in shapes.items():
+        size = 4 * torch.Size(shape).numel()
+        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    blob = json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(len(blob).to_bytes(8, "little") + blob)
+        f.truncate(8 + len(blob) + offset)
+
+
+@pytest.mark.parametrize("name, rows, message", [
+    ("lm_head.weight", 2**22, "lm_head.weight has shape [4194304, 64], the model [320, 64]"),
+    ("model.embed_tokens.weight", 2**22, "model.embed_tokens.weight has shape [4194304, 64], "
+     "(vocab_size, hidden_size) is [320, 64]"),
+])
+def test_import_compares_the_headers_before_reading_a_weight(tmp_path, monkeypatch, name, rows, message):
+    """A tied head or an embedding whose header claims 1 GiB is refused from the headers alone:
+    no weight is read (the tied head's equality check reads two weights, after the shapes)."""
+    args = model_args("tiny", tie_embeddings=True, n_kv_heads=4)
+    shapes = {hf.to_hf_name(k): tuple(v.shape) for k, v in hf_run.model_shapes(args).items()}
+    shapes = shapes | {"lm_head.weight": shapes["model.embed_tokens.weight"], name: (rows, 64)}
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    (hf_dir / "config.json").write_text(json.dumps(hf.hf_config(args)))
+    header_only_safetensors(hf_dir / "model.safetensors", shapes)
+
+    def read(*args):
+        raise AssertionError("a weight was read")
+
+    monkeypatch.setattr(hf_import, "_read", read)
+    with pytest.raises(hf.InterchangeError, match=re.escape(message)):
+        hf_import.import_hf(hf_dir, tmp_path / "run")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+def test_a_config_of_a_million_layers_beside_two_is_refused_at_once(tmp_path):
+    """config.json's layer count is compared with the headers' before a model is built from it
+    (a meta model of a million layers took minutes). A bound, not a benchmark: it ran forever."""
+    import subprocess
+    import sys
+    import time
+
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    (hf_dir / "config.json").write_text(json.dumps(hf.hf_config(PRESETS["tiny"]()) | {"num_hidden_layers": 10**6}))
+    save_file({"model.embed_tokens.weight": torch.zeros(320, 64), "model.layers.0.input_layernorm.weight": torch.ones(64),
+               "model.layers.1.input_layernorm.weight": torch.ones(64)}, hf_dir / "model.safetensors")
+    start = time.perf_counter()
+    out = subprocess.run([sys.executable, "-m", "gridtrain", "import", str(hf_dir), str(tmp_path / "run")],
+                         capture_output=True, text=True, timeout=30)
+    wall = time.perf_counter() - start
+    assert out.returncode == 2 and out.stdout == "", out.stderr
+    assert out.stderr == (f"gridtrain: the weights in {hf_dir} do not fit its config.json: num_hidden_layers is "
+                          "1,000,000, the safetensors headers hold 2 layers (model.layers.N.*)\n")
+    assert wall < 5, f"{wall:.1f} s"
+    assert not (tmp_path / "run").exists()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ def modules(folder: str) -> list[str]:
 
 TORCH_FREE = modules("plan") + modules("layout") + modules("explore") + ["gridtrain.argtypes",
     "gridtrain.config", "gridtrain.config_load", "gridtrain.names", "gridtrain.validate", "gridtrain.rundir",
-    "gridtrain.errors", "gridtrain.model.args", "gridtrain.parity.matrix"]
+    "gridtrain.errors", "gridtrain.model.args", "gridtrain.parity.matrix", "gridtrain.runlock"]
 
 
 def test_the_planner_and_the_layout_core_import_no_torch():

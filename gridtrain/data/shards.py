@@ -14,6 +14,7 @@ import logging
 import os
 import re
 import shutil
+import socket
 import tempfile
 import time
 from collections.abc import Iterator
@@ -86,7 +87,8 @@ def prepare(source: str | Path, tokenizer: Tokenizer, out_dir: Path, val_fractio
     Document i goes to val when a hash of (seed, i) falls below `val_fraction`, so about that
     fraction of documents (and tokens) is held out; each split gets at least one document (a
     corpus of one document is cut in two instead). The directory is built under a temporary
-    name beside `out_dir` and renamed into place, so an interrupted prepare leaves no index.
+    name beside `out_dir` (`.<name>.tmp-HOST-PID-*`) and renamed into place, so an interrupted
+    prepare leaves no index; the folders a killed prepare left there are removed first.
     An existing prepared directory is replaced only with `overwrite`, and only when it holds
     nothing but a prepared dataset (a file gridtrain did not write there is never deleted).
     """
@@ -99,7 +101,8 @@ def prepare(source: str | Path, tokenizer: Tokenizer, out_dir: Path, val_fractio
     source_path = Path(source).resolve()
     dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 65535 else np.uint32)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
+    remove_stale_folders(out_dir.parent)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-{_owner()}-"))
     try:
         splits = _write_splits(source_path, tokenizer, tmp, dtype, val_fraction, seed, shard_tokens)
         index = _build_index(source_path, tokenizer, dtype, splits)
@@ -239,10 +242,45 @@ def _publish(tmp: Path, out_dir: Path) -> None:
         os.replace(tmp, out_dir)
         return
     # os.replace cannot overwrite a non-empty directory: move the old one aside first.
-    old = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.old-"))
+    old = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.old-{_owner()}-"))
     os.replace(out_dir, old / "data")
     os.replace(tmp, out_dir)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _host() -> str:
+    return socket.gethostname().replace(os.sep, "_")
+
+
+def _owner() -> str:
+    """HOST-PID of this process, in the names of its temporary folders: a later prepare on the same
+    host removes them once that process is gone (a prepare killed by SIGKILL cannot)."""
+    return f"{_host()}-{os.getpid()}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (OSError, OverflowError):  # another user's process (EPERM), or a pid no process has: keep
+        return True
+    return pid > 0  # 0 would signal our own process group
+
+
+def remove_stale_folders(parent: Path) -> list[Path]:
+    """Remove the temporary folders (`.<name>.tmp-HOST-PID-*`, `.<name>.old-HOST-PID-*`) that a
+    prepare on this host left in `parent` when it was killed: those whose process is gone. A live
+    prepare's folders and anything else are never touched. Returns the folders removed."""
+    pattern = re.compile(r"\..+\.(?:tmp|old)-" + re.escape(_host()) + r"-(\d{1,10})-[a-z0-9_]{8}")
+    removed = []
+    for entry in os.scandir(parent):
+        match = pattern.fullmatch(entry.name)
+        if match and entry.is_dir(follow_symlinks=False) and not _alive(int(match.group(1))):
+            shutil.rmtree(entry.path, ignore_errors=True)
+            logger.warning("removed %s, left by a prepare (process %s) that was killed", entry.path, match.group(1))
+            removed.append(Path(entry.path))
+    return removed
 
 
 def ensure_prepared(source: str | Path | None, tokenizer_spec: str, cache_dir: Path,

@@ -14,11 +14,14 @@ import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from gridtrain.errors import BadInput, MissingInput
+from gridtrain.errors import BadInput
+from gridtrain.inputs import read_input
 
 logger = logging.getLogger(__name__)
 
 EOS_TOKEN = "<eos>"
+TOKENIZER_FILE_BYTES = 256 * 2**20
+"""The largest tokenizer.json read (256 MiB; Llama 3's is 9 MB, the largest vocabularies' some tens)."""
 
 
 @runtime_checkable
@@ -71,14 +74,7 @@ class BPETokenizer:
 
     @classmethod
     def load(cls, path: str | Path) -> BPETokenizer:
-        path = Path(path)
-        if not path.is_file():
-            raise MissingInput(f"tokenizer file not found: {path}")
-        try:
-            hf = HFTokenizer.from_file(str(path))
-        except Exception as err:  # noqa: BLE001 - tokenizers raises a bare Exception
-            raise BadInput(f"{path} is not a tokenizer.json that tokenizers can read ({err})") from None
-        return cls(hf)
+        return cls(read_tokenizer_json(Path(path).expanduser(), f"tokenizer file {path}"))
 
     @classmethod
     def train(cls, documents: Iterable[str], vocab_size: int,
@@ -126,6 +122,17 @@ class BPETokenizer:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
+def read_tokenizer_json(path: Path, label: str) -> HFTokenizer:
+    """The tokenizers.Tokenizer of a tokenizer.json, checked first (a regular file of at most
+    TOKENIZER_FILE_BYTES); BadInput or MissingInput saying "<label> <why>"."""
+    data = read_input(path, label, TOKENIZER_FILE_BYTES)
+    try:
+        return HFTokenizer.from_str(data.decode("utf-8"))
+    except Exception as err:  # noqa: BLE001 - tokenizers raises a bare Exception
+        why = str(err).splitlines()[0] if str(err).strip() else type(err).__name__
+        raise BadInput(f"{label} is not a tokenizer.json that tokenizers can read ({why})") from None
+
+
 def encode_batch(tokenizer: Tokenizer, texts: Sequence[str]) -> list[np.ndarray]:
     """Encode several texts, batched when the tokenizer supports it (any Tokenizer works)."""
     batched = getattr(tokenizer, "encode_batch", None)
@@ -146,8 +153,8 @@ def build_tokenizer(spec: str, corpus: str | Path | None = None,
         return ByteTokenizer()
     if spec.startswith("bpe:"):
         return _build_trained_bpe(spec, corpus, cache_dir)
-    if spec.endswith(".json") or Path(spec).is_file():
-        return BPETokenizer.load(spec)
+    if spec.endswith(".json") or os.path.lexists(Path(spec).expanduser()):
+        return BPETokenizer.load(spec)  # says why a path that is not a tokenizer.json is refused
     raise BadInput(f"unknown tokenizer spec {spec!r}: expected 'byte', 'bpe:N' (train a BPE "
                      "of vocab N on the corpus) or a path to a tokenizer.json")
 

@@ -81,6 +81,9 @@ class ModelArgs:
                 f"({self.n_kv_heads}) for grouped-query attention: pick n_kv_heads among "
                 f"{_divisors(self.n_heads)}"
             )
+        if self.n_layers > MAX_LAYERS:
+            errors.append(f"model.n_layers = {self.n_layers:,} is past {MAX_LAYERS:,} blocks (Llama 3 405B has 126): "
+                          "check the shape")
         if self.ffn_dim is not None and self.ffn_dim <= 0:
             errors.append(f"model.ffn_dim = {self.ffn_dim} must be positive")
         widest = max(self.dim * self.dim, self.dim * self.hidden_dim, self.dim * self.vocab_size)
@@ -92,6 +95,11 @@ class ModelArgs:
             errors.append(f"model.rope_theta = {self.rope_theta} must be positive (Llama 3: 500000)")
         return errors
 
+
+MAX_LAYERS = 10_000
+"""Blocks any shape may have: 80 times Llama 3 405B's 126. Every per-tensor walk (building the
+model on the meta device, the planner's census of a rank) is linear in it, and a typo of a million
+would keep them busy for minutes."""
 
 LARGEST_WEIGHT = 10**13
 """Elements of the largest weight matrix any shape may have (Llama 3 405B's embedding: 2.1e9),

@@ -15,13 +15,17 @@ runs and Hugging Face directories with it.
 
 from __future__ import annotations
 
+import json
+import math
 import re
+from collections.abc import Container
 from typing import Any
 
 import torch
 
 from gridtrain.errors import UserError
 from gridtrain.model.args import ModelArgs
+from gridtrain.validate import model_problems
 
 # The constants of gridtrain.model.llama._llama31_scale (Llama 3.1), in transformers' spelling.
 LLAMA31_ROPE = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -74,31 +78,87 @@ def hf_config(args: ModelArgs, dtype: str = "float32") -> dict[str, Any]:
     }
 
 
+# config.json's keys gridtrain reads, by the JSON type LlamaConfig gives them. None (null) is
+# accepted where transformers writes one; a count must be a JSON integer: 2.0 is refused with "2".
+_KEY_KINDS = {
+    "hidden_size": "count", "intermediate_size": "count", "num_hidden_layers": "count",
+    "num_attention_heads": "count", "num_key_value_heads": "count", "head_dim": "count", "vocab_size": "count",
+    "max_position_embeddings": "count", "rms_norm_eps": "number", "rope_theta": "number",
+    "partial_rotary_factor": "number", "tie_word_embeddings": "switch", "attention_bias": "switch",
+    "mlp_bias": "switch", "model_type": "text", "hidden_act": "text", "rope_parameters": "object",
+    "rope_scaling": "object",
+}
+_NULLABLE = {"num_key_value_heads", "head_dim", "rope_theta", "rope_parameters", "rope_scaling"}
+# The keys of a rope_parameters (or rope_scaling) object; each may be null (then absent).
+_ROPE_KINDS = {"rope_type": "text", "type": "text", "rope_theta": "number", "factor": "number",
+               "low_freq_factor": "number", "high_freq_factor": "number", "original_max_position_embeddings": "count"}
+_EXPECTED = {"count": 'a JSON integer (a count is written 2, not 2.0 or "2")', "number": "a finite JSON number",
+             "switch": "true or false", "text": "a JSON string", "object": "a JSON object (or null)"}
+# gridtrain's model keys (as ModelArgs.validate names them) and config.json's.
+_HF_KEYS = {"dim": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
+            "n_kv_heads": "num_key_value_heads", "vocab_size": "vocab_size", "ffn_dim": "intermediate_size",
+            "max_seq_len": "max_position_embeddings", "rope_theta": "rope_theta"}
+
+
+def _is_kind(kind: str, value: object) -> bool:
+    if kind == "count":
+        return type(value) is int  # not bool, not float
+    if kind == "number":
+        try:
+            return type(value) in (int, float) and math.isfinite(value)
+        except OverflowError:  # an integer past float's range
+            return False
+    return type(value) is {"switch": bool, "text": str, "object": dict}[kind]
+
+
+def _shown(value: object) -> str:
+    """A value as config.json spells it ("2" is a string, 2.0 a float), cut short when long."""
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def json_type(value: object) -> str:
+    return {dict: "an object", list: "an array (a list)", str: "a string", bool: "true or false",
+            type(None): "null"}.get(type(value), "a number")
+
+
+def _type_problems(cfg: dict[str, Any], kinds: dict[str, str], nullable: Container[str],
+                   where: str = "") -> list[str]:
+    return [f"{where}{key} = {_shown(cfg[key])} is not {_EXPECTED[kind]}" for key, kind in kinds.items()
+            if key in cfg and not (cfg[key] is None and key in nullable) and not _is_kind(kind, cfg[key])]
+
+
 def _read_rope(cfg: dict[str, Any], problems: list[str]) -> tuple[float, bool]:
-    """(rope_theta, Llama 3.1 scaling) from either spelling of the RoPE settings."""
+    """(rope_theta, Llama 3.1 scaling) from either spelling of the RoPE settings (types checked)."""
     params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10_000.0)))
+    theta = next((t for t in (params.get("rope_theta"), cfg.get("rope_theta")) if t is not None), 10_000.0)
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
-        return theta, False
+        return float(theta), False
     if rope_type != "llama3":
         problems.append(f"rope_type {rope_type!r}: gridtrain implements 'default' RoPE and Llama 3.1's "
                         "'llama3' scaling only")
-        return theta, False
+        return float(theta), False
     # transformers falls back to max_position_embeddings for the original context.
     got = {k: params.get(k, cfg.get("max_position_embeddings")) if k.startswith("original")
            else params.get(k) for k in LLAMA31_ROPE}
-    if any(got[k] is None or float(got[k]) != v for k, v in LLAMA31_ROPE.items()):
+    if any(got[k] is None or got[k] != v for k, v in LLAMA31_ROPE.items()):
         problems.append(f"llama3 RoPE scaling with {got}: gridtrain implements Llama 3.1's "
                         f"{LLAMA31_ROPE} only")
-    return theta, True
+    return float(theta), True
 
 
-def args_from_hf_config(cfg: dict[str, Any]) -> ModelArgs:
-    """The gridtrain shape of a transformers Llama config.json; InterchangeError lists together
-    everything gridtrain's model cannot represent (biases, other activations, other RoPE)."""
+def _config_problems(cfg: dict[str, Any]) -> list[str]:
+    """Every key of the wrong JSON type or missing, and everything gridtrain's model cannot
+    represent (biases, other activations, other RoPE); a key of the wrong type is not read further."""
     required = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
     problems = [f"config.json lacks {key!r}" for key in required if key not in cfg]
+    problems += _type_problems(cfg, _KEY_KINDS, _NULLABLE)
+    for key in ("rope_parameters", "rope_scaling"):
+        if isinstance(cfg.get(key), dict):
+            problems += _type_problems(cfg[key], _ROPE_KINDS, _ROPE_KINDS, where=f"{key}.")
+    if problems:
+        return problems
     if cfg.get("model_type") != "llama":
         problems.append(f"model_type {cfg.get('model_type')!r}: gridtrain reads 'llama' "
                         "(LlamaForCausalLM) only")
@@ -108,26 +168,62 @@ def args_from_hf_config(cfg: dict[str, Any]) -> ModelArgs:
                  for key in ("attention_bias", "mlp_bias") if cfg.get(key)]
     if cfg.get("quantization_config"):
         problems.append("quantization_config: gridtrain reads unquantized weights only")
-    if float(cfg.get("partial_rotary_factor", 1.0)) != 1.0:
+    if cfg.get("partial_rotary_factor", 1.0) != 1.0:
         problems.append(f"partial_rotary_factor {cfg['partial_rotary_factor']}: gridtrain rotates "
                         "whole heads")
-    theta, scaling = _read_rope(cfg, problems)
-    if problems:
-        raise InterchangeError("unsupported Hugging Face config:\n" + "\n".join(f"  - {p}" for p in problems))
-    dim, heads = cfg["hidden_size"], cfg["num_attention_heads"]
-    if cfg.get("head_dim") not in (None, dim // heads) or dim % heads:
-        raise InterchangeError(f"head_dim {cfg.get('head_dim')} with hidden_size {dim} and {heads} heads: "
-                               "gridtrain needs head_dim = hidden_size / num_attention_heads")
+    _read_rope(cfg, problems)
+    return problems
+
+
+def _with_hf_keys(problem: str) -> str:
+    """A gridtrain model problem with the config.json names of the keys it mentions."""
+    named = [k for k in dict.fromkeys(re.findall(r"\bmodel\.(\w+)", problem)) if k in _HF_KEYS]
+    keys = ", ".join(f"model.{k} is {_HF_KEYS[k]}" for k in named)
+    return f"{problem} (in config.json, {keys})" if keys else problem
+
+
+def _unsupported(problems: list[str]) -> InterchangeError:
+    """One line for one problem; a list for several (as ConfigError)."""
+    if len(problems) == 1:
+        return InterchangeError(f"unsupported Hugging Face config: {problems[0]}")
+    return InterchangeError("unsupported Hugging Face config:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def hf_shape(cfg: Any) -> ModelArgs:
+    """The gridtrain shape config.json spells, its JSON types checked, its relations not yet
+    (check_hf_shape): `gridtrain import` first compares it with the safetensors headers.
+    InterchangeError lists together every key of the wrong JSON type and everything gridtrain's
+    model cannot represent."""
+    if not isinstance(cfg, dict):
+        raise InterchangeError(f"config.json is {json_type(cfg)}, not an object of settings: give a "
+                               "transformers config.json (as written by save_pretrained)")
+    if problems := _config_problems(cfg):
+        raise _unsupported(problems)
+    theta, scaling = _read_rope(cfg, [])
+    heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads")
     # Missing optional keys take LlamaConfig's defaults.
-    args = ModelArgs(dim=dim, n_layers=cfg["num_hidden_layers"], n_heads=heads,
-                     n_kv_heads=cfg.get("num_key_value_heads") or heads, vocab_size=cfg["vocab_size"],
+    return ModelArgs(dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"], n_heads=heads,
+                     n_kv_heads=heads if kv_heads is None else kv_heads, vocab_size=cfg["vocab_size"],
                      ffn_dim=cfg["intermediate_size"], norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                      rope_theta=theta, rope_scaling=scaling,
                      max_seq_len=cfg.get("max_position_embeddings", 2048),
-                     tie_embeddings=bool(cfg.get("tie_word_embeddings", False)))
-    if errors := args.validate():
-        raise InterchangeError("unsupported Hugging Face config:\n" + "\n".join(f"  - {e}" for e in errors))
+                     tie_embeddings=cfg.get("tie_word_embeddings", False))
+
+
+def check_hf_shape(args: ModelArgs, cfg: dict[str, Any]) -> ModelArgs:
+    """`args` (from hf_shape(cfg)) once it passes the checks `gridtrain train` applies
+    (validate.model_problems) and its head_dim is config.json's."""
+    if problems := model_problems(args):
+        raise _unsupported([_with_hf_keys(p) for p in problems])
+    if cfg.get("head_dim") not in (None, args.head_dim):
+        raise InterchangeError(f"head_dim {cfg.get('head_dim')} with hidden_size {args.dim} and {args.n_heads} "
+                               "heads: gridtrain needs head_dim = hidden_size / num_attention_heads")
     return args
+
+
+def args_from_hf_config(cfg: Any) -> ModelArgs:
+    """The gridtrain shape of a transformers Llama config.json, checked (hf_shape, check_hf_shape)."""
+    return check_hf_shape(hf_shape(cfg), cfg)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -172,6 +268,12 @@ def from_hf_name(name: str) -> str | None:
     if not match or match.group(2) not in layer_names:
         raise InterchangeError(f"Hugging Face weight {name!r} has no place in gridtrain's Llama")
     return f"layers.{match.group(1)}.{layer_names[match.group(2)]}"
+
+
+def hf_layer_of(name: str) -> str | None:
+    """The layer number N of a transformers weight `model.layers.N.*`, as written; else None."""
+    match = _HF_LAYER.match(name)
+    return match.group(1) if match else None
 
 
 def _rope_heads_of(name: str, args: ModelArgs) -> int | None:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import re
 import shutil
 import warnings
@@ -48,7 +47,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from gridtrain.train.checkpoint_writer import Writer, fix_for, inject_fault, os_error
 from gridtrain.train.manifest import fsync_dir, verify, write_manifest
-from gridtrain.train.untrusted import SafeReader, UntrustedCheckpointError, check_metadata
+from gridtrain.train.checkpoint_state import (FLAT, InvalidCheckpointError, read_problem, read_state,
+                                              settings_from_tensors, state_of)
 
 log = logging.getLogger(__name__)
 Group = dist.ProcessGroup | None
@@ -59,15 +59,10 @@ whose timeout allows for rank 0 hashing every shard)."""
 warnings.filterwarnings("ignore", message=".*assuming the intent is to .* in a single process.*")
 
 _STEP_DIR = re.compile(r"^step-(\d{7})$")
-_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 class CheckpointSaveError(RuntimeError):
     """A checkpoint could not be written; its .tmp directory is gone and older ones are intact."""
-
-
-class InvalidCheckpointError(RuntimeError):
-    """`load` was given a checkpoint that does not verify against its manifest."""
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -188,19 +183,6 @@ def _stage(final: Path, step: int, stage: str, work: Callable[[], object], all_r
 
 
 # -- saving ------------------------------------------------------------------------------------
-
-def state_of(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
-             trainer_state: dict[str, torch.Tensor]) -> dict[str, object]:
-    """One state dict for all of this rank's model parts: keys are global parameter names (and
-    flattened optimizer keys), so any layout can write and any other can read it."""
-    model_sd: dict[str, object] = {}
-    optim_sd: dict[str, object] = {}
-    for part, opt in zip(parts, optimizers):
-        msd, osd = get_state_dict(part, opt, options=_FLAT)
-        model_sd.update(msd)
-        optim_sd.update(osd)
-    return {"model": model_sd, "optim": optim_sd, "trainer": trainer_state}
-
 
 def _prepare(final: Path) -> None:
     tmp = _tmp_dir(final)
@@ -355,38 +337,32 @@ class AsyncSaver:
         return final
 
 
-# -- loading -----------------------------------------------------------------------------------
-
-def _untrusted(path: Path) -> str | None:
-    """Why the checkpoint's .metadata is not plain DCP metadata, or None."""
-    try:
-        check_metadata(path)
-    except UntrustedCheckpointError as err:
-        return str(err)
-    except (OSError, EOFError, pickle.UnpicklingError, ValueError, TypeError, AttributeError) as err:
-        return f"its .metadata cannot be read ({type(err).__name__}: {err})"
-    return None
-
+# -- loading ---------------------------------------------------------------------------------
 
 def load(path: Path, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
          trainer_state: dict[str, torch.Tensor], group: Group = None) -> dict[str, torch.Tensor]:
     """Load a checkpoint into the model parts and optimizers in place; returns the trainer's
     state. `trainer_state` gives the keys and shapes expected (its values are overwritten).
 
-    Collective: rank 0 verifies `path` against its manifest first and every rank raises
-    InvalidCheckpointError if it does not verify. Only DCP reads the files: tensors through
-    torch.load(weights_only=True), and its .metadata through untrusted.SafeReader, which
-    unpickles DCP's metadata classes and nothing else."""
-    reason = (verify(path) or _untrusted(path)) if _rank() == 0 else None
+    Collective: rank 0 verifies `path` against its manifest first (every byte), every rank
+    checks the metadata it will read (untrusted.SafeReader: DCP's classes only, no pickled
+    item, no file outside the manifest) and its shapes against this rank's state, and all
+    raise InvalidCheckpointError if any rank finds a problem. Tensors then load through
+    torch.load(weights_only=True): nothing in a checkpoint is ever unpickled."""
+    state = state_of(parts, optimizers, trainer_state)
+    reason, reader = (verify(path) if _rank() == 0 else None), None
+    if reason is None:
+        reason, reader = read_problem(path, state)
     if not _agree(reason is None, group):
-        detail = reason or "it failed verification on rank 0 (its log names the problem)"
+        detail = reason or "another rank found a problem (its log names it)"
         raise InvalidCheckpointError(
             f"refusing to load checkpoint {path}: {detail}. Resume picks the newest intact "
             "checkpoint by itself (checkpoint.latest_valid_checkpoint); move this one aside to "
             "inspect it")
-    state = state_of(parts, optimizers, trainer_state)
-    dcp.load(state, storage_reader=SafeReader(path), process_group=group)
+    read_state(reader, state, group)
     for part, opt in zip(parts, optimizers):
-        set_state_dict(part, opt, model_state_dict=state["model"], optim_state_dict=state["optim"],
+        _, live = get_state_dict(part, opt, options=FLAT)
+        set_state_dict(part, opt, model_state_dict=state["model"],
+                       optim_state_dict=settings_from_tensors(state["optim"], live),
                        options=StateDictOptions(flatten_optimizer_state_dict=True, strict=False))
     return state["trainer"]  # type: ignore[return-value]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +26,10 @@ from torch.distributed.checkpoint.planner import WriteItem
 
 from gridtrain.config import CheckpointConfig, ModelConfig, TrainConfig
 from gridtrain.config_load import load_config
+from gridtrain.inputs import MISSING, file_problem, read_input
 from gridtrain.model.args import PRESETS, ModelArgs
-from gridtrain.model.hf import (TIED_HEAD_DIFFERS, InterchangeError, args_from_hf_config, from_hf_name,
-                                from_hf_tensor, hf_config, to_hf_name)
+from gridtrain.model.hf import (TIED_HEAD_DIFFERS, InterchangeError, check_hf_shape, from_hf_name, from_hf_tensor,
+                                hf_config, hf_layer_of, hf_shape, json_type, to_hf_name)
 from gridtrain.model.llama import Transformer
 from gridtrain.train import checkpoint
 from gridtrain.train.hf_run import atomic_dir, require_free, model_shapes
@@ -36,6 +38,9 @@ from gridtrain.train.precision import Precision
 
 OWN_FILE_FROM = 1 << 20
 """Tensors of at least this many bytes (1 MiB) are written to checkpoint files of their own."""
+JSON_BYTES = 64 * 2**20
+"""The largest config.json or safetensors index read (64 MiB; Llama 3 405B's index is 0.1 MiB)."""
+INDEX_FILE = "model.safetensors.index.json"
 # safetensors' names of the floating-point dtypes a weight may be stored in (converted to fp32).
 FLOAT_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
@@ -48,33 +53,58 @@ class Stored:
     dtype: str
 
 
+def _read_json(path: Path) -> Any:
+    """config.json or the safetensors index, checked before it is read (a regular file of at most
+    JSON_BYTES) and parsed."""
+    data = read_input(path, str(path), JSON_BYTES, error=InterchangeError)
+    try:
+        return json.loads(data)
+    except ValueError as err:  # UnicodeDecodeError included
+        raise InterchangeError(f"{path} is not readable JSON ({err})") from None
+
+
 def _read_config(hf_dir: Path) -> dict[str, Any]:
     config_path = hf_dir / "config.json"
-    if not config_path.is_file():
+    if not os.path.lexists(config_path):
         raise InterchangeError(f"{hf_dir} has no config.json: give a Hugging Face model directory "
                                "(as written by save_pretrained or `gridtrain export`)")
-    try:
-        return json.loads(config_path.read_text())
-    except (OSError, ValueError) as err:
-        raise InterchangeError(f"{config_path} is not readable JSON ({err})") from None
+    config = _read_json(config_path)
+    if not isinstance(config, dict):
+        raise InterchangeError(f"{config_path} is {json_type(config)}, not an object of settings: give a "
+                               "transformers config.json (as written by save_pretrained)")
+    return config
+
+
+def _index_files(index: Path) -> list[str]:
+    """The shard files a safetensors index names: plain names of files beside it."""
+    weight_map = _read_json(index)
+    weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise InterchangeError(f"{index} is not a safetensors index: it needs a weight_map object from "
+                               "weight names to file names")
+    files = sorted(set(weight_map.values()))
+    outside = [name for name in files if name in ("", ".", "..") or "/" in name or "\\" in name]
+    if outside:
+        raise InterchangeError(f"{index} names shard files outside {index.parent} ({outside[:3]}): a shard "
+                               "is a plain file name beside the index")
+    return files
 
 
 def _weight_files(hf_dir: Path) -> list[str]:
-    index = hf_dir / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
-            raise InterchangeError(f"{index} is not a safetensors index with a weight_map ({err!r})") from None
-    else:
-        files = sorted(p.name for p in hf_dir.glob("*.safetensors"))
+    index = hf_dir / INDEX_FILE
+    indexed = os.path.lexists(index)
+    files = _index_files(index) if indexed else sorted(p.name for p in hf_dir.glob("*.safetensors"))
     if not files:
         raise InterchangeError(f"no *.safetensors in {hf_dir}: gridtrain reads safetensors only "
                                "(a pytorch_model.bin would need unpickling); save it with "
                                "save_pretrained(..., safe_serialization=True)")
-    missing = [name for name in files if not (hf_dir / name).is_file()]
-    if missing:
+    problems = {name: file_problem(hf_dir / name) for name in files}
+    missing = [name for name, why in problems.items() if why == MISSING]
+    if missing and indexed:
         raise InterchangeError(f"{index.name} names shards missing from {hf_dir}: {missing}")
+    for name, why in problems.items():
+        if why is not None:
+            raise InterchangeError(f"{hf_dir / name} {why}: gridtrain reads weights from safetensors files")
     return files
 
 
@@ -82,9 +112,8 @@ def _unreadable(path: Path, err: Exception) -> InterchangeError:
     return InterchangeError(f"{path} is not a readable safetensors file ({err}); it may be cut short: copy it again")
 
 
-def read_hf_dir(hf_dir: Path) -> tuple[dict[str, Any], dict[str, Stored]]:
-    """config.json, and where each weight is (its file's header: nothing else is read)."""
-    config = _read_config(hf_dir)
+def read_headers(hf_dir: Path) -> dict[str, Stored]:
+    """Where each weight is, from its file's header (names, shapes, dtypes: no tensor is read)."""
     stored: dict[str, Stored] = {}
     for name in _weight_files(hf_dir):
         path = hf_dir / name
@@ -95,7 +124,27 @@ def read_hf_dir(hf_dir: Path) -> tuple[dict[str, Any], dict[str, Stored]]:
                     stored[key] = Stored(path, tuple(part.get_shape()), part.get_dtype())
         except Exception as err:  # noqa: BLE001 - safetensors raises its own SafetensorError
             raise _unreadable(path, err) from None
-    return config, stored
+    return stored
+
+
+def read_hf_dir(hf_dir: Path) -> tuple[dict[str, Any], dict[str, Stored]]:
+    """config.json, and where each weight is (its file's header: nothing else is read)."""
+    return _read_config(hf_dir), read_headers(hf_dir)
+
+
+def check_headers_fit(stored: dict[str, Stored], args: ModelArgs, hf_dir: Path) -> None:
+    """The layer count and the embedding's shape in the headers against config.json's, before
+    anything is built from the config (a config of a million layers beside two would otherwise
+    build a million-layer model to find out)."""
+    layers = {n for name in stored if (n := hf_layer_of(name)) is not None}
+    unfit = f"the weights in {hf_dir} do not fit its config.json"
+    if len(layers) != args.n_layers:
+        raise InterchangeError(f"{unfit}: num_hidden_layers is {args.n_layers:,}, the safetensors headers hold "
+                               f"{len(layers):,} layers (model.layers.N.*)")
+    embedding = stored.get("model.embed_tokens.weight")
+    if embedding is not None and embedding.shape != (args.vocab_size, args.dim):
+        raise InterchangeError(f"{unfit}: model.embed_tokens.weight has shape {list(embedding.shape)}, "
+                               f"(vocab_size, hidden_size) is [{args.vocab_size}, {args.dim}]")
 
 
 def _read(stored: Stored, hf_name: str) -> torch.Tensor:
@@ -109,13 +158,13 @@ def _read(stored: Stored, hf_name: str) -> torch.Tensor:
 def weight_sources(stored: dict[str, Stored], args: ModelArgs, hf_dir: Path) -> dict[str, str]:
     """gridtrain weight name -> the Hugging Face weight it is read from, once every weight of the
     model is found with its shape and a float dtype (a tied head: the embedding, which lm_head, if
-    stored, must equal)."""
+    stored, must equal). Only headers are compared until then: the tied head's check reads last."""
     found = {ours: hf_name for hf_name in stored if (ours := from_hf_name(hf_name)) is not None}
     shapes = model_shapes(args)
-    if args.tie_embeddings and "output.weight" in found:
-        embedding, head = "model.embed_tokens.weight", found.pop("output.weight")
-        if embedding in stored and not torch.equal(_read(stored[head], head), _read(stored[embedding], embedding)):
-            raise InterchangeError(TIED_HEAD_DIFFERS)
+    head = found.pop("output.weight") if args.tie_embeddings and "output.weight" in found else None
+    if head is not None:
+        shapes = {**shapes, "lm_head": shapes["tok_embeddings.weight"]}  # checked as the embedding is
+        found["lm_head"] = head
     problems = [f"{to_hf_name(name)} is missing" for name in shapes if name not in found]
     problems += [f"{found[name]} is not in the model" for name in found if name not in shapes]
     for name, meta in shapes.items():
@@ -126,8 +175,12 @@ def weight_sources(stored: dict[str, Stored], args: ModelArgs, hf_dir: Path) -> 
             problems.append(f"{found[name]} is stored as {where.dtype}, not a float type")
     if problems:
         raise InterchangeError(f"the weights in {hf_dir} do not fit its config.json: {'; '.join(problems)}")
+    found.pop("lm_head", None)
+    embedding = found["tok_embeddings.weight"]
+    if head is not None and not torch.equal(_read(stored[head], head), _read(stored[embedding], embedding)):
+        raise InterchangeError(TIED_HEAD_DIFFERS)
     if args.tie_embeddings:
-        found["output.weight"] = found["tok_embeddings.weight"]
+        found["output.weight"] = embedding
     return found
 
 
@@ -215,7 +268,9 @@ def import_hf(hf_dir: Path, run_dir: Path, train: TrainConfig | None = None) -> 
     hf_dir, run_dir = Path(hf_dir), Path(run_dir).resolve()
     require_free(run_dir)
     config, stored = read_hf_dir(hf_dir)
-    args = args_from_hf_config(config)
+    args = hf_shape(config)  # its JSON types
+    check_headers_fit(stored, args, hf_dir)  # before anything is built from the config
+    check_hf_shape(args, config)  # what `gridtrain train` checks
     toml = imported_toml(args, run_dir, train)
     sources = weight_sources(stored, args, hf_dir)
     with torch.device("meta"):

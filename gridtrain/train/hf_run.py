@@ -3,7 +3,8 @@
 gridtrain.train.hf_import is `gridtrain import`).
 
 Files are safetensors and DCP checkpoints only: nothing here unpickles but DCP's .metadata,
-through untrusted.SafeReader (DCP's metadata classes and nothing else).
+through untrusted.SafeReader (DCP's metadata classes and nothing else), and a checkpoint's shapes
+are compared with the run's config.json before anything is built from either.
 """
 
 from __future__ import annotations
@@ -11,13 +12,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Iterator
 
 import torch
-import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
+from torch.distributed.checkpoint.metadata import Metadata
 
 from gridtrain.config import Config
 from gridtrain.model.args import ModelArgs
@@ -25,8 +27,9 @@ from gridtrain.model.hf import InterchangeError, hf_config, to_hf_state_dict
 from gridtrain.model.llama import Transformer
 from gridtrain.rundir import RunRecord
 from gridtrain.train import checkpoint
+from gridtrain.train.checkpoint_state import read_problem, read_state
 from gridtrain.train.manifest import verify
-from gridtrain.train.untrusted import SafeReader, UntrustedCheckpointError, check_metadata
+from gridtrain.train.untrusted import SafeReader, fit_problems
 
 
 # ---------------------------------------------------------------------------------------------
@@ -64,7 +67,8 @@ def read_run(run_dir: Path) -> tuple[Config, Path]:
 
 
 def find_checkpoint(root: Path, step: int | None = None) -> Path:
-    """The newest complete checkpoint under `root`, or that of `step`.
+    """The newest complete checkpoint under `root`, or that of `step`, verified against its
+    manifest (every byte).
 
     The one place that asks gridtrain.train.checkpoint which checkpoints exist."""
     if step is None:
@@ -73,23 +77,54 @@ def find_checkpoint(root: Path, step: int | None = None) -> Path:
             why = f" ({len(skipped)} found, none intact: {skipped[0][1]})" if skipped else ""
             raise InterchangeError(f"no intact checkpoint in {root}{why}: a run saves one at its end (and "
                                    "along the way with checkpoint.interval); was this one stopped before?")
-    else:
-        found = dict(checkpoint.list_checkpoints(root))
-        if step not in found:
-            raise InterchangeError(f"no checkpoint of step {step} in {root}; steps there: {sorted(found) or 'none'}")
-        path = found[step]
-        problem = verify(path)
-        if problem:
-            intact = next((s for s, p in reversed(checkpoint.list_checkpoints(root)) if s != step and not verify(p)),
-                          None)
-            offer = f"; the newest intact one is step {intact} (--step {intact})" if intact is not None else \
-                "; no other checkpoint there is intact"
-            raise InterchangeError(f"checkpoint {path} is not intact: {problem}{offer}")
-    try:
-        check_metadata(path)
-    except UntrustedCheckpointError as err:
-        raise InterchangeError(f"refusing checkpoint {path}: {err}") from None
+        return path
+    found = dict(checkpoint.list_checkpoints(root))
+    if step not in found:
+        raise InterchangeError(f"no checkpoint of step {step} in {root}; steps there: {sorted(found) or 'none'}")
+    path = found[step]
+    problem = verify(path)
+    if problem:
+        intact = next((s for s, p in reversed(checkpoint.list_checkpoints(root)) if s != step and not verify(p)),
+                      None)
+        offer = f"; the newest intact one is step {intact} (--step {intact})" if intact is not None else \
+            "; no other checkpoint there is intact"
+        raise InterchangeError(f"checkpoint {path} is not intact: {problem}{offer}")
     return path
+
+
+_LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def shape_problem(metadata: Metadata, args: ModelArgs) -> str | None:
+    """Why the model of `args` does not fit a checkpoint's metadata, judged from the layer count
+    and the embedding alone (nothing is built from `args` first: a config of a million layers
+    is refused at once), or None."""
+    layers = {int(m.group(1)) for key in metadata.state_dict_metadata if (m := _LAYER_KEY.match(key))}
+    embedding = metadata.state_dict_metadata.get("model.tok_embeddings.weight")
+    if len(layers) != args.n_layers:
+        return f"it holds {len(layers)} layers, the run's config.json says model.n_layers = {args.n_layers:,}"
+    if embedding is None or tuple(embedding.size) != (args.vocab_size, args.dim):
+        held = list(embedding.size) if embedding is not None else "no embedding"
+        return (f"its embedding is {held}, the run's config.json says vocab_size x dim = "
+                f"[{args.vocab_size:,}, {args.dim:,}]")
+    return None
+
+
+def open_checkpoint(root: Path, args: ModelArgs, step: int | None = None) -> tuple[Path, SafeReader]:
+    """The run's checkpoint (newest intact, or `step`'s) with a reader whose metadata is checked
+    (untrusted.SafeReader) and fits the model of `args`, before anything is allocated; a
+    checkpoint that fails is one InterchangeError."""
+    path = find_checkpoint(root, step)
+    reason, reader = read_problem(path)
+    if reader is not None:
+        reason = shape_problem(reader.read_metadata(), args)
+    if reason is None:
+        wanted = {f"model.{k}": tuple(meta.shape) for k, meta in model_shapes(args).items()}
+        problems = fit_problems(reader.read_metadata(), wanted)
+        reason = f"it does not hold the run's model ({'; '.join(problems)})" if problems else None
+    if reason is not None:
+        raise InterchangeError(f"refusing checkpoint {path}: {reason}")
+    return path, reader
 
 
 MAX_SHARD_BYTES = 5 * 10**9
@@ -118,13 +153,13 @@ def plan_shards(shapes: dict[str, torch.Tensor], max_bytes: int) -> list[list[st
     return shards
 
 
-def load_model_weights(path: Path, args: ModelArgs, shapes: dict[str, torch.Tensor] | None = None
+def load_model_weights(reader: SafeReader, args: ModelArgs, shapes: dict[str, torch.Tensor] | None = None
                        ) -> dict[str, torch.Tensor]:
-    """The full (unsharded) model weights of a DCP checkpoint, or only those of `shapes` (a part of
-    model_shapes), read in this one process: DCP reads just the keys asked for, and .metadata
-    through the safe unpickler."""
+    """The full (unsharded) model weights of a checked checkpoint (`open_checkpoint`), or only
+    those of `shapes` (a part of model_shapes), read in this one process: DCP reads just the keys
+    asked for, and nothing is unpickled."""
     wanted = {k: torch.empty_like(meta, device="cpu") for k, meta in (shapes or model_shapes(args)).items()}
-    dcp.load({"model": wanted}, storage_reader=SafeReader(path))
+    read_state(reader, {"model": wanted})
     return wanted
 
 
@@ -136,7 +171,7 @@ def export_run(run_dir: Path, out: Path, step: int | None = None, max_shard_byte
     require_free(Path(out))
     cfg, root = read_run(Path(run_dir))
     args = cfg.model.args()
-    path = find_checkpoint(root, step)
+    path, reader = open_checkpoint(root, args, step)
     shapes = model_shapes(args)
     shards = plan_shards(shapes, max_shard_bytes)
     files = (["model.safetensors"] if len(shards) == 1 else
@@ -144,7 +179,7 @@ def export_run(run_dir: Path, out: Path, step: int | None = None, max_shard_byte
     weight_map, total, dtype = {}, 0, "float32"
     with atomic_dir(Path(out)) as tmp:
         for file, names in zip(files, shards):
-            weights = to_hf_state_dict(load_model_weights(path, args, {k: shapes[k] for k in names}), args)
+            weights = to_hf_state_dict(load_model_weights(reader, args, {k: shapes[k] for k in names}), args)
             tensors = {k: v.contiguous() for k, v in weights.items()}
             save_file(tensors, tmp / file, metadata={"format": "pt"})
             weight_map.update(dict.fromkeys(tensors, file))

@@ -24,7 +24,7 @@ from gridtrain.errors import BadInput
 from gridtrain.model.generate import Sampling, generate
 from gridtrain.model.llama import Transformer
 from gridtrain.rundir import RunRecord
-from gridtrain.train.hf_run import find_checkpoint, load_model_weights, model_shapes, read_run
+from gridtrain.train.hf_run import load_model_weights, model_shapes, open_checkpoint, read_run
 
 
 @dataclass
@@ -47,12 +47,12 @@ def load_run(run_dir: Path, step: int | None = None) -> LoadedRun:
     """The run's model with the weights of its newest intact checkpoint (or of `step`)."""
     cfg, root = read_run(Path(run_dir))
     args = cfg.model.args()
-    path = find_checkpoint(root, step)
+    path, reader = open_checkpoint(root, args, step)
     with torch.device("meta"):
         model = Transformer(args)
     model.to_empty(device="cpu")
     model.after_to_empty()
-    missing, unexpected = model.load_state_dict(load_model_weights(path, args, model_shapes(args)), strict=False)
+    missing, unexpected = model.load_state_dict(load_model_weights(reader, args, model_shapes(args)), strict=False)
     assert not unexpected and set(missing) <= {"output.weight"}, (missing, unexpected)
     return LoadedRun(cfg, model.eval(), run_tokenizer(cfg), path)
 

@@ -33,6 +33,7 @@ from gridtrain.parallel.grads import clip_grad_norm
 from gridtrain.parallel.mesh import build_mesh, group
 from gridtrain.parallel.tensor_parallel import loss_context
 from gridtrain.rundir import RunRecord
+from gridtrain.runlock import RunDirInUse, RunLock
 from gridtrain.train.build import build_data, loss_fn, scalar
 from gridtrain.train.calibrate import peak_flops
 from gridtrain.train.checkpointer import Checkpointer
@@ -90,6 +91,20 @@ def forward_backward(pmodel: ParallelModel, read: Callable[[int, int], tuple[tor
     return loss_sum
 
 
+def hold_run_dir(run_dir: Path, rank: int) -> RunLock | None:
+    """Rank 0 takes the run directory's lock (runlock.RunLock) for the job's lifetime; every rank
+    raises RunDirInUse if it cannot (an all-reduce of one flag), before anything is written."""
+    lock, error = None, None
+    if rank == 0:
+        try:
+            lock = RunLock.acquire(run_dir)
+        except RunDirInUse as err:
+            error = err
+    if any_rank(error is not None):
+        raise error or RunDirInUse(f"run_dir {run_dir} is in use by another gridtrain job (rank 0 names it)")
+    return lock
+
+
 class Trainer:
     """Trains one rank's share of the run: any layout of ParallelDims, or a world of one."""
 
@@ -98,6 +113,17 @@ class Trainer:
         # Start-up (data preparation on rank 0, the first checkpoint load) may take longer than
         # a training collective should: the run's own timeout is set once it is built.
         self.world = init_world(max(1800.0, cfg.train.collective_timeout_s))
+        self.lock = hold_run_dir(Path(cfg.run_dir), self.world.rank)
+        try:
+            self.build(cfg)
+        except BaseException:
+            if self.lock is not None:  # a start that fails lets the directory go at once
+                self.lock.release()
+            raise
+
+    def build(self, cfg: Config) -> None:
+        """Everything of the run but its process group and lock: data, model, optimizer, the
+        components, and the resumed state."""
         self.cfg, t = cfg, cfg.train
         if t.threads:
             torch.set_num_threads(t.threads)
@@ -295,4 +321,6 @@ class Trainer:
             checkpointer.signals.release()
             if writer:
                 writer.close()
+            if self.lock is not None:  # every save is committed or abandoned: the directory is free
+                self.lock.release()
         return metrics

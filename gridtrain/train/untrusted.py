@@ -1,21 +1,38 @@
-"""Reading a checkpoint someone else wrote without running their code.
+"""Reading a checkpoint someone else wrote without running their code or trusting its sizes.
 
-A DCP checkpoint's tensors load through `torch.load(weights_only=True)`, but its `.metadata` is a
-pickle, and a manifest's checksums only prove the files are the ones its author wrote: a crafted
-`.metadata` whose pickle calls `os.system` would run on `gridtrain export` or a resume. `SafeReader`
-reads `.metadata` with an unpickler that admits only the classes DCP's metadata is made of (and
-the torch types they hold: sizes, dtypes, the layout and memory-format tags) and refuses anything
-else before constructing it. Every checkpoint read in gridtrain goes through it.
+A DCP checkpoint holds three kinds of thing, each a route to code execution or a runaway read if
+taken on trust, and a manifest's checksums prove only that the files are the ones their author
+wrote (the author can regenerate it):
+
+- `.metadata` is a pickle. `MetadataUnpickler` admits only the classes DCP's metadata is made of
+  (and the torch types they hold) and refuses anything else before constructing it.
+- Any item `.metadata` marks as bytes (`BytesStorageMetadata`) is unpickled by DCP's default load
+  planner with `torch.load(weights_only=False)`: a pickle that calls `os.system` runs. gridtrain
+  writes no bytes items (checkpoint.state_of stores the optimizer's settings as tensors), so
+  `check_metadata` refuses a checkpoint that has one, and `SafeLoadPlanner` refuses to unpickle
+  one even if asked.
+- Each item's `relative_path`, offset and length say where its bytes are: a path outside the
+  checkpoint directory (`../../notes.bin`, `/dev/zero`) would read a file no manifest covers.
+  Every one must name a file the manifest lists, and lie inside its size.
+
+`SafeReader` reads `.metadata` once, checks all of the above and keeps the checked object, so
+what DCP loads from is what was checked. Tensors themselves load through
+`torch.load(weights_only=True)` (DCP's reader). `fit_problems` then compares a checkpoint's
+shapes with the state it is to fill, before anything is allocated from it.
 """
 
 from __future__ import annotations
 
 import pickle
-from typing import Any
+from pathlib import Path
+from typing import Any, Mapping
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+                                                   StorageMeta, TensorStorageMetadata)
+
+from gridtrain.train.manifest import read_manifest
 
 ALLOWED = {
     ("torch.distributed.checkpoint.metadata", name) for name in (
@@ -31,7 +48,7 @@ ALLOWED = {
 
 
 class UntrustedCheckpointError(RuntimeError):
-    """A checkpoint's metadata names something a DCP checkpoint never holds."""
+    """A checkpoint's metadata names something a gridtrain checkpoint never holds."""
 
 
 class MetadataUnpickler(pickle.Unpickler):
@@ -43,22 +60,145 @@ class MetadataUnpickler(pickle.Unpickler):
             "damaged, and gridtrain refuses to unpickle it (nothing in it was run)")
 
 
+def _is_size(value: object, ndim: int | None = None) -> bool:
+    return (isinstance(value, (torch.Size, tuple)) and (ndim is None or len(value) == ndim)
+            and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in value))
+
+
+def _tensor_problem(key: str, item: object) -> str | None:
+    """Why item `key` of `.metadata` is not a plain tensor entry, or None."""
+    if isinstance(item, BytesStorageMetadata):
+        return (f"its .metadata marks {key!r} as a pickled bytes item, which gridtrain checkpoints never "
+                "hold (DCP would unpickle it with torch.load(weights_only=False)): it was crafted, or written "
+                "by a gridtrain that stored the optimizer's settings as pickles; gridtrain refuses to read it")
+    if not isinstance(item, TensorStorageMetadata):
+        return f"its .metadata describes {key!r} as a {type(item).__name__}, not a tensor"
+    dtype = getattr(getattr(item, "properties", None), "dtype", None)
+    if not isinstance(dtype, torch.dtype) or not _is_size(item.size) or not isinstance(item.chunks, list):
+        return f"its .metadata entry for {key!r} lacks a dtype, a size or a list of chunks"
+    for chunk in item.chunks:
+        if not (isinstance(chunk, ChunkStorageMetadata) and _is_size(chunk.offsets, len(item.size))
+                and _is_size(chunk.sizes, len(item.size))
+                and all(o + s <= n for o, s, n in zip(chunk.offsets, chunk.sizes, item.size))):
+            return f"its .metadata gives {key!r} (size {list(item.size)}) a chunk outside it"
+    return None
+
+
+def _storage_problem(index: object, info: object, files: Mapping[str, int], keys: Mapping[str, object]) -> str | None:
+    """Why one entry of `.metadata`'s storage table is not a place inside a listed file, or None."""
+    fqn = getattr(index, "fqn", None)
+    path = getattr(info, "relative_path", None)
+    offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+    if fqn not in keys:
+        return f"its .metadata stores bytes for {fqn!r}, which it does not describe"
+    if not isinstance(path, str) or path not in files:
+        return (f"its .metadata reads {fqn!r} from {path!r}, which is not a file of the checkpoint's manifest "
+                "(gridtrain reads nothing outside the checkpoint directory)")
+    if not (isinstance(offset, int) and isinstance(length, int) and 0 <= offset and 0 <= length
+            and offset + length <= files[path]):
+        return (f"its .metadata reads {fqn!r} at bytes {offset!r}+{length!r} of {path}, which has "
+                f"{files[path]:,} bytes")
+    if getattr(info, "transform_descriptors", None):
+        return (f"its .metadata asks to transform {fqn!r} on reading ({info.transform_descriptors}), which "
+                "gridtrain never writes")
+    return None
+
+
+def metadata_problem(metadata: object, files: Mapping[str, int]) -> str | None:
+    """Why `metadata` is not the metadata of a plain gridtrain checkpoint whose files (name: bytes)
+    are `files`, or None."""
+    if not isinstance(metadata, Metadata):
+        return f"its .metadata holds a {type(metadata).__name__}, not DCP's Metadata"
+    keys, storage = metadata.state_dict_metadata, metadata.storage_data
+    if not isinstance(keys, dict) or not isinstance(storage, dict):
+        return "its .metadata lacks the table of tensors or of where they are stored"
+    for key, item in keys.items():
+        if problem := _tensor_problem(key, item):
+            return problem
+    for index, info in storage.items():
+        if problem := _storage_problem(index, info, files, keys):
+            return problem
+    return None
+
+
 class SafeReader(FileSystemReader):
-    """DCP's file reader with `.metadata` read through MetadataUnpickler."""
+    """DCP's file reader for a checkpoint someone else may have written: `.metadata` is read once,
+    through MetadataUnpickler, checked against the manifest (module docstring) and kept, so DCP
+    loads from exactly what was checked. Raises UntrustedCheckpointError."""
+
+    def __init__(self, path: str | Path) -> None:
+        super().__init__(path)
+        self.checkpoint = Path(path)
+        self._metadata: Metadata | None = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = self._get_metadata_path(kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as stream:
-            metadata = MetadataUnpickler(stream).load()
-        if not isinstance(metadata, Metadata):
-            raise UntrustedCheckpointError(f"its .metadata holds a {type(metadata).__name__}, not DCP's Metadata")
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        if kwargs.get("rank") is not None:  # DCP's fallback to per-rank files gridtrain never writes
+            raise UntrustedCheckpointError("it has no global .metadata (gridtrain writes one)")
+        if self._metadata is None:
+            self._metadata = self._read_checked()
+        self._metadata.storage_meta = self._metadata.storage_meta or StorageMeta()
+        self._metadata.storage_meta.load_id = self.load_id
+        return self._metadata
+
+    def _read_checked(self) -> Metadata:
+        manifest, problem = read_manifest(self.checkpoint)
+        if manifest is None:
+            raise UntrustedCheckpointError(f"it cannot be verified: {problem}")
+        files = {name: entry["bytes"] for name, entry in manifest["files"].items()}
+        if ".metadata" not in files:
+            raise UntrustedCheckpointError("its manifest does not list .metadata")
+        path = self.checkpoint / ".metadata"
+        if not path.is_file() or path.stat().st_size != files[".metadata"]:
+            raise UntrustedCheckpointError("its .metadata is not the file its manifest lists")
+        try:
+            with open(path, "rb") as stream:
+                metadata = MetadataUnpickler(stream).load()
+        except UntrustedCheckpointError:
+            raise
+        except (EOFError, pickle.UnpicklingError, ValueError, TypeError, AttributeError, IndexError, KeyError,
+                ImportError, RecursionError, MemoryError) as err:
+            raise UntrustedCheckpointError(f"its .metadata cannot be read ({type(err).__name__}: {err})") from None
+        if problem := metadata_problem(metadata, files):
+            raise UntrustedCheckpointError(problem)
         return metadata
 
 
-def check_metadata(path) -> None:
-    """Raise UntrustedCheckpointError if the checkpoint directory's .metadata is not plain DCP
-    metadata (read once, before any collective load starts)."""
-    SafeReader(path).read_metadata()
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's load planner that never unpickles a bytes item (the metadata check refuses them first;
+    this is the second lock on the same door)."""
+
+    def load_bytes(self, read_item: Any, value: Any) -> None:
+        raise UntrustedCheckpointError(f"it holds a pickled bytes item ({read_item.dest_index.fqn!r}), which "
+                                       "gridtrain refuses to unpickle")
+
+
+def check_metadata(path: str | Path) -> SafeReader:
+    """A SafeReader of checkpoint directory `path` whose metadata has been read and checked (raise
+    UntrustedCheckpointError if it cannot be); pass it on to dcp.load."""
+    reader = SafeReader(path)
+    reader.read_metadata()
+    return reader
+
+
+def flat_shapes(state: Mapping[str, Any], prefix: str = "") -> dict[str, tuple[int, ...]]:
+    """Every tensor of a nested state dict by DCP's flattened key ("model.norm.weight"), with its
+    global shape (a DTensor's whole shape, not its shard's)."""
+    out: dict[str, tuple[int, ...]] = {}
+    for key, value in state.items():
+        if isinstance(value, Mapping):
+            out.update(flat_shapes(value, f"{prefix}{key}."))
+        elif isinstance(value, torch.Tensor):
+            out[f"{prefix}{key}"] = tuple(value.shape)
+    return out
+
+
+def fit_problems(metadata: Metadata, wanted: Mapping[str, tuple[int, ...]], limit: int = 4) -> list[str]:
+    """How a checkpoint's tensors differ from the `wanted` shapes (flattened key: shape): the keys
+    it lacks and the shapes that differ, at most `limit` of them and a count of the rest."""
+    keys = metadata.state_dict_metadata
+    problems = [f"{key} is missing" if key not in keys else
+                f"{key} is {list(keys[key].size)} there, {list(shape)} here"
+                for key, shape in wanted.items() if key not in keys or tuple(keys[key].size) != tuple(shape)]
+    if len(problems) > limit:
+        problems = problems[:limit] + [f"{len(problems) - limit} more"]
+    return problems
