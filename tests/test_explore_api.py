@@ -1,6 +1,8 @@
 """The explorer's server and JSON API, without a browser: the API answers exactly what
 `gridtrain plan --json` prints for the same inputs, junk gets a 4xx with a reason (and the server
-keeps serving), the server listens on loopback, and the runs view never leaves its folder."""
+keeps serving), the server listens on loopback, answers only to its own names and page (Host,
+Origin, a JSON content type), answers a burst of plan requests while still serving GETs, and the
+runs view never leaves its folder."""
 
 from __future__ import annotations
 
@@ -10,7 +12,10 @@ import io
 import json
 import random
 import shlex
+import socket
+import struct
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -37,7 +42,8 @@ def request(srv, method: str, path: str, body: bytes | str | None = None,
     host, port = srv.server_address[:2]
     conn = http.client.HTTPConnection(host, port, timeout=60)
     data = body.encode() if isinstance(body, str) else body
-    conn.request(method, path, body=data, headers=headers or {})
+    headers = ({"Content-Type": "application/json"} if method == "POST" else {}) | (headers or {})
+    conn.request(method, path, body=data, headers={k: v for k, v in headers.items() if v is not None})
     response = conn.getresponse()
     raw = response.read()
     conn.close()
@@ -199,3 +205,107 @@ def test_the_runs_view_without_a_folder_says_how_to_give_one():
     assert status == 200 and data["runs"] == [] and "--runs DIR" in data["note"]
     assert runs.run_page(None, "x")[0] == 404
     assert runs.run_list(Path("/nonexistent-folder"))[0] == 404
+
+
+PLAN = json.dumps({"model": "llama3-8b", "num_gpus": 16})
+"""A plan request whose search takes about 0.15 s on one core."""
+
+
+def test_50_plan_requests_at_once_are_all_answered_and_gets_meanwhile_are_quick(server, monkeypatch):
+    # The 50 searches are about 7 s of CPU in all: computed all at once, many ran out of a 3 s
+    # budget and a GET waited seconds; queued, each search's budget starts when it does.
+    monkeypatch.setattr(api, "REQUEST_SECONDS", 3.0)
+    statuses: list[object] = []
+
+    def ask() -> None:
+        try:
+            statuses.append(request(server, "POST", "/api/plan", PLAN)[0])
+        except OSError as e:  # a reset connection
+            statuses.append(repr(e))
+
+    threads = [threading.Thread(target=ask) for _ in range(50)]
+    for thread in threads:
+        thread.start()
+    latencies: list[tuple[str, float, int]] = []
+    while len(statuses) < 50 and len(latencies) < 10:
+        time.sleep(0.2)
+        path = ("/", "/api/options")[len(latencies) % 2]
+        start = time.perf_counter()
+        assert request(server, "GET", path)[0] == 200
+        latencies.append((path, round(time.perf_counter() - start, 3), 50 - len(statuses)))
+    for thread in threads:
+        thread.join(timeout=60)
+    assert max((seconds for _, seconds, _ in latencies), default=0) < 1.0, latencies  # (path, s, plans in flight)
+    assert sorted(statuses, key=str) == [200] * 50
+    assert len(latencies) >= 3 and latencies[2][2] > 0, f"too few GETs while plans were in flight: {latencies}"
+
+
+def assert_refused(server, status: int, method: str, path: str, headers: dict, word: str) -> None:
+    got, data = request(server, method, path, PLAN if method == "POST" else None, headers)
+    assert got == status and word in data["error"], (method, path, headers, got, data)
+
+
+@pytest.mark.parametrize("host", ["evil.example", "evil.example:{port}", "127.0.0.1.evil.example:{port}",
+                                  "localhost.:{port}", "127.0.0.1:1{port}", ""])
+def test_a_request_naming_another_host_is_refused_whatever_it_asks(server, host):
+    headers = {"Host": host.format(port=server.server_address[1])}
+    for method, path in [("GET", "/"), ("GET", "/static/app.js"), ("GET", "/api/runs"), ("GET", "/api/options"),
+                         ("POST", "/api/plan"), ("POST", "/api/cards/ring"), ("PUT", "/api/plan")]:
+        assert_refused(server, 421, method, path, headers, "is not a name of this server")
+
+
+def test_the_server_answers_to_its_loopback_names_with_or_without_its_port(server):
+    port = server.server_address[1]
+    for host in ["127.0.0.1", f"127.0.0.1:{port}", f"localhost:{port}", "LOCALHOST", f"[::1]:{port}"]:
+        assert request(server, "GET", "/api/options", headers={"Host": host})[0] == 200, host
+        assert request(server, "POST", "/api/plan", PLAN, {"Host": host})[0] == 200, host
+
+
+def test_a_post_from_another_origin_is_refused(server):
+    port = server.server_address[1]
+    for origin in ["http://evil.example", f"http://evil.example:{port}", "null", f"https://127.0.0.1:{port}",
+                   "http://127.0.0.1", f"http://localhost:{port + 1}"]:
+        assert_refused(server, 403, "POST", "/api/plan", {"Origin": origin}, "is not this server's page")
+        assert_refused(server, 403, "POST", "/api/cards/ring", {"Origin": origin}, "is not this server's page")
+    for origin in [f"http://127.0.0.1:{port}", f"http://localhost:{port}"]:  # the page's own, as a browser sends
+        assert request(server, "POST", "/api/plan", PLAN, {"Origin": origin})[0] == 200, origin
+
+
+def test_a_post_must_say_its_body_is_json(server):
+    for content_type in ["text/plain", "text/plain; charset=utf-8", "application/x-www-form-urlencoded",
+                         "multipart/form-data; boundary=x", "application/jsonx", None]:
+        assert_refused(server, 415, "POST", "/api/plan", {"Content-Type": content_type}, "application/json")
+    for content_type in ["application/json; charset=utf-8", "Application/JSON"]:
+        assert request(server, "POST", "/api/plan", PLAN, {"Content-Type": content_type})[0] == 200
+
+
+def handlers_alive() -> int:
+    return sum("process_request_thread" in thread.name for thread in threading.enumerate())
+
+
+def test_a_client_that_hangs_up_leaves_no_traceback(server, capsys):
+    body = PLAN.encode()
+    head = f"POST /api/plan HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    for reset in (True, True, True, False, False):
+        sock = socket.create_connection(server.server_address[:2])
+        sock.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        if reset:  # close with a reset rather than a FIN: the server's answer meets a closed socket
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.close()
+    # Connections are accepted in order: once this one is answered, the hung-up ones have their threads.
+    assert request(server, "POST", "/api/plan", PLAN)[0] == 200
+    deadline = time.monotonic() + 30
+    while handlers_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert handlers_alive() == 0
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "Error" not in err, err
+
+
+def test_another_error_while_serving_is_one_line_on_stderr(server, capsys):
+    for error in (RuntimeError("no\nsuch thing"), ConnectionResetError(104, "reset"), BrokenPipeError(32, "pipe")):
+        try:
+            raise error
+        except (OSError, RuntimeError):
+            server.handle_error(None, ("127.0.0.1", 5))
+    assert capsys.readouterr().err == "gridtrain explore: serving 127.0.0.1: RuntimeError: no such thing\n"

@@ -5,18 +5,35 @@ API (the cards, the runs); POST /api/... takes a JSON body of at most MAX_BODY b
 client sends, it gets JSON with a status: 400 for a body that is not the JSON asked for, 404 for an
 unknown path, 405 for another method, 413 for a body too large, 422 for inputs the planner refuses;
 a handler's own failure is a 500 with one line, and the server keeps serving.
+
+Only this machine's pages may use it (DNS rebinding, cross-site forms): every request must carry a
+Host header naming the server, that is `localhost`, `127.0.0.1`, `[::1]`, the address it is bound
+to or the --host name it was started with, each with the server's port or without; any other Host
+is a 421, whatever the method or path. An Origin header, when a request has one, must be the
+page's own, `http://<one of those names>:<port>`, else 403; a POST must say `Content-Type:
+application/json`, else 415 (a cross-site form or a text/plain fetch cannot). So with --host
+0.0.0.0 the page answers to http://0.0.0.0:<port>/ and the loopback names only: to reach it from
+another machine, start it with --host set to the address or name that machine will use.
+
+Plan searches are CPU-bound Python and share one interpreter lock: at most PLAN_SLOTS run at once,
+the other requests sleep in line (their 10 s search budget starts when their search does), so a
+burst of them neither starves the page's GETs nor runs every search out of time. A client that
+hangs up is no error; another error is one line on stderr.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mimetypes
 import sys
 import threading
 import time
 import webbrowser
+from email.message import Message
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Callable
 from urllib.parse import unquote, urlsplit
 
 from gridtrain.explore import api, cards, runs
@@ -24,6 +41,14 @@ from gridtrain.explore import api, cards, runs
 STATIC = Path(__file__).parent / "static"
 MAX_BODY = 64 * 1024
 """Bytes a request body may have: a plan request is under 1 KiB."""
+PLAN_SLOTS = 2
+"""How many plan searches run at once; other plan requests wait in line, asleep. Each search more
+shares the interpreter lock with the page's GETs (50 at once: GETs took seconds and most searches
+ran out of budget); two rather than one so that one long search does not hold up every short one."""
+LISTEN_BACKLOG = 128
+"""Connections the kernel holds before the server accepts them (Python's default of 5 dropped or
+reset connections of a page's burst)."""
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -58,9 +83,22 @@ class Handler(BaseHTTPRequestHandler):
     def _json(self, status: int, data: object) -> None:
         self._send(status, json.dumps(data, allow_nan=False, default=str).encode(), "application/json")
 
-    def _guarded(self, answer) -> None:
+    def parse_request(self) -> bool:
+        """http.server's own parsing, then the checks of the module docstring: False once refused."""
+        if not super().parse_request():
+            return False
+        refusal = self.server.refusal(self.command, self.headers)
+        if refusal is None:
+            return True
+        self.close_connection = True
+        self._json(*refusal)
+        return False
+
+    def _guarded(self, answer: Callable[[], tuple[int, object]],
+                 slots: threading.Semaphore | None = None) -> None:
         try:
-            status, data = answer()
+            with slots or contextlib.nullcontext():
+                status, data = answer()
         except Exception as e:  # a bug of ours: one line to the client, the server goes on
             status, data = 500, {"error": f"internal error: {type(e).__name__}: {e}"[:500]}
         try:
@@ -130,7 +168,7 @@ class Handler(BaseHTTPRequestHandler):
         except (ValueError, UnicodeDecodeError, RecursionError) as e:
             self._json(400, {"error": f"the body is not JSON this server reads: {type(e).__name__}"})
             return
-        self._guarded(lambda: route(body))
+        self._guarded(lambda: route(body), self.server.plan_slots if path in api.ROUTES else None)
 
     def _refuse(self) -> None:
         self._json(405, {"error": f"{self.command} is not served: use GET or POST"})
@@ -138,13 +176,61 @@ class Handler(BaseHTTPRequestHandler):
     do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _refuse
 
 
+def _bracketed(name: str) -> str:
+    """A host name or address as a Host header writes it (an IPv6 address in brackets), lower case."""
+    name = name.strip().lower()
+    return f"[{name}]" if ":" in name and not name.startswith("[") else name
+
+
+class ExploreServer(ThreadingHTTPServer):
+    """The threaded HTTP server with a listen backlog for a page's burst, a line of plan slots, the
+    Host and Origin rules of the module docstring, and no traceback for a client that hung up."""
+
+    daemon_threads = True
+    request_queue_size = LISTEN_BACKLOG
+
+    def __init__(self, host: str, port: int, handler: type[Handler]) -> None:
+        super().__init__((host, port), handler)
+        port = self.server_address[1]
+        names = {*LOOPBACK_NAMES, _bracketed(self.server_address[0]), _bracketed(host)} - {""}
+        self.allowed_hosts = frozenset(names | {f"{name}:{port}" for name in names})
+        self.allowed_origins = frozenset(f"http://{name}" for name in self.allowed_hosts
+                                         if name.endswith(f":{port}") or port == 80)
+        self.plan_slots = threading.BoundedSemaphore(PLAN_SLOTS)
+
+    def refusal(self, method: str, headers: Message) -> tuple[int, dict] | None:
+        """The answer to a request these rules refuse (status, JSON), or None to serve it."""
+        port = self.server_address[1]
+        hosts = headers.get_all("Host") or []
+        if len(hosts) != 1 or hosts[0].strip().lower() not in self.allowed_hosts:
+            shown = ", ".join(repr(h[:100]) for h in hosts) or "none"
+            names = ", ".join(sorted(name for name in self.allowed_hosts if not name.endswith(f":{port}")))
+            return 421, {"error": f"Host {shown} is not a name of this server: it answers to {names} "
+                                  f"(port {port}); to serve another, start it with --host set to that name"}
+        origins = headers.get_all("Origin") or []
+        if origins and (len(origins) > 1 or origins[0].strip().lower() not in self.allowed_origins):
+            return 403, {"error": f"Origin {origins[0][:100]!r} is not this server's page"}
+        content_type = (headers.get("Content-Type") or "").split(";")[0].strip().lower()
+        if method == "POST" and content_type != "application/json":
+            return 415, {"error": f"a POST body must be sent as Content-Type: application/json, not "
+                                  f"{content_type[:100] or 'none'}"}
+        return None
+
+    def handle_error(self, request: object, client_address: tuple) -> None:
+        """A client that hung up is no error; anything else is one line on stderr, not a traceback."""
+        error = sys.exc_info()[1]
+        if isinstance(error, (ConnectionError, TimeoutError)):
+            return
+        text = " ".join(str(error).split())
+        print(f"gridtrain explore: serving {client_address[0]}: {type(error).__name__}: {text}"[:500],
+              file=sys.stderr, flush=True)
+
+
 def make_server(host: str = "127.0.0.1", port: int = 0, runs_dir: Path | None = None,
-                timeout: float = Handler.timeout) -> ThreadingHTTPServer:
+                timeout: float = Handler.timeout) -> ExploreServer:
     """A server bound to host:port (port 0: a free one), not yet serving."""
     handler = type("BoundHandler", (Handler,), {"runs_dir": runs_dir, "timeout": timeout})
-    server = ThreadingHTTPServer((host, port), handler)
-    server.daemon_threads = True
-    return server
+    return ExploreServer(host, port, handler)
 
 
 def serve(host: str, port: int, runs_dir: Path | None, open_browser: bool) -> int:
@@ -160,7 +246,8 @@ def serve(host: str, port: int, runs_dir: Path | None, open_browser: bool) -> in
     print(f"gridtrain explore: serving {url} (ready in {time.perf_counter() - start:.2f} s; Ctrl-C stops it)",
           flush=True)
     if host not in ("127.0.0.1", "localhost", "::1"):
-        print(f"note: listening on {host}, not only this machine's loopback", flush=True)
+        print(f"note: listening on {host}, not only this machine's loopback; the page answers to Host "
+              f"{_bracketed(host)}, localhost and 127.0.0.1 only", flush=True)
     # Warm the planner's caches (layer costs, activation bytes) while the user opens the page.
     threading.Thread(target=api.plan, args=(api.PRESETS_TRY[0]["state"] | {"layout": {}},), daemon=True).start()
     if open_browser:
