@@ -43,12 +43,12 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import SavePlanner
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from gridtrain.train.checkpoint_writer import Writer, fix_for, inject_fault, os_error
 from gridtrain.train.manifest import fsync_dir, verify, write_manifest
-from gridtrain.train.checkpoint_state import (FLAT, InvalidCheckpointError, read_problem, read_state,
-                                              settings_from_tensors, state_of)
+from gridtrain.train.checkpoint_state import (InvalidCheckpointError, read_problem, read_state, set_optimizer_state,
+                                              state_of)
 
 log = logging.getLogger(__name__)
 Group = dist.ProcessGroup | None
@@ -361,8 +361,6 @@ def load(path: Path, parts: list[nn.Module], optimizers: list[torch.optim.Optimi
             "inspect it")
     read_state(reader, state, group)
     for part, opt in zip(parts, optimizers):
-        _, live = get_state_dict(part, opt, options=FLAT)
-        set_state_dict(part, opt, model_state_dict=state["model"],
-                       optim_state_dict=settings_from_tensors(state["optim"], live),
-                       options=StateDictOptions(flatten_optimizer_state_dict=True, strict=False))
+        set_model_state_dict(part, state["model"], options=StateDictOptions(strict=False))
+        set_optimizer_state(part, opt, state["optim"])
     return state["trainer"]  # type: ignore[return-value]

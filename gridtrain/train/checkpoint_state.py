@@ -20,7 +20,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, _get_fqns, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_optimizer_state_dict)
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from gridtrain.errors import BadInput
 from gridtrain.train.untrusted import (SafeLoadPlanner, SafeReader, UntrustedCheckpointError, check_metadata,
@@ -43,10 +45,61 @@ def state_of(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
     model_sd: dict[str, object] = {}
     optim_sd: dict[str, object] = {}
     for part, opt in zip(parts, optimizers):
-        msd, osd = get_state_dict(part, opt, options=FLAT)
-        model_sd.update(msd)
-        optim_sd.update(settings_as_tensors(osd))
+        model_sd.update(get_model_state_dict(part))
+        optim_sd.update(settings_as_tensors(optimizer_state(part, opt)))
     return {"model": model_sd, "optim": optim_sd, "trainer": trainer_state}
+
+
+def optimizer_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, object]:
+    """The optimizer's flattened state dict (`state.<fqn>.exp_avg`, `param_groups.<fqn>.lr`):
+    DCP's for a plain or FSDP optimizer, `zero1_state` for ZeRO-1's."""
+    if isinstance(opt, ZeroRedundancyOptimizer):
+        return zero1_state(model, opt)
+    return get_optimizer_state_dict(model, opt, options=FLAT)
+
+
+def _fqns(model: nn.Module) -> dict[torch.nn.Parameter, str]:
+    """Each parameter's name as DCP's state dicts spell it (wrappers' prefixes left out)."""
+    return {p: next(iter(_get_fqns(model, name))) for name, p in model.named_parameters()}
+
+
+def zero1_state(model: nn.Module, zero: ZeroRedundancyOptimizer) -> dict[str, object]:
+    """ZeRO-1's optimizer state, flattened as DCP flattens any optimizer's: this rank's partition
+    (the moments and step of the parameters it updates), the param groups' settings for every
+    parameter. Its own state_dict would first consolidate every rank's state on one rank (a
+    gather of the whole optimizer state, and a refusal on the others); as a DCP state dict each
+    rank writes what it holds, and any layout reads the whole tensors back. Parameters not yet
+    stepped get their state made first (step 0, zero moments), so a load has tensors to fill."""
+    names = _fqns(model)
+    out: dict[str, object] = {}
+    for group in zero.param_groups:
+        settings = {k: v for k, v in group.items() if k != "params"}
+        for param in group["params"]:
+            out.update({f"param_groups.{names[param]}.{k}": v for k, v in settings.items()})
+    for group in zero.optim.param_groups:
+        for param in group["params"]:
+            state = zero.optim.state[param]
+            if not state:  # as torch's AdamW makes it on its first step
+                state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(param),
+                             exp_avg_sq=torch.zeros_like(param))
+            out.update({f"state.{names[param]}.{k}": v for k, v in state.items()})
+    return out
+
+
+def set_optimizer_state(model: nn.Module, opt: torch.optim.Optimizer, loaded: dict[str, object]) -> None:
+    """Put a loaded flattened optimizer state (the optimizer's own keys, settings as tensors)
+    into `opt`: through DCP for a plain or FSDP optimizer; for ZeRO-1 the moments were loaded in
+    place into its partition (zero1_state hands DCP its own tensors), so only the settings."""
+    live = optimizer_state(model, opt)
+    settings = settings_from_tensors(loaded, live)
+    if not isinstance(opt, ZeroRedundancyOptimizer):
+        set_optimizer_state_dict(model, opt, settings, options=StateDictOptions(flatten_optimizer_state_dict=True,
+                                                                                strict=False))
+        return
+    names = _fqns(model)
+    for group in opt.param_groups:
+        first = names[group["params"][0]]
+        group.update({k: settings[f"param_groups.{first}.{k}"] for k in group if k != "params"})
 
 
 def _settings(optim_sd: dict[str, object]) -> dict[str, object]:
