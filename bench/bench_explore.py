@@ -2,9 +2,12 @@
 URL and to its first page, and POST /api/plan for single layouts (every layout choice fixed, as
 the page sends them while you change an input), the issue's bars being 2 s and 100 ms.
 
-    python bench/bench_explore.py [--repeats 5]
+    python bench/bench_explore.py [--repeats 5] [--burst 50]
 
-Startup runs the installed command in a fresh process each time. The layouts are the lecture's
+Startup runs the installed command in a fresh process each time. `--burst N` also sends N plan
+searches at once (70B on 512 GPUs, every layout choice left to the search, as a page's burst of
+keystrokes would) and GETs the page every 0.25 s while they are in flight: how many were
+answered and how, in how long, and the GETs' latency. The layouts are the lecture's
 presets and their neighbours; each is asked once cold (the planner's caches empty, as after
 startup) and then `--repeats` times warm. Prints medians and maxima in milliseconds.
 """
@@ -75,9 +78,44 @@ def ask(port: int, body: dict) -> float:
     return seconds
 
 
+SEARCH = {"model": "llama3-70b", "gpu": "h100", "num_gpus": 512, "seq_len": 8192, "global_batch": 512, "layout": {}}
+
+
+def burst(port: int, count: int) -> None:
+    """`count` concurrent searches, one connection each, and GETs of / meanwhile."""
+    statuses: list[int] = []
+    gets: list[float] = []
+
+    def search() -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+        conn.request("POST", "/api/plan", json.dumps(SEARCH), {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        response.read()
+        statuses.append(response.status)
+        conn.close()
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=search) for _ in range(count)]
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        began = time.perf_counter()
+        conn.request("GET", "/")
+        conn.getresponse().read()
+        gets.append(time.perf_counter() - began)
+        conn.close()
+        time.sleep(0.25)
+    total = time.perf_counter() - start
+    counts = {code: statuses.count(code) for code in sorted(set(statuses))}
+    print(f"burst of {count} searches: answered {len(statuses)} ({counts}) in {total:.1f} s; {len(gets)} GETs "
+          f"meanwhile, median {statistics.median(gets) * 1e3:.0f} ms, max {max(gets) * 1e3:.0f} ms")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--burst", type=int, default=0, help="also send this many searches at once")
     args = parser.parse_args()
     to_url, to_page = startup(args.repeats)
     print(f"startup ({args.repeats} runs): URL printed median {statistics.median(to_url) * 1e3:.0f} ms "
@@ -91,6 +129,8 @@ def main() -> None:
         cold = ask(port, body)
         warm = [ask(port, body) for _ in range(args.repeats)]
         print(f"{name:42} {cold * 1e3:8.1f} {statistics.median(warm) * 1e3:12.1f} {max(warm) * 1e3:9.1f}")
+    if args.burst:
+        burst(port, args.burst)
     server.shutdown()
 
 

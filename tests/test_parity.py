@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from gridtrain.parity.compare import adam_ratio_bound, tolerance
-from gridtrain.parity.matrix import AXES, all_cases, make_case, pairwise
+from gridtrain.parity.matrix import AXES, all_cases, make_case, pairwise, resume_layout
 from gridtrain.parity.run import launch, load_result
 from gridtrain.parity.sweep import References, case_overrides, run_cases, verdict
 
@@ -73,6 +73,32 @@ def verdicts(tmp_path_factory: pytest.TempPathFactory, corpus_dir: Path) -> dict
 def test_layout_trains_as_one_process(verdicts, name):
     rec = verdicts[name]
     assert rec["status"] == "passed", rec["problems"]
+
+
+@pytest.mark.dist
+def test_every_case_resumed_under_another_layout_and_validated(verdicts):
+    """The second leg ran for every case of the subset: its checkpoint resumed under the layout
+    drawn for it, in its own launch or in one process, and its validation loss was compared."""
+    ran = [verdicts[c.name] for c in SUBSET]
+    assert all(v["resumed_as"] and v["leg_loss_rel"] is not None and math.isfinite(v["val_rel"]) for v in ran)
+    where = {v["resumed_as"] == "one process" for v in ran}
+    assert where == {True, False}  # both ways of resuming were exercised
+
+
+def test_the_resume_layout_is_another_accepted_one_of_the_same_run():
+    """Drawn deterministically; same world, precision, embeddings and micro-batch; never the case
+    itself; one process among the options wherever it is another layout."""
+    drawn = {c.name: resume_layout(c) for c in SUBSET}
+    assert drawn == {c.name: resume_layout(c) for c in SUBSET}
+    for case in SUBSET:
+        other = drawn[case.name]
+        if other is None:
+            assert case.world > 1 or case.choice("recompute") != "none"
+            continue
+        assert other.accepted and other.name != case.name and other.world == case.world
+        assert all(other.choice(a) == case.choice(a) for a in ("precision", "embeddings"))
+        assert other.overrides["train.micro_batch"] == case.overrides["train.micro_batch"]
+    assert len({d.name if d else None for d in drawn.values()}) > len(SUBSET) // 2  # spread, not one favourite
 
 
 @pytest.mark.dist

@@ -97,6 +97,8 @@ class ParallelModel:
     stage_indices: list[int] = field(default_factory=lambda: [0])
     num_stages: int = 1
     schedule: PipelineScheduleSingle | PipelineScheduleMulti | None = None
+    eval_schedule: PipelineScheduleMulti | None = None
+    """What validation runs where the training schedule cannot run forward only (V shapes)."""
     traffic: PipelineTraffic | None = None
     ring_traffic: RingTraffic | None = None
 
@@ -155,10 +157,11 @@ def parallelize(model: Transformer, cfg: Config, dims: ParallelDims | None = Non
         result.ring_traffic = apply_context_parallel(parts, mesh["cp"].get_group(), cfg.data.seq_len,
                                                      p.cp_rotate, device or torch.device("cpu"))
     if dims is not None and dims.pp > 1:
-        from gridtrain.parallel.pipeline_parallel import PipelineTraffic, build_schedule
+        from gridtrain.parallel.pipeline_parallel import PipelineTraffic, build_eval_schedule, build_schedule
 
         result.num_stages = dims.pp * p.pp_virtual_stages
         result.traffic = PipelineTraffic(stages, result.num_stages)
         result.schedule = build_schedule(stages, mesh["pp"], result.num_stages, p.pp_schedule,
                                          n_microbatches, loss_fn, device)
+        result.eval_schedule = build_eval_schedule(result.schedule, dims.pp, p.pp_virtual_stages, p.pp_schedule)
     return result

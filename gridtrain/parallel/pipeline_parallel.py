@@ -17,7 +17,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
-from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
+from torch.distributed.pipelining.schedules import (FORWARD, PipelineScheduleMulti, PipelineScheduleSingle, _Action,
+                                                    _add_send_recv, _add_unshard_reshard, _PipelineScheduleRuntime)
 
 from gridtrain.layout.dims import stage_layer_counts
 from gridtrain.layout.schedules import SCHEDULES, stage_ranks
@@ -94,6 +95,39 @@ def build_schedule(stages: list[tuple[int, nn.Module]], pp_mesh: DeviceMesh, num
     if issubclass(cls, PipelineScheduleSingle):
         return cls(pipeline_stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
     return cls(pipeline_stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+class ForwardOnly(_PipelineScheduleRuntime):
+    """Validation over the stages of a V-shape schedule (zbv, dualpipev), forward only.
+
+    torch 2.13's runtime runs those schedules' backward actions in `eval()` too, and fails on the
+    first one ("can't steal_bwd_input if this stage doesn't have backward"), so every run that
+    validated under them crashed. This runs the same stages with forward actions alone: on each
+    rank its stages in order, all micro-batches of one before the next (activations go forward
+    only, so nothing waits on a later stage); the runtime adds the sends and receives, and FSDP's
+    unshard and reshard."""
+
+    def __init__(self, stages: list[PipelineStage], n_microbatches: int, loss_fn: Callable,
+                 placement: list[int]) -> None:
+        super().__init__(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+        # What _prepare_schedule_with_comms does, without its check that wants a backward per forward.
+        self.stage_index_to_group_rank = dict(enumerate(placement))
+        for stage in self._stages:
+            stage.stage_index_to_group_rank = self.stage_index_to_group_rank
+        forward = {rank: _add_unshard_reshard([_Action(stage, FORWARD, mb) for stage, owner in enumerate(placement)
+                                               if owner == rank for mb in range(n_microbatches)])
+                   for rank in sorted(set(placement))}
+        self.pipeline_order_with_comms = _add_send_recv(forward, stage_to_rank=self.stage_index_to_group_rank.get,
+                                                        num_stages=self._num_stages)
+
+
+def build_eval_schedule(train: PipelineScheduleSingle | PipelineScheduleMulti, pp: int, virtual: int,
+                        schedule: str) -> ForwardOnly | None:
+    """The schedule validation runs: a ForwardOnly over the training schedule's stages for the
+    V-shape schedules, None (the training schedule's own eval) for the others."""
+    if not SCHEDULES[schedule].v_shape:
+        return None
+    return ForwardOnly(train._stages, train._n_microbatches, train._loss_fn, stage_ranks(pp, virtual, schedule))
 
 
 class PipelineTraffic:

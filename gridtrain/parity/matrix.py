@@ -21,7 +21,9 @@ gets at least one layer per stage. Everything here is arithmetic on configuratio
 
 from __future__ import annotations
 
+import functools
 import itertools
+import zlib
 from dataclasses import dataclass, field
 
 from gridtrain.config import ConfigError
@@ -147,6 +149,25 @@ def make_case(choices: dict[str, str], max_world: int = 8) -> Case:
 def all_cases(max_world: int = 8) -> list[Case]:
     """Every combination of the axes' choices, each accepted or refused."""
     return [make_case(dict(zip(AXES, combo)), max_world) for combo in itertools.product(*AXES.values())]
+
+
+@functools.cache
+def _accepted(max_world: int = 8) -> tuple[Case, ...]:
+    return tuple(c for c in all_cases(max_world) if c.accepted)
+
+
+def resume_layout(case: Case) -> Case | None:
+    """The layout the case's checkpoint resumes under for its second leg: drawn deterministically
+    (a CRC of the case's name) from one process (None) and every other accepted layout of the same
+    world size with the case's precision, embeddings and micro-batch (so that the one-process
+    reference's next step is this step's too). One process is left out only where it is the
+    case's own layout."""
+    options: list[Case | None] = [] if case.world == 1 and case.choice("recompute") == "none" else [None]
+    options += sorted((c for c in _accepted() if c.world == case.world and c.name != case.name
+                       and all(c.choice(a) == case.choice(a) for a in ("precision", "embeddings"))
+                       and c.overrides["train.micro_batch"] == case.overrides["train.micro_batch"]),
+                      key=lambda c: c.name)
+    return options[zlib.crc32(case.name.encode()) % len(options)] if options else None
 
 
 def pairwise(cases: list[Case], required: tuple[str, ...] = ()) -> list[Case]:

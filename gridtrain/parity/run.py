@@ -6,7 +6,10 @@ time), and the single-process reference each is compared with.
 SPEC.json maps a case name to its config overrides. For each case the worker trains the steps and
 saves, from one rank per pipeline rank (data- and tensor-parallel coordinate 0), the per-step
 losses, the per-step gradient norms (before clipping) and the gathered full weights of the stages
-that rank holds, initial and final: OUT_DIR/NAME.pp<r>.pt; and, for a case whose overrides hold
+that rank holds, initial and final: OUT_DIR/NAME.pp<r>.pt. A case whose overrides hold LEG runs
+the second leg: after all steps but the last it validates in its layout, saves a checkpoint, and
+resumes it for the last step under the layout LEG names, in the same launch (OUT_DIR/NAME.leg.pp<r>.pt;
+for one process, the comparing process resumes it). For a case whose overrides hold
 MEASURE = true, from every rank the tensor bytes it held at most while the Trainer was built and
 during the first step: OUT_DIR/NAME.rank<r>.bytes.json (a dispatch mode follows every op then).
 A case that raises leaves OUT_DIR/NAME.error.txt (rank 0) and ends the launch.
@@ -31,17 +34,27 @@ from gridtrain.train.live_bytes import LiveBytes
 
 MEASURE = "measure_bytes"
 """A case key, not a config key: measure the case's tensor bytes (`write_bytes`)."""
+LEG = "resume_leg"
+"""A case key, not a config key: after train.steps - 1 steps, the second leg (`run_leg`). Its value
+is the overrides of the layout the checkpoint resumes under for the last step, or None for one
+process (then the comparing process resumes it: `resume_in_one_process`)."""
 
 
 @dataclass
 class Result:
-    """What a run of a few steps produced, as one process would hold it."""
+    """What a run of a few steps produced, as one process would hold it. With the second leg:
+    `val_loss` after the first leg's steps, and `leg`, the whole run with its last step taken
+    after a checkpoint round trip under `resumed_as` (its weights those after that step)."""
 
     losses: list[float]
     grad_norms: list[float]
     weights: dict[str, torch.Tensor]
     lrs: list[float]
     initial: dict[str, torch.Tensor]
+    val_loss: float | None = None
+    leg: Result | None = None
+    resumed_as: str = ""
+    run_dir: Path | None = None
 
 
 def run_case(name: str, overrides: dict[str, object], out: Path) -> None:
@@ -51,6 +64,7 @@ def run_case(name: str, overrides: dict[str, object], out: Path) -> None:
 
     overrides = dict(overrides)
     measure = bool(overrides.pop(MEASURE, False))
+    with_leg, resume_as = LEG in overrides, overrides.pop(LEG, None)
     cfg = load_config(None, {**overrides, "run_dir": str(out / name)})
     with LiveBytes() if measure else contextlib.nullcontext() as live:
         trainer = Trainer(cfg)
@@ -61,7 +75,7 @@ def run_case(name: str, overrides: dict[str, object], out: Path) -> None:
         trainer.write_record()
     initial = gathered_weights(trainer)
     losses, norms, lrs, records = [], [], [], []
-    for step in range(cfg.train.steps):
+    for step in range(cfg.train.steps - with_leg):
         if step == 0 and measure:
             with live:
                 metrics = trainer.train_step()
@@ -75,11 +89,50 @@ def run_case(name: str, overrides: dict[str, object], out: Path) -> None:
     if trainer.world.rank == 0:  # what Trainer.run logs, for `gridtrain plan --check`'s step time
         (out / name / "metrics.jsonl").write_text("\n".join(records) + "\n")
     weights = gathered_weights(trainer)
-    if trainer.coords["dp"] == 0 and trainer.coords["tp"] == 0 and trainer.coords["cp"] == 0:
-        torch.save({"losses": losses, "grad_norms": norms, "lrs": lrs, "weights": weights, "initial": initial},
-                   out / f"{name}.pp{trainer.coords['pp']}.pt")
+    result = {"losses": losses, "grad_norms": norms, "lrs": lrs, "weights": weights, "initial": initial}
+    writes = trainer.coords["dp"] == 0 and trainer.coords["tp"] == 0 and trainer.coords["cp"] == 0
+    pp_rank = trainer.coords["pp"]
+    if with_leg:
+        result["val_loss"] = trainer.evaluate()["loss/val"]
+        trainer.save()
+        del trainer
+        if resume_as is not None:
+            same = {k: v for k, v in overrides.items() if not k.startswith("parallel.")}
+            run_leg(name, {**same, **resume_as, "run_dir": str(out / name)}, out)
+    if writes:
+        torch.save(result, out / f"{name}.pp{pp_rank}.pt")
     if dist.is_initialized():
         dist.barrier()
+
+
+def run_leg(name: str, overrides: dict[str, object], out: Path) -> None:
+    """The second leg's last step in this launch: resume the case's checkpoint under another
+    layout of the same world size (`overrides`), take one step, and save its loss, gradient norm,
+    learning rate and the weights after it: OUT_DIR/NAME.leg.pp<r>.pt."""
+    from gridtrain.train.trainer import Trainer
+
+    trainer = Trainer(load_config(None, {**overrides, "checkpoint.resume": True}))
+    metrics = trainer.train_step()
+    weights = gathered_weights(trainer)
+    if trainer.coords["dp"] == 0 and trainer.coords["tp"] == 0 and trainer.coords["cp"] == 0:
+        torch.save({"loss": metrics["loss/train"], "grad_norm": metrics["grad/norm"], "lr": metrics["lr"],
+                    "weights": weights, "step": trainer.step}, out / f"{name}.leg.pp{trainer.coords['pp']}.pt")
+
+
+def resume_in_one_process(first: Result, overrides: dict[str, object]) -> Result:
+    """The second leg in one process: the case's checkpoint (in `first.run_dir`) resumed without
+    parallelism for its last step; `first`'s steps and this step as one Result."""
+    from gridtrain.train.trainer import Trainer
+
+    one = {k: v for k, v in overrides.items() if not k.startswith("parallel.") and k not in (LEG, MEASURE)}
+    trainer = Trainer(load_config(None, {**one, "run_dir": str(first.run_dir), "checkpoint.resume": True}))
+    metrics = trainer.train_step()
+    weights = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    return _whole(first, metrics["loss/train"], metrics["grad/norm"], metrics["lr"], weights)
+
+
+def _whole(first: Result, loss: float, norm: float, lr: float, weights: dict[str, torch.Tensor]) -> Result:
+    return Result(first.losses + [loss], first.grad_norms + [norm], weights, first.lrs + [lr], first.initial)
 
 
 def write_bytes(path: Path, trainer, built: int, stepped: int) -> None:  # noqa: ANN001 - a Trainer
@@ -144,30 +197,52 @@ def launch(world: int, spec: dict[str, dict[str, object]], out: Path, timeout_s:
 
 
 def load_result(out: Path, name: str) -> Result | None:
-    """A case's result, merged over its pipeline ranks; None if it wrote none."""
-    files = sorted(out.glob(f"{name}.pp*.pt"))
+    """A case's result, merged over its pipeline ranks (and its second leg's); None if it wrote none."""
+    first = _merged(sorted(out.glob(f"{name}.pp*.pt")))
+    if first is None:
+        return None
+    result = Result(first["losses"], first["grad_norms"], first["weights"], first["lrs"], first["initial"],
+                    first.get("val_loss"), run_dir=out / name)
+    leg = _merged(sorted(out.glob(f"{name}.leg.pp*.pt")))
+    if leg is not None:
+        result.leg = _whole(result, leg["loss"], leg["grad_norm"], leg["lr"], leg["weights"])
+    return result
+
+
+def _merged(files: list[Path]) -> dict | None:
+    """The saved dicts of a case's pipeline ranks as one: weights (and initial weights) merged,
+    everything else from the last."""
     if not files:
         return None
-    weights: dict[str, torch.Tensor] = {}
-    initial: dict[str, torch.Tensor] = {}
+    merged: dict = {"weights": {}, "initial": {}}
     for f in files:
         part = torch.load(f, weights_only=True)
-        weights.update(part["weights"])
-        initial.update(part["initial"])
-    return Result(part["losses"], part["grad_norms"], weights, part["lrs"], initial)
+        weights, initial = part.pop("weights"), part.pop("initial", {})
+        merged["weights"].update(weights)
+        merged["initial"].update(initial)
+        merged.update(part)
+    return merged
 
 
-def run_reference(overrides: dict[str, object]) -> Result:
-    """The same run in this process (no process group)."""
+def run_reference(overrides: dict[str, object], leg: bool = False) -> Result:
+    """The same run in this process (no process group). With `leg`, as a case with the second
+    leg sees it: the first train.steps - 1 steps (weights after them), the validation loss there,
+    and `leg`, the whole run (weights after the last step)."""
     from gridtrain.train.trainer import Trainer
 
     cfg = load_config(None, overrides)
     trainer = Trainer(cfg)
     initial = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
-    metrics = [trainer.train_step() for _ in range(cfg.train.steps)]
+    metrics = [trainer.train_step() for _ in range(cfg.train.steps - leg)]
     weights = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
-    return Result([m["loss/train"] for m in metrics], [m["grad/norm"] for m in metrics], weights,
-                  [m["lr"] for m in metrics], initial)
+    result = Result([m["loss/train"] for m in metrics], [m["grad/norm"] for m in metrics], weights,
+                    [m["lr"] for m in metrics], initial)
+    if leg:
+        result.val_loss = trainer.evaluate()["loss/val"]
+        last = trainer.train_step()
+        after = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+        result.leg = _whole(result, last["loss/train"], last["grad/norm"], last["lr"], after)
+    return result
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ case that then ran keeps the first death in its line (`retried`), so a flaky lau
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 import tempfile
@@ -20,14 +21,14 @@ from typing import Callable, Iterable
 
 
 from gridtrain.parity.compare import deviation, problems, tolerance
-from gridtrain.parity.matrix import GLOBAL_BATCH, Case, base_overrides
-from gridtrain.parity.run import Result, launch, load_result, run_reference
+from gridtrain.parity.matrix import GLOBAL_BATCH, STEPS, Case, base_overrides, resume_layout
+from gridtrain.parity.run import LEG, Result, launch, load_result, resume_in_one_process, run_reference
 
 
 class References:
     """The one-process runs the cases are compared with, one per precision, micro-batch size
     and embedding choice (no recomputation in the reference: recomputation must
-    not change the numbers either)."""
+    not change the numbers either), each with the second leg's validation and last step."""
 
     def __init__(self, corpus: Path, cache_dir: Path, work: Path) -> None:
         self.corpus, self.cache_dir, self.work = corpus, cache_dir, work
@@ -41,31 +42,62 @@ class References:
         key = self.key(overrides)
         if key not in self._runs:
             one = {k: v for k, v in overrides.items()
-                   if not k.startswith("parallel.") and k != "train.recompute"}
+                   if not k.startswith("parallel.") and k not in ("train.recompute", LEG)}
             one.update(self.data_overrides(), run_dir=str(self.work / f"reference-{len(self._runs)}"))
-            self._runs[key] = run_reference(one)
+            self._runs[key] = run_reference(one, leg=True)
         return self._runs[key]
 
     def data_overrides(self) -> dict[str, object]:
         return {"data.corpus": str(self.corpus), "data.cache_dir": str(self.cache_dir)}
 
 
+LEG_OVERRIDES = {"train.steps": STEPS + 1, "train.val_every": STEPS + 1}
+"""A case's first leg trains STEPS steps of a run of STEPS + 1 (the learning-rate schedule is the
+whole run's), validates and saves; its second leg takes the last step after resuming. val_every
+only builds the validation split: the harness validates by itself."""
+
+
 def case_overrides(case: Case, refs: References) -> dict[str, object]:
-    return {**base_overrides(), **case.overrides, **refs.data_overrides()}
+    """The case's configuration with its second leg: the layout it resumes under (`resume_layout`;
+    None: one process)."""
+    other = resume_layout(case)
+    resume = None if other is None else {**other.overrides, "train.recompute": other.choice("recompute")}
+    return {**base_overrides(), **case.overrides, **refs.data_overrides(), **LEG_OVERRIDES, LEG: resume}
 
 
 def verdict(case: Case, result: Result | None, error: str, refs: References) -> dict[str, object]:
-    """One line of the results: the case's status, problems and largest deviations."""
+    """One line of the results: the case's status, problems and largest deviations, for its
+    first leg and its second (checkpoint, resume under another layout, validation)."""
     line: dict[str, object] = {"name": case.name, "world": case.world, **dict(case.choices)}
     if result is None:
         return {**line, "status": "crashed", "problems": [last_error_line(error)]}
     overrides = case_overrides(case, refs)
     ref = refs.get(overrides)
-    tol = tolerance(str(overrides["train.precision"]), GLOBAL_BATCH * int(overrides["data.seq_len"]),
-                    ref.lrs, float(overrides.get("train.beta1", 0.9)), float(overrides.get("train.beta2", 0.95)))
-    dev = deviation(result, ref)
+    precision, tokens = str(overrides["train.precision"]), GLOBAL_BATCH * int(overrides["data.seq_len"])
+    betas = float(overrides.get("train.beta1", 0.9)), float(overrides.get("train.beta2", 0.95))
+    dev, tol = deviation(result, ref), tolerance(precision, tokens, ref.lrs, *betas)
     found = problems(dev, tol)
-    return {**line, "status": "failed" if found else "passed", "problems": found[:8], **dev.summary()}
+    other = resume_layout(case)
+    resumed_as, leg = "one process" if other is None else other.name, result.leg
+    if leg is None and other is None and result.run_dir is not None:
+        leg = resume_in_one_process(result, overrides)
+    legs: dict[str, object] = {"resumed_as": resumed_as, "val_rel": _val_deviation(result, ref), "leg_loss_rel": None}
+    if leg is None:
+        found.append(f"the checkpoint did not resume under {resumed_as}")
+    else:
+        leg_dev = deviation(leg, ref.leg)
+        leg_problems = problems(leg_dev, tolerance(precision, tokens, ref.leg.lrs, *betas))
+        found += [f"resumed as {resumed_as}: {p}" for p in leg_problems if p not in found]
+        legs["leg_loss_rel"] = leg_dev.summary()["loss_rel"]
+    if not legs["val_rel"] <= tol.loss_rtol:
+        found.append(f"validation loss {result.val_loss} vs {ref.val_loss} (relative {legs['val_rel']:.2e})")
+    return {**line, "status": "failed" if found else "passed", "problems": found[:8], **dev.summary(), **legs}
+
+
+def _val_deviation(result: Result, ref: Result) -> float:
+    if result.val_loss is None or ref.val_loss is None:
+        return math.inf
+    return abs(result.val_loss - ref.val_loss) / max(abs(ref.val_loss), 1e-30)
 
 
 def last_error_line(text: str) -> str:

@@ -76,7 +76,7 @@ class Evaluator:
         if self.pmodel.schedule is None:
             return scalar(loss_fn(self.pmodel.parts[0](inputs), targets))
         losses: list[torch.Tensor] = []
-        self.pmodel.schedule.eval(inputs, target=targets, losses=losses)
+        (self.pmodel.eval_schedule or self.pmodel.schedule).eval(inputs, target=targets, losses=losses)
         if not losses:
             return None
         # Each is scaled and divided by the training step's loss shares, micro-batches x CP ranks
