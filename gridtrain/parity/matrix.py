@@ -33,6 +33,7 @@ from gridtrain.names import PRECISIONS, RECOMPUTE
 from gridtrain.validate import validate
 
 STEPS = 3
+"""Optimizer steps of a case (the second leg takes the last one after resuming)."""
 LR = 2e-3
 GRAD_CLIP = 0.3  # below every gradient norm of these runs (0.5-2.4), so clipping acts on every step
 GLOBAL_BATCH = 8

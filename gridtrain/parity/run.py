@@ -23,6 +23,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +56,8 @@ class Result:
     leg: Result | None = None
     resumed_as: str = ""
     run_dir: Path | None = None
+    seconds: dict[str, float] | None = None
+    """Wall seconds of the case's parts in its launch (first leg, validation and save, second leg)."""
 
 
 def run_case(name: str, overrides: dict[str, object], out: Path) -> None:
@@ -74,6 +77,7 @@ def run_case(name: str, overrides: dict[str, object], out: Path) -> None:
     if trainer.world.rank == 0:
         trainer.write_record()
     initial = gathered_weights(trainer)
+    started = time.perf_counter()
     losses, norms, lrs, records = [], [], [], []
     for step in range(cfg.train.steps - with_leg):
         if step == 0 and measure:
@@ -92,13 +96,17 @@ def run_case(name: str, overrides: dict[str, object], out: Path) -> None:
     result = {"losses": losses, "grad_norms": norms, "lrs": lrs, "weights": weights, "initial": initial}
     writes = trainer.coords["dp"] == 0 and trainer.coords["tp"] == 0 and trainer.coords["cp"] == 0
     pp_rank = trainer.coords["pp"]
+    seconds = {"steps": time.perf_counter() - started}
     if with_leg:
         result["val_loss"] = trainer.evaluate()["loss/val"]
         trainer.save()
+        seconds["validate_save"] = time.perf_counter() - started - seconds["steps"]
         del trainer
         if resume_as is not None:
             same = {k: v for k, v in overrides.items() if not k.startswith("parallel.")}
             run_leg(name, {**same, **resume_as, "run_dir": str(out / name)}, out)
+            seconds["resume_step"] = time.perf_counter() - started - sum(seconds.values())
+    result["seconds"] = seconds
     if writes:
         torch.save(result, out / f"{name}.pp{pp_rank}.pt")
     if dist.is_initialized():
@@ -202,7 +210,7 @@ def load_result(out: Path, name: str) -> Result | None:
     if first is None:
         return None
     result = Result(first["losses"], first["grad_norms"], first["weights"], first["lrs"], first["initial"],
-                    first.get("val_loss"), run_dir=out / name)
+                    first.get("val_loss"), run_dir=out / name, seconds=first.get("seconds"))
     leg = _merged(sorted(out.glob(f"{name}.leg.pp*.pt")))
     if leg is not None:
         result.leg = _whole(result, leg["loss"], leg["grad_norm"], leg["lr"], leg["weights"])
