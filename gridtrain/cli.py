@@ -18,7 +18,7 @@ from gridtrain.argtypes import number
 from gridtrain.cli_inference import add_inference_parsers
 from gridtrain.launch import launch
 from gridtrain.rundir import check_run_dir, unwritable
-from gridtrain.runlock import refuse_if_held
+from gridtrain.runlock import job_dirs, refuse_if_held
 from gridtrain.plan.app.options import add_plan_parser
 from gridtrain.validate import tokenizer_vocab, validate
 
@@ -49,7 +49,8 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
               file=sys.stderr)
         return 2
     dims = validate(cfg)  # every rank checks again, but nothing starts if this fails
-    refuse_if_held(Path(cfg.run_dir))  # another job trains into it: say whose, before anything starts
+    for directory in job_dirs(cfg):  # another job trains into it: say whose, before anything starts
+        refuse_if_held(directory)
     check_run_dir(cfg)  # before any rank writes into it
     if cfg.parallel.nproc > 1 and "LOCAL_RANK" not in os.environ:
         return launch(cfg.parallel.nproc, sys.argv[1:] if args.argv is None else args.argv, args.max_restarts)
@@ -84,8 +85,8 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
         shutdown()
         raise
     finally:
-        if trainer is not None and trainer.lock is not None:
-            trainer.lock.release()
+        if trainer is not None:
+            trainer.release()
     shutdown(finished=True)
     if "loss/val" in final and trainer.is_writer:
         print(f"final validation loss {final['loss/val']:.4f} (perplexity {final['loss/val_ppl']:.2f})")

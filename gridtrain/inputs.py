@@ -7,6 +7,7 @@ are made on the opened file (fstat), so what is read is what was checked.
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 from pathlib import Path
@@ -64,3 +65,19 @@ def read_input(path: str | Path, label: str, max_bytes: int, error: type[UserErr
     if len(data) > max_bytes:  # it grew since fstat
         raise error(f"{label} is more than the {size_text(max_bytes)} read from it")
     return data
+
+
+JSON_BYTES = 64 * 2**20
+"""The largest JSON file gridtrain reads (64 MiB): a run record, a manifest or an index is far
+smaller; a 3 GiB config.json took 6.5 GB to parse."""
+
+
+def read_json(path: str | Path, label: str, max_bytes: int = JSON_BYTES,
+              error: type[UserError] = BadInput) -> object:
+    """The parsed JSON of a file read through `read_input`; `error` "<label> is not readable JSON"
+    for bytes that are not UTF-8 JSON, or JSON nested past the parser's recursion limit."""
+    data = read_input(path, label, max_bytes, error)
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError) as err:  # UnicodeDecodeError included
+        raise error(f"{label} is not readable JSON ({type(err).__name__}: {str(err)[:200]})") from None

@@ -23,6 +23,7 @@ from pathlib import Path
 from gridtrain.config import Config, ConfigError
 from gridtrain.config_load import config_from_dict
 from gridtrain.errors import BadInput, MissingInput
+from gridtrain.inputs import read_json
 from gridtrain.model.args import model_args
 from gridtrain.layout.dims import ParallelDims
 from gridtrain.validate import model_problems
@@ -100,11 +101,12 @@ def _read_record(run_dir: Path) -> dict:
     if not path.is_file():
         raise MissingInput(f"{run_dir} is not a gridtrain run directory (no config.json): give the run_dir "
                            "of a `gridtrain train` run")
+    record = read_json(path, str(path))
     try:
-        record = json.loads(path.read_text())
-        model = dict(record["config"]["model"])
-        model_args(model.pop("preset", "small"), **model)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        config_from_dict(record["config"])  # every key of the command line's, of its type
+    except ConfigError as err:
+        raise BadInput(f"{path} does not hold a configuration of this gridtrain ({'; '.join(err.problems)})") from None
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
         raise BadInput(f"{path} is not a gridtrain run record ({type(err).__name__}: {err})") from None
     return record
 

@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import socket
+import stat
 import sys
 import time
 import weakref
@@ -38,6 +39,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
+from gridtrain.config import Config
 from gridtrain.errors import BadInput
 
 log = logging.getLogger("gridtrain")
@@ -64,10 +66,12 @@ class Holder:
 
     @classmethod
     def parse(cls, text: str) -> Holder | None:
+        """The holder a lock file names, or None for anything else in it (garbage is no holder)."""
         try:
             data = json.loads(text)
-            return cls(str(data["host"]), int(data["pid"]), str(data["started"]), str(data.get("command", "")))
-        except (ValueError, KeyError, TypeError):
+            return cls(str(data["host"])[:200], int(data["pid"]), str(data["started"])[:100],
+                       str(data.get("command", ""))[:500])
+        except (ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError):
             return None
 
     def __str__(self) -> str:
@@ -81,14 +85,31 @@ def _read_holder(fd: int) -> Holder | None:
 
 def _busy(run_dir: Path, holder: Holder | None) -> RunDirInUse:
     who = f" ({holder}: {holder.command})" if holder and holder.command else f" ({holder})" if holder else ""
-    return RunDirInUse(f"run_dir {run_dir} is in use by another gridtrain job{who}: wait for it to end, "
-                       "or train into another --run_dir")
+    return RunDirInUse(f"{run_dir} is in use by another gridtrain job{who}: wait for it to end, or train into "
+                       "another --run_dir (and checkpoint.dir)")
 
 
 def _unsupported(run_dir: Path, err: OSError) -> RunDirInUse:
     return RunDirInUse(f"run_dir {run_dir}: its filesystem refuses file locks ({err.strerror}), so gridtrain cannot "
                        "keep a second job out of it: put the run directory on a filesystem with locks (Lustre: "
                        "mount with -o flock), or another --run_dir")
+
+
+def _open(path: Path, flags: int) -> int:
+    """The lock file, opened without following a link and without waiting on a fifo; RunDirInUse
+    (bad input) if it is not a regular file: gridtrain writes into it."""
+    try:
+        fd = os.open(path, flags | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    except OSError as err:
+        if err.errno in (errno.ENOENT, errno.ENOTDIR):
+            raise
+        raise RunDirInUse(f"run_dir {path.parent}: its lock file {path.name} cannot be opened ({err.strerror}: a link "
+                          "or a folder?): remove it, or train into another --run_dir") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise RunDirInUse(f"run_dir {path.parent}: its lock file {path.name} is not a regular file: remove it, or "
+                          "train into another --run_dir")
+    return fd
 
 
 def holder(run_dir: Path) -> Holder | None:
@@ -98,7 +119,7 @@ def holder(run_dir: Path) -> Holder | None:
     if (mine := _HELD.get(Path(run_dir).resolve())) is not None and mine.fd >= 0:
         return None  # this process's own job
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = _open(path, os.O_RDONLY)
     except (FileNotFoundError, NotADirectoryError):
         return None
     try:
@@ -112,6 +133,14 @@ def holder(run_dir: Path) -> Holder | None:
     finally:
         os.close(fd)  # also lets a shared lock go
     return None
+
+
+def job_dirs(cfg: Config) -> list[Path]:
+    """The directories a job writes and holds: its run directory, and its checkpoint directory
+    when that lies outside (two jobs sharing one would delete each other's saves)."""
+    run_dir, checkpoints = Path(cfg.run_dir), cfg.checkpoint_dir
+    inside = checkpoints.resolve().is_relative_to(run_dir.resolve())
+    return [run_dir] if inside else [run_dir, checkpoints]
 
 
 def refuse_if_held(run_dir: Path) -> None:
@@ -162,7 +191,7 @@ class RunLock:
             fd, mine.fd = mine.fd, -1
             _HELD[key] = lock = cls(run_dir, fd, None)
             return lock
-        fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = _open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT)
         _flock(fd, run_dir, retry_s)
         _HELD[key] = lock = cls(run_dir, fd, _read_holder(fd))
         lock._write(Holder(socket.gethostname(), os.getpid(),

@@ -5,13 +5,13 @@ Each problem names the key, the numbers and the fix; all problems are reported t
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from pathlib import Path
 
 from gridtrain.config import Config, ConfigError
 from gridtrain.errors import MissingInput, UserError
+from gridtrain.inputs import read_json
 from gridtrain.layout.dims import ParallelDims, stage_layer_counts
 from gridtrain.layout.schedules import RUNTIME_SCHEDULES, SCHEDULES
 from gridtrain.model.args import PRESETS, ModelArgs
@@ -122,8 +122,8 @@ def _check_data(cfg: Config) -> list[str]:
     index = Path(d.corpus).expanduser() / "index.json" if d.corpus is not None else None
     if index is not None and index.is_file():  # a prepared corpus: its own tokens decide, not data.tokenizer
         try:
-            vocab, source = int(json.loads(index.read_text())["vocab_size"]), f"the prepared corpus {d.corpus}"
-        except (OSError, ValueError, KeyError, TypeError) as err:
+            vocab, source = int(read_json(index, str(index))["vocab_size"]), f"the prepared corpus {d.corpus}"
+        except (UserError, ValueError, KeyError, TypeError, OverflowError) as err:
             return problems + [f"data.corpus = '{d.corpus}' has an unreadable index.json ({err}): prepare it "
                                "again with `gridtrain data prepare`"]
     else:

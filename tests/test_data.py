@@ -323,8 +323,8 @@ def test_a_directory_corpus_names_the_files_it_skips(tmp_path, caplog):
     (root / "linked").symlink_to(tmp_path / "elsewhere")
     with caplog.at_level("INFO", logger="gridtrain.data.corpus"):
         assert list(iter_documents(root)) == ["kept"]
-    assert f"{root}: skipped 3 entries not read as text (by suffix, see TEXT_SUFFIXES, or a linked folder) " \
-           "(e.g. linked, b.png, c.bin); 1 entry not valid UTF-8 (e.g. d.txt)" in caplog.text
+    assert f"{root}: skipped 3 entries not read as text (by suffix, see TEXT_SUFFIXES; a linked folder; not a " \
+           "regular file) (e.g. linked, b.png, c.bin); 1 entry not valid UTF-8 (e.g. d.txt)" in caplog.text
 
 
 def test_json_lines_that_are_not_utf8_are_named_by_line(tmp_path):

@@ -54,3 +54,16 @@ def test_a_huge_file_is_refused_by_its_size(tmp_path, capsys, monkeypatch, argv,
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1 and words.replace("{d}", str(tmp_path)) in err, err
     assert sorted(tmp_path.rglob("*")) == before
+
+
+def test_a_corpus_folder_reads_its_regular_files_only(tmp_path):
+    """A text file that links to /dev/zero (21.8 GB before the kernel killed the run) or is a fifo
+    (train hung) is skipped like any file that is not text, and said once."""
+    from gridtrain.data.corpus import iter_documents
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("a real document\n")
+    (corpus / "zero.txt").symlink_to("/dev/zero")
+    os.mkfifo(corpus / "pipe.txt")
+    assert list(iter_documents(corpus)) == ["a real document\n"]

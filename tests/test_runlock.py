@@ -49,7 +49,7 @@ def test_a_second_job_is_refused_and_the_first_finishes_intact(tmp_path, corpus_
         assert first.poll() is None, "the first job ended before the second was refused: lengthen it"
         lines = second.stderr.splitlines()
         assert second.returncode == 2 and len(lines) == 1, (extra, second.stderr)
-        assert f"run_dir {run_dir} is in use by another gridtrain job (host " in lines[0], lines[0]
+        assert f"{run_dir} is in use by another gridtrain job (host " in lines[0], lines[0]
         assert f"PID {first.pid}, started " in lines[0] and "launching" not in second.stderr
     _, err = first.communicate(timeout=300)
     assert first.returncode == 0, err[-3000:]
@@ -109,3 +109,46 @@ def test_the_lock_names_its_holder_and_outlives_nothing(tmp_path):
     again = RunLock.acquire(run_dir, retry_s=0)
     assert again.previous is None  # a clean release leaves no one behind
     again.release()
+
+
+@pytest.mark.parametrize("shape", ["symlink", "fifo", "directory"])
+def test_a_lock_file_that_is_not_a_file_is_refused_and_nothing_is_written(tmp_path, shape):
+    """A link is never followed (it would have emptied the file it points to), a fifo never waited
+    on (it hung `train`), a folder named as the lock never mistaken for one: one line, exit 2."""
+    run_dir, victim = tmp_path / "run", tmp_path / "precious.txt"
+    run_dir.mkdir()
+    victim.write_text("precious\n")
+    lock = run_dir / LOCK_FILE
+    {"symlink": lambda: lock.symlink_to(victim), "fifo": lambda: os.mkfifo(lock), "directory": lock.mkdir}[shape]()
+    for attempt in (lambda: holder(run_dir), lambda: RunLock.acquire(run_dir, retry_s=0)):
+        with pytest.raises(RunDirInUse, match=f"its lock file {LOCK_FILE} (is not a regular file|cannot be opened)"):
+            attempt()
+    assert victim.read_text() == "precious\n"
+
+
+def test_garbage_in_a_lock_file_is_no_holder(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    for text in ('{"host": "h", "pid": 1e999, "started": "x"}', "[" * 60000, "\xff\xfe", ""):
+        (run_dir / LOCK_FILE).write_text(text)
+        assert holder(run_dir) is None
+        lock = RunLock.acquire(run_dir, retry_s=0)
+        assert lock.previous is None
+        lock.release()
+
+
+def test_a_shared_checkpoint_directory_is_held_too(tmp_path, corpus_dir, capsys):
+    """Two jobs in different run directories sharing a checkpoint.dir deleted each other's saves
+    (one died at its fourth step): the second is refused, naming the first."""
+    from conftest import cli_train
+
+    shared = tmp_path / "shared-checkpoints"
+    child = hold_in_child(shared)
+    try:
+        assert cli_train(tmp_path / "b", corpus_dir, "--checkpoint.dir", str(shared)) == 2
+    finally:
+        child.kill()
+        child.wait()
+    err = capsys.readouterr().err
+    assert f"{shared} is in use by another gridtrain job (host " in err and f"PID {child.pid}" in err
+    assert not (tmp_path / "b" / "config.json").exists()

@@ -8,8 +8,11 @@ regenerated to match (checksums are not a signature):
 - a weight re-marked as a bytes item in `.metadata` (only DCP's own classes in the pickle);
 - a weight read from a file outside the checkpoint directory (`../../notes.bin`);
 - a `.metadata` whose pickle names a class DCP never writes (`io.open`);
-and the damaged metadata that used to escape as a 50-line traceback (truncated, `None`, a size of
-2**40, a missing key, a `relative_path` of /dev/zero). Every reader of checkpoints (resume,
+the damaged metadata that used to escape as a 50-line traceback (truncated, `None`, a size of
+2**40, a missing key, a `relative_path` of /dev/zero, a storage_meta of another type); and what a
+second reader of this code found: a `.metadata` nesting a tuple 100,000 deep (it crashed the
+interpreter), a tensor stored compressed (a zip bomb), chunks that leave a tensor uninitialized,
+and a shard that is a link to a file outside the directory. Every reader of checkpoints (resume,
 export, sample, eval) refuses each in one line with exit status 2, and the file the payload
 would create never appears. `plan --check` and the explorer's runs view read no checkpoint.
 """
@@ -127,7 +130,8 @@ def craft_none(ckpt, mark):
 
 def craft_huge_size(ckpt, mark):
     metadata = read_metadata(ckpt)
-    metadata.state_dict_metadata["model.norm.weight"].size = torch.Size([2**40])
+    item = metadata.state_dict_metadata["model.norm.weight"]
+    item.size = item.chunks[0].sizes = torch.Size([2**40])  # a tensor and its one chunk, 2**40 elements
     rewrite(ckpt, metadata)
 
 
@@ -145,6 +149,56 @@ def craft_dev_zero(ckpt, mark):
     rewrite(ckpt, metadata)
 
 
+def craft_deep_nesting(ckpt, mark):
+    """A tuple nested 100,000 deep as a dict key: hashing it crashed the interpreter (SIGSEGV)."""
+    (ckpt / ".metadata").write_bytes(b"\x80\x04}" + b")" + b"\x85" * 100_000 + b"Ns.")
+    write_manifest(ckpt, 2, 1)
+
+
+def craft_compressed(ckpt, mark):
+    """The norm weight's bytes recompressed: torch.save never compresses, so a compressed entry can
+    only inflate (a 3.9 MB item declared 4 GB and took 4.2 GB to refuse)."""
+    import zipfile
+
+    metadata = read_metadata(ckpt)
+    index = next(i for i in metadata.storage_data if i.fqn == "model.norm.weight")
+    info = metadata.storage_data[index]
+    with open(ckpt / info.relative_path, "rb") as f:
+        f.seek(info.offset)
+        blob = f.read(info.length)
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(blob)) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as dst:
+        for entry in src.infolist():
+            dst.writestr(entry.filename, src.read(entry))
+    shard = ckpt / info.relative_path
+    offset = shard.stat().st_size
+    with open(shard, "ab") as f:
+        f.write(out.getvalue())
+    metadata.storage_data[index] = _StorageInfo(info.relative_path, offset, len(out.getvalue()))
+    rewrite(ckpt, metadata)
+
+
+def craft_no_chunks(ckpt, mark):
+    """A tensor whose chunks cover none of it: a load left it uninitialized, and exited 0."""
+    metadata = read_metadata(ckpt)
+    metadata.state_dict_metadata["model.norm.weight"].chunks = []
+    rewrite(ckpt, metadata)
+
+
+def craft_storage_meta(ckpt, mark):
+    metadata = read_metadata(ckpt)
+    metadata.storage_meta = 1
+    rewrite(ckpt, metadata)
+
+
+def craft_symlinked_shard(ckpt, mark):
+    """The shard a link to a copy outside the directory (its checksum the manifest's)."""
+    outside = ckpt.parent.parent.parent / "shard-copy"
+    shutil.copy(ckpt / "__0_0.distcp", outside)
+    (ckpt / "__0_0.distcp").unlink()
+    (ckpt / "__0_0.distcp").symlink_to(outside)
+
+
 ROUTES = {  # route: (craft, words of the refusal)
     "bytes item in a shard": (craft_bytes_in_shard, "as a pickled bytes item"),
     "weight re-marked as bytes": (craft_weight_as_bytes, "marks 'model.norm.weight' as a pickled bytes item"),
@@ -155,6 +209,11 @@ ROUTES = {  # route: (craft, words of the refusal)
     "size 2**40": (craft_huge_size, "model.norm.weight is [1099511627776] there, [64] here"),
     "missing key": (craft_missing_key, "model.norm.weight is missing"),
     "relative_path /dev/zero": (craft_dev_zero, "from '/dev/zero', which is not a file of the checkpoint's manifest"),
+    "deep nesting": (craft_deep_nesting, "its .metadata nests objects more than 64 deep"),
+    "compressed tensor": (craft_compressed, "holds 'model.norm.weight' compressed"),
+    "chunks short of the tensor": (craft_no_chunks, "chunks of 'model.norm.weight' hold 0 elements, the tensor has 64"),
+    "storage_meta of another type": (craft_storage_meta, "its .metadata's storage_meta is a int"),
+    "symlinked shard": (craft_symlinked_shard, "shard __0_0.distcp is not a regular file (a link"),
 }
 
 
@@ -188,6 +247,18 @@ def test_every_reader_refuses_every_route_in_one_line(genuine, corpus_dir, tmp_p
     assert "Traceback" not in err
     assert not mark.exists()
     assert not (tmp_path / "out").exists()
+
+
+def test_resume_refuses_a_checkpoint_whose_state_is_not_its_step(genuine, corpus_dir, tmp_path, capsys):
+    """step-0000002 renamed step-0000004 with a manifest to match: resume would have trained on
+    from the state of step 2 as if it were step 4 (a step of 10**12 trained nothing and exited 0)."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(genuine, run_dir)
+    moved = run_dir / "checkpoints" / "step-0000004"
+    (run_dir / "checkpoints" / STEP).rename(moved)
+    write_manifest(moved, 4, 1)
+    assert cli_train(run_dir, corpus_dir, "--resume", "--train.steps", "6", "--train.sample_tokens", "0") == 2
+    assert "holds the state of step 2, not of the step its name says" in capsys.readouterr().err
 
 
 def test_readers_of_no_checkpoint_never_touch_a_crafted_one(genuine, tmp_path, capsys):

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from gridtrain.errors import BadInput, MissingInput
+from gridtrain.inputs import file_problem
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ def iter_documents(source: str | Path) -> Iterator[str]:
         logger.info("%s: skipped %s", path, "; ".join(
             f"{len(files):,} {'entry' if len(files) == 1 else 'entries'} {why} "
             f"(e.g. {', '.join(str(f.relative_to(path)) for f in files[:3])})"
-            for why, files in (("not read as text (by suffix, see TEXT_SUFFIXES, or a linked folder)", other),
+            for why, files in (("not read as text (by suffix, see TEXT_SUFFIXES; a linked folder; not a regular file)", other),
                                ("not valid UTF-8", undecodable)) if files))
 
 
@@ -61,8 +62,8 @@ def _walk_text_files(root: Path, other: list[Path]) -> Iterator[Path]:
         for name in sorted(filenames):
             if name.startswith("."):
                 continue
-            if Path(name).suffix.lower() in TEXT_SUFFIXES:
-                yield Path(dirpath) / name
+            if Path(name).suffix.lower() in TEXT_SUFFIXES and file_problem(Path(dirpath) / name) is None:
+                yield Path(dirpath) / name  # a regular file: a link to /dev/zero or a fifo is never read
             else:
                 other.append(Path(dirpath) / name)
 
@@ -99,7 +100,7 @@ def _is_json_lines(path: Path) -> bool:
         with path.open(encoding="utf-8") as f:
             first = f.readline()
         obj = json.loads(first)
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         return False
     return isinstance(obj, dict) and "text" in obj
 
@@ -117,7 +118,7 @@ def _json_lines_documents(path: Path) -> Iterator[str]:
                 text = json.loads(line)["text"]
                 if not isinstance(text, str):
                     raise TypeError(f"'text' is a {type(text).__name__}, not a string")
-            except (json.JSONDecodeError, KeyError, TypeError) as err:
+            except (json.JSONDecodeError, KeyError, TypeError, RecursionError) as err:
                 raise BadInput(f"{path}:{line_no}: expected a JSON object with a 'text' field "
                                  f"({type(err).__name__}: {err})") from None
             if text:

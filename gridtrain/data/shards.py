@@ -27,6 +27,7 @@ import numpy as np
 from gridtrain.data.corpus import default_corpus, iter_documents
 from gridtrain.data.tokenizer import Tokenizer, build_tokenizer, encode_batch
 from gridtrain.errors import BadInput, ExistingOutput, MissingInput
+from gridtrain.inputs import read_json
 
 logger = logging.getLogger(__name__)
 
@@ -331,9 +332,10 @@ def load_index(prepared_dir: Path) -> dict[str, Any]:
     if not path.is_file():
         raise MissingInput(f"{prepared_dir} is not a prepared data directory (no "
                                 f"{INDEX_FILE}); create one with gridtrain.data.shards.prepare")
-    index = json.loads(path.read_text())
-    if index.get("format_version") != FORMAT_VERSION:
-        raise BadInput(f"{path} has format version {index.get('format_version')}, this code "
+    index = read_json(path, str(path))
+    if not isinstance(index, dict) or index.get("format_version") != FORMAT_VERSION:
+        version = index.get("format_version") if isinstance(index, dict) else None
+        raise BadInput(f"{path} has format version {version}, this code "
                          f"reads {FORMAT_VERSION}: prepare the corpus again")
     return index
 

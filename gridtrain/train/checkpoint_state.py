@@ -138,6 +138,7 @@ def _cause(err: BaseException) -> str:
     """The first line of what went wrong inside DCP (a CheckpointException wraps each rank's)."""
     if isinstance(err, CheckpointException) and err.failures:
         inner = next(iter(err.failures.values()))
+        inner = inner[0] if isinstance(inner, tuple) else inner  # (exception, traceback) in torch 2.13
         err = getattr(inner, "exc", inner)
     text = str(err).strip().splitlines()
     return f"{type(err).__name__}: {text[0][:300]}" if text else type(err).__name__

@@ -166,11 +166,15 @@ class Checkpointer:
 
     def resume(self) -> tuple[Path, dict[str, torch.Tensor]] | None:
         """Load the newest intact checkpoint into the parts and optimizers and return its path and
-        trainer state (None when there is none: the run starts from step 0)."""
+        trainer state (None when there is no checkpoint: the run starts from step 0; refused when
+        there are checkpoints and none is intact)."""
         path, skipped = checkpoint.latest_valid_checkpoint(self.root, self.group)
+        if path is None and skipped:  # a run that saved, none of it usable: starting over would bury it
+            raise checkpoint.InvalidCheckpointError(
+                f"none of the {len(skipped)} checkpoints in {self.root} is intact ({skipped[0][0].name}: "
+                f"{skipped[0][1]}): move them aside to train from step 0")
         if path is None:
             if self.rank == 0:
-                log.info("resume: no intact checkpoint in %s (%d skipped), starting from step 0",
-                         self.root, len(skipped))
+                log.info("resume: no checkpoint in %s yet, starting from step 0", self.root)
             return None
         return path, checkpoint.load(path, self.parts, self.optimizers, self.state(), self.group)

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.planner import WriteItem
 
 from gridtrain.config import CheckpointConfig, ModelConfig, TrainConfig
 from gridtrain.config_load import load_config
-from gridtrain.inputs import MISSING, file_problem, read_input
+from gridtrain.inputs import MISSING, file_problem, read_json
 from gridtrain.model.args import PRESETS, ModelArgs
 from gridtrain.model.hf import (TIED_HEAD_DIFFERS, InterchangeError, check_hf_shape, from_hf_name, from_hf_tensor,
                                 hf_config, hf_layer_of, hf_shape, json_type, to_hf_name)
@@ -56,11 +56,7 @@ class Stored:
 def _read_json(path: Path) -> Any:
     """config.json or the safetensors index, checked before it is read (a regular file of at most
     JSON_BYTES) and parsed."""
-    data = read_input(path, str(path), JSON_BYTES, error=InterchangeError)
-    try:
-        return json.loads(data)
-    except ValueError as err:  # UnicodeDecodeError included
-        raise InterchangeError(f"{path} is not readable JSON ({err})") from None
+    return read_json(path, str(path), JSON_BYTES, error=InterchangeError)
 
 
 def _read_config(hf_dir: Path) -> dict[str, Any]:

@@ -92,7 +92,7 @@ def find_checkpoint(root: Path, step: int | None = None) -> Path:
     return path
 
 
-_LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
+_LAYER_KEY = re.compile(r"^model\.layers\.(\d{1,9})\.")
 
 
 def shape_problem(metadata: Metadata, args: ModelArgs) -> str | None:

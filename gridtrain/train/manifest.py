@@ -22,7 +22,12 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 
+from gridtrain.errors import UserError
+from gridtrain.inputs import read_input
+
 MANIFEST = "manifest.json"
+MAX_MANIFEST_BYTES = 64 * 2**20
+"""A manifest lists a file per rank and item (about 100 bytes each): 64 MiB is some 600,000 files."""
 FORMAT = "gridtrain-checkpoint"
 VERSION = 1
 
@@ -124,11 +129,11 @@ def read_manifest(path: Path) -> tuple[dict | None, str | None]:
         return None, (f"no {MANIFEST} (the save did not finish, or the checkpoint was written by "
                       "a gridtrain without manifests)")
     try:
-        manifest = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as e:
+        manifest = json.loads(read_input(file, MANIFEST, MAX_MANIFEST_BYTES).decode("utf-8"))
+    except (OSError, UnicodeDecodeError, UserError) as e:
         return None, f"cannot read {MANIFEST}: {e}"
-    except json.JSONDecodeError as e:
-        return None, f"{MANIFEST} is not valid JSON ({e})"
+    except (json.JSONDecodeError, RecursionError) as e:
+        return None, f"{MANIFEST} is not valid JSON ({type(e).__name__}: {str(e)[:200]})"
     problem = _manifest_problem(manifest)
     if problem is None:
         match = _STEP_NAME.match(path.name)
@@ -153,9 +158,10 @@ def _check_files(path: Path, listed: dict[str, dict], deep: bool) -> list[str]:
         if name not in present:
             problems.append(f"{_label(name)} is missing (the manifest lists {want:,} bytes)")
             continue
-        size = present[name].stat().st_size if present[name].is_file() else -1
+        size = present[name].stat().st_size if present[name].is_file() and not present[name].is_symlink() else -1
         if size < 0:
-            problems.append(f"{_label(name)} is not a regular file")
+            problems.append(f"{_label(name)} is not a regular file (a link, a device or a folder: gridtrain reads "
+                            "nothing outside the checkpoint directory)")
         elif size != want:
             how = "truncated" if size < want else "longer than written"
             problems.append(f"{_label(name)} is {size:,} bytes, the manifest says {want:,} ({how})")

@@ -33,9 +33,10 @@ from gridtrain.parallel.grads import clip_grad_norm
 from gridtrain.parallel.mesh import build_mesh, group
 from gridtrain.parallel.tensor_parallel import loss_context
 from gridtrain.rundir import RunRecord
-from gridtrain.runlock import RunDirInUse, RunLock
+from gridtrain.runlock import RunDirInUse, RunLock, job_dirs
 from gridtrain.train.build import build_data, loss_fn, scalar
 from gridtrain.train.calibrate import peak_flops
+from gridtrain.train.checkpoint_state import InvalidCheckpointError
 from gridtrain.train.checkpointer import Checkpointer
 from gridtrain.train.device import device_name, memory_gib
 from gridtrain.train.distributed import any_rank, init_world
@@ -91,18 +92,22 @@ def forward_backward(pmodel: ParallelModel, read: Callable[[int, int], tuple[tor
     return loss_sum
 
 
-def hold_run_dir(run_dir: Path, rank: int) -> RunLock | None:
-    """Rank 0 takes the run directory's lock (runlock.RunLock) for the job's lifetime; every rank
-    raises RunDirInUse if it cannot (an all-reduce of one flag), before anything is written."""
-    lock, error = None, None
+def hold_run_dir(dirs: list[Path], rank: int) -> list[RunLock]:
+    """Rank 0 takes the lock of the run directory (and of a checkpoint directory outside it) for
+    the job's lifetime (runlock.RunLock); every rank raises RunDirInUse if it cannot (an
+    all-reduce of one flag), before anything is written."""
+    locks: list[RunLock] = []
+    error = None
     if rank == 0:
         try:
-            lock = RunLock.acquire(run_dir)
+            locks = [RunLock.acquire(d) for d in dirs]
         except RunDirInUse as err:
             error = err
+            for lock in locks:
+                lock.release()
     if any_rank(error is not None):
-        raise error or RunDirInUse(f"run_dir {run_dir} is in use by another gridtrain job (rank 0 names it)")
-    return lock
+        raise error or RunDirInUse(f"run_dir {dirs[0]} is in use by another gridtrain job (rank 0 names it)")
+    return locks
 
 
 class Trainer:
@@ -113,13 +118,17 @@ class Trainer:
         # Start-up (data preparation on rank 0, the first checkpoint load) may take longer than
         # a training collective should: the run's own timeout is set once it is built.
         self.world = init_world(max(1800.0, cfg.train.collective_timeout_s))
-        self.lock = hold_run_dir(Path(cfg.run_dir), self.world.rank)
+        self.locks = hold_run_dir(job_dirs(cfg), self.world.rank)
         try:
             self.build(cfg)
         except BaseException:
-            if self.lock is not None:  # a start that fails lets the directory go at once
-                self.lock.release()
+            self.release()  # a start that fails lets the directory go at once
             raise
+
+    def release(self) -> None:
+        """Let the run directory go (every save is committed or abandoned)."""
+        for lock in self.locks:
+            lock.release()
 
     def build(self, cfg: Config) -> None:
         """Everything of the run but its process group and lock: data, model, optimizer, the
@@ -195,10 +204,13 @@ class Trainer:
             return
         path, state = found
         self.step, samples = int(state["step"]), int(state["samples"])
+        if self.step != int(path.name.removeprefix("step-")):
+            raise InvalidCheckpointError(f"checkpoint {path} holds the state of step {self.step}, not of the step "
+                                         "its name says: it was altered; move it aside to resume from the one before")
         if samples != self.step * self.global_batch:
-            raise ValueError(f"checkpoint {path} consumed {samples} samples in {self.step} steps, "
-                             f"which is not {self.step} x train.global_batch ({self.global_batch}): "
-                             "resume with the global batch the run was saved with")
+            raise InvalidCheckpointError(
+                f"checkpoint {path} consumed {samples} samples in {self.step} steps, which is not {self.step} x "
+                f"train.global_batch ({self.global_batch}): resume with the global batch the run was saved with")
         torch.set_rng_state(state["rng"])
         self.precision.load_state_dict(state)
         if self.world.rank == 0:
@@ -321,6 +333,5 @@ class Trainer:
             checkpointer.signals.release()
             if writer:
                 writer.close()
-            if self.lock is not None:  # every save is committed or abandoned: the directory is free
-                self.lock.release()
+            self.release()
         return metrics
