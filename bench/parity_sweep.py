@@ -19,6 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from gridtrain.parity import matrix  # noqa: E402
 from gridtrain.parity.matrix import AXES, all_cases, pairwise  # noqa: E402
 from gridtrain.parity.sweep import References, run_cases, summarize  # noqa: E402
 
@@ -30,7 +31,11 @@ def main() -> None:
     parser.add_argument("--only", default="", help="only cases whose name contains this")
     parser.add_argument("--chunk", type=int, default=24, help="cases per torchrun launch")
     parser.add_argument("--corpus", type=Path, default=None, help="default: the Python standard library")
+    parser.add_argument("--resume-world", type=int, default=matrix.RESUME_MAX_WORLD,
+                        help="the widest world whose cases resume under another layout of their world "
+                             "(wider ones resume in one process)")
     args = parser.parse_args()
+    matrix.RESUME_MAX_WORLD = args.resume_world
 
     cases = all_cases()
     if args.pairwise:

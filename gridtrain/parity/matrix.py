@@ -157,13 +157,22 @@ def _accepted(max_world: int = 8) -> tuple[Case, ...]:
     return tuple(c for c in all_cases(max_world) if c.accepted)
 
 
-def resume_layout(case: Case) -> Case | None:
+RESUME_MAX_WORLD = 4
+"""The largest world whose cases resume under another layout of their world (in their own
+launch); wider ones resume in one process. Eight processes share this machine's two cores: a step
+of HSDP 2 x 2 x TP 2 + SP took 2.5 minutes, and its resumption under ZeRO-3 x TP 2 x CP 2 more
+than 17 (measured in tests/test_parity.py's subset)."""
+
+
+def resume_layout(case: Case, max_world: int | None = None) -> Case | None:
     """The layout the case's checkpoint resumes under for its second leg: drawn deterministically
     (a CRC of the case's name) from one process (None) and every other accepted layout of the same
     world size with the case's precision, embeddings and micro-batch (so that the one-process
-    reference's next step is this step's too). One process is left out only where it is the
-    case's own layout."""
+    reference's next step is this step's too); for worlds past `max_world`, one process. One
+    process is left out only where it is the case's own layout."""
     options: list[Case | None] = [] if case.world == 1 and case.choice("recompute") == "none" else [None]
+    if case.world > (RESUME_MAX_WORLD if max_world is None else max_world):
+        return None
     options += sorted((c for c in _accepted() if c.world == case.world and c.name != case.name
                        and all(c.choice(a) == case.choice(a) for a in ("precision", "embeddings"))
                        and c.overrides["train.micro_batch"] == case.overrides["train.micro_batch"]),
