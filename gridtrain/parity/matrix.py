@@ -159,9 +159,9 @@ def _accepted(max_world: int = 8) -> tuple[Case, ...]:
 
 RESUME_MAX_WORLD = 4
 """The largest world whose cases resume under another layout of their world (in their own
-launch); wider ones resume in one process. Eight processes share this machine's two cores: a step
-of HSDP 2 x 2 x TP 2 + SP took 2.5 minutes, and its resumption under ZeRO-3 x TP 2 x CP 2 more
-than 17 (measured in tests/test_parity.py's subset)."""
+launch); wider ones resume in one process. Eight processes share this machine's two cores: late in
+an eight-rank launch of tests/test_parity.py's subset, a step of HSDP 2 x 2 x TP 2 + SP took 2.5
+minutes and its resumption under ZeRO-3 x TP 2 x CP 2 more than 17."""
 
 
 def resume_layout(case: Case, max_world: int | None = None) -> Case | None:

@@ -98,6 +98,7 @@ def verdict(case: Case, result: Result | None, error: str, refs: References) -> 
         found.append(f"validation loss {result.val_loss} vs {ref.val_loss} (relative {legs['val_rel']:.2e} "
                      f"> {val_tol:.2e})")
     timing = {"seconds": result.seconds} if result.seconds else {}
+    found.sort(key=lambda p: not any(word in p for word in ("loss", "gradient norm")))  # the steps' first
     return {**line, "status": "failed" if found else "passed", "problems": found[:8], **dev.summary(), **legs, **timing}
 
 
