@@ -36,15 +36,18 @@ class References:
 
     @staticmethod
     def key(overrides: dict[str, object]) -> tuple:
-        return (overrides["train.precision"], overrides["train.micro_batch"], overrides["model.tie_embeddings"])
+        return (overrides["train.precision"], overrides["train.micro_batch"], overrides["model.tie_embeddings"],
+                overrides["train.steps"], LEG in overrides)
 
     def get(self, overrides: dict[str, object]) -> Result:
+        """The reference of a case; with the second leg's validation and last step where the case
+        has a second leg (LEG in its overrides), else its whole run straight through."""
         key = self.key(overrides)
         if key not in self._runs:
             one = {k: v for k, v in overrides.items()
                    if not k.startswith("parallel.") and k not in ("train.recompute", LEG)}
             one.update(self.data_overrides(), run_dir=str(self.work / f"reference-{len(self._runs)}"))
-            self._runs[key] = run_reference(one, leg=True)
+            self._runs[key] = run_reference(one, leg=LEG in overrides)
         return self._runs[key]
 
     def data_overrides(self) -> dict[str, object]:
