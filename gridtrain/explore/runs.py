@@ -85,8 +85,9 @@ def run_page(root: Path | None, name: str) -> tuple[int, object]:
     from gridtrain.plan.check_run import check_run
 
     try:
-        out["check"] = [{"rank": r.rank, "key": r.bucket, "predicted": r.predicted, "measured": r.measured,
-                         "estimated": r.estimated} for r in check_run(run)]
+        out["check"] = [{"rank": r.rank, "key": r.bucket, "predicted": None if r.missing else r.predicted,
+                         "measured": r.measured, "estimated": r.estimated, "missing": r.missing}
+                        for r in check_run(run)]
     except (FileNotFoundError, UserError, ValueError, KeyError) as e:
         out["check"], out["check_note"] = [], f"no accounting to compare: {e}"
     return 200, out

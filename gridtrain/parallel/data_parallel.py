@@ -97,6 +97,30 @@ def apply_ddp(model: nn.Module, mesh: DeviceMesh) -> None:
     model.register_comm_hook(mesh.get_group(), sum_gradients)
 
 
+DDP_FIRST_BUCKET_BYTES, DDP_BUCKET_BYTES = 1 << 20, 25 << 20
+"""DDP's buckets: the first 1 MiB (torch's dist._DEFAULT_FIRST_BUCKET_BYTES), the rest bucket_cap_mb."""
+
+
+def all_reduce_as_ddp(params: list[nn.Parameter], group: dist.ProcessGroup) -> None:
+    """What DDP's reducer does in a backward that syncs, for a dry run, where DDP itself cannot
+    start: every gradient summed over `group` once, in buckets filled in reverse parameter order
+    (the order backward produces them). The bytes are DDP's; its bucket boundaries, which follow
+    the order gradients become ready, may differ."""
+    buckets: list[list[torch.Tensor]] = [[]]
+    size, cap = 0, DDP_FIRST_BUCKET_BYTES
+    for p in reversed(params):
+        if p.grad is None:
+            continue
+        if size and size + p.grad.nbytes > cap:
+            buckets.append([])
+            size, cap = 0, DDP_BUCKET_BYTES
+        buckets[-1].append(p.grad)
+        size += p.grad.nbytes
+    for grads in buckets:
+        if grads:
+            dist.all_reduce(torch.cat([g.reshape(-1) for g in grads]), group=group)
+
+
 def sum_gradients(group, bucket):  # noqa: ANN001, ANN201 - DDP compares real annotations at runtime
     """DDP communication hook (ProcessGroup, GradBucket) -> Future[Tensor]: all-reduce a bucket of
     gradients as a sum (DDP's default divides by the group size; the trainer has divided each

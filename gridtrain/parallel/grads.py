@@ -13,7 +13,19 @@ import math
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
+
+
+def settle_partial_grads(params: list[torch.nn.Parameter]) -> None:
+    """Reduce once the gradients DTensor leaves as partial sums (the norms' weights under sequence
+    parallelism: each rank's sum over its part of the sequence), in place. Left partial, every
+    later op that reads one (the norm, then each of AdamW's) all-reduced it again: three more
+    times per step."""
+    for p in params:
+        grad = p.grad
+        if isinstance(grad, DTensor) and any(pl.is_partial() for pl in grad.placements):
+            p.grad = grad.redistribute(grad.device_mesh, [Replicate() if pl.is_partial() else pl
+                                                          for pl in grad.placements])
 
 
 def total_grad_norm(params: list[torch.nn.Parameter], pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:

@@ -20,6 +20,7 @@ from gridtrain.model.llama import Transformer
 from gridtrain.parallel.materialize import is_meta, materialize
 
 if TYPE_CHECKING:
+    import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
@@ -101,6 +102,9 @@ class ParallelModel:
     """What validation runs where the training schedule cannot run forward only (V shapes)."""
     traffic: PipelineTraffic | None = None
     ring_traffic: RingTraffic | None = None
+    dry_ddp: dist.ProcessGroup | None = None
+    """A dry run's DDP group: DDP cannot start on fake tensors (it checks their storage), so the
+    dry run sums the gradients over it as DDP would (data_parallel.all_reduce_as_ddp)."""
 
     @property
     def has_first_stage(self) -> bool:
@@ -148,9 +152,11 @@ def parallelize(model: Transformer, cfg: Config, dims: ParallelDims | None = Non
     parts = [m for _, m in stages]
     if is_meta(parts):
         materialize(parts, model.args, t.seed, device or torch.device("cpu"), fake)
-    if data_parallel and ddp:
-        apply_data_parallel(model, mesh, p.zero_stage, dims.dp_replicate, dims.tp, dims.pp)
     result = ParallelModel(parts, [s for s, _ in stages])
+    if data_parallel and ddp and fake is not None:
+        result.dry_ddp = mesh["dp_replicate"].get_group()
+    elif data_parallel and ddp:
+        apply_data_parallel(model, mesh, p.zero_stage, dims.dp_replicate, dims.tp, dims.pp)
     if dims is not None and dims.cp > 1:
         from gridtrain.parallel.context_parallel import apply_context_parallel
 

@@ -7,11 +7,12 @@ SPEC.json maps a case name to its config overrides. For each case the worker tra
 saves, from one rank per pipeline rank (data- and tensor-parallel coordinate 0), the per-step
 losses, the per-step gradient norms (before clipping) and the gathered full weights of the stages
 that rank holds, initial and final: OUT_DIR/NAME.pp<r>.pt. A case whose overrides hold LEG runs
-the second leg: after all steps but the last it validates in its layout, saves a checkpoint, and
-resumes it for the last step under the layout LEG names, in the same launch (OUT_DIR/NAME.leg.pp<r>.pt;
-for one process, the comparing process resumes it). For a case whose overrides hold
-MEASURE = true, from every rank the tensor bytes it held at most while the Trainer was built and
-during the first step: OUT_DIR/NAME.rank<r>.bytes.json (a dispatch mode follows every op then).
+the second leg: after all steps but the last it validates in its layout, saves a checkpoint as a
+stop signal does (`save_on_sigterm`), and resumes it for the last step under the layout LEG
+names, in the same launch (OUT_DIR/NAME.leg.pp<r>.pt; for one process, the comparing process
+resumes it). For a case whose overrides hold MEASURE = true, from every rank the tensor bytes it
+held at most while the Trainer was built and during the first step:
+OUT_DIR/NAME.rank<r>.bytes.json (a dispatch mode follows every op then).
 A case that raises leaves OUT_DIR/NAME.error.txt (rank 0) and ends the launch.
 """
 
@@ -99,7 +100,7 @@ def run_case(name: str, overrides: dict[str, object], out: Path) -> None:
     seconds = {"steps": time.perf_counter() - started}
     if with_leg:
         result["val_loss"] = trainer.evaluate()["loss/val"]
-        trainer.save()
+        save_on_sigterm(trainer)
         seconds["validate_save"] = time.perf_counter() - started - seconds["steps"]
         del trainer
         if resume_as is not None:
@@ -111,6 +112,27 @@ def run_case(name: str, overrides: dict[str, object], out: Path) -> None:
         torch.save(result, out / f"{name}.pp{pp_rank}.pt")
     if dist.is_initialized():
         dist.barrier()
+
+
+def save_on_sigterm(trainer) -> None:  # noqa: ANN001 - a Trainer
+    """The first leg's checkpoint, saved as a job's stop signal saves it: rank 0 alone receives
+    SIGTERM, and every rank learns it after the step (`Trainer.stop_if_signalled`), saves and
+    stops. The second leg resumes this checkpoint, so the stop-signal save of every layout is
+    proven to resume."""
+    from gridtrain.train.checkpointer import Stopped
+
+    signals = trainer.checkpointer.signals
+    signals.catch()
+    try:
+        if trainer.world.rank == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+        trainer.stop_if_signalled()
+        raise RuntimeError(f"SIGTERM after step {trainer.step} did not stop the run")
+    except Stopped:
+        pass
+    finally:
+        signals.disarm()
+        signals.release()
 
 
 def run_leg(name: str, overrides: dict[str, object], out: Path) -> None:

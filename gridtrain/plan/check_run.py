@@ -75,6 +75,8 @@ class CheckRow:
     measured: float
     estimated: bool = False
     """The prediction is estimate_collectives', not the exact model's."""
+    missing: bool = False
+    """A collective the run made that the planner does not predict (`predicted` is nan)."""
 
     @property
     def ratio(self) -> float:
@@ -97,9 +99,20 @@ def check_run(run_dir: Path) -> list[CheckRow]:
         predicted, exact = collectives(args, dims, cfg, pp_rank, gloo=record.backend == "gloo")
         for key, value in predicted.items():
             rows.append(CheckRow(measured["rank"], key, value, measured.get(f"comm/{key}", 0.0), not exact))
+        for key, value in sorted(measured_collectives(measured).items()):
+            if key not in predicted:
+                rows.append(CheckRow(measured["rank"], key, math.nan, value, missing=True))
     if not rows:
         raise FileNotFoundError(f"{run_dir}/accounting has no rank records: was metrics.account_every 0?")
     return rows
+
+
+def measured_collectives(record: dict[str, float]) -> dict[str, float]:
+    """Payload bytes per mesh axis and kind of collective in an accounting record
+    ('dp_shard/all_gather_bytes'; the pipeline's and the ring's 'pp/send_bytes', 'cp/send_bytes'):
+    every collective the rank made in the step, each counted once (not on the wire)."""
+    return {key[len("comm/"):]: value for key, value in record.items()
+            if key.startswith("comm/") and key.endswith("_bytes") and not key.endswith("_wire_bytes")}
 
 
 def measured_step_seconds(run_dir: Path) -> float:
@@ -152,11 +165,13 @@ def format_step_time(row: CheckRow, parts: dict[str, float]) -> str:
 def format_check(rows: list[CheckRow]) -> str:
     lines = [f"{'rank':>4}  {'bucket':<30}  {'predicted':>13} {'measured':>14} {'ratio':>7}"]
     for r in rows:
-        pred = "-" if math.isnan(r.predicted) else f"{r.predicted:,.0f}"
+        pred = "missing" if r.missing else "-" if math.isnan(r.predicted) else f"{r.predicted:,.0f}"
         ratio = "-" if math.isnan(r.predicted) else f"{r.ratio:.4f}"
-        mark = "~" if r.estimated else " "
+        mark = "~" if r.estimated else "!" if r.missing else " "
         lines.append(f"{r.rank:>4}  {r.bucket:<30}{mark}{pred:>14} {r.measured:>14,.0f} {ratio:>7}")
     if any(r.estimated for r in rows):
         lines.append("~ estimated: this layout's collectives are composed axis by axis (plan/run_collectives.py, "
                      "estimate_collectives), not modelled exactly")
+    if any(r.missing for r in rows):
+        lines.append("! missing: the run made this collective and the planner predicts none")
     return "\n".join(lines)

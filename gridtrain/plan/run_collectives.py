@@ -137,8 +137,8 @@ def _predict_collectives(args: ModelArgs, dims: ParallelDims, cfg: Config, pp_ra
     only = lambda *axes: all(getattr(dims, a) == 1 for a in ("tp", "pp", "dp_replicate", "dp_shard", "cp")
                              if a not in axes)
     activation = 4 * mb * seq * args.dim
-    if p.zero_stage in (0, 1) and only("dp_replicate"):  # ZeRO-1 broadcasts after the step
-        return {"dp_replicate/all_reduce_bytes": total}
+    if p.zero_stage in (0, 1) and only("dp_replicate"):
+        return {"dp_replicate/all_reduce_bytes": total, **zero1_broadcast(p.zero_stage, total)}
     axis, shards = fsdp_axis(dims)
     if p.zero_stage in (2, 3) and only("dp_shard", "dp_replicate", "cp") and shards > 1:
         # ZeRO-2 gathers every unit once per micro-batch; ZeRO-3 again in backward, except the
@@ -168,6 +168,14 @@ def _predict_collectives(args: ModelArgs, dims: ParallelDims, cfg: Config, pp_ra
         first, last = pp_rank == 0, pp_rank == dims.pp - 1
         return {"pp/all_reduce_bytes": 4.0, "pp/send_bytes": m * activation * ((not last) + (not first))}
     return {}
+
+
+def zero1_broadcast(zero_stage: int, params: float) -> dict[str, float]:
+    """ZeRO-1 (torch's ZeroRedundancyOptimizer) after its step: each rank broadcasts the
+    parameters it updated, tensor by tensor, so every rank takes part in a broadcast of each of
+    its `params` fp32 bytes once per step (Rajbhandari et al. 2020, sec. 5.1: stage 1 moves the
+    same bytes as data parallelism, an all-gather of the updated parameters after the reduce)."""
+    return {"dp_replicate/broadcast_bytes": params} if zero_stage == 1 else {}
 
 
 def tp_activation_traffic(blocks: int, first: bool, last: bool, again: int, precision: str,
@@ -248,7 +256,8 @@ def dp_collectives(args: ModelArgs, dims: ParallelDims, cfg: Config, layout: Lay
     params = 4 * sum(numel(tp_local(name, s, dims.tp)) for name, s in shapes.items())
     syncs = 1 if dims.pp > 1 else m
     if p.zero_stage in (0, 1):
-        return {"dp_replicate/all_reduce_bytes": syncs * params if fsdp_gathers(layout) else params}
+        reduced = syncs * params if fsdp_gathers(layout) else params
+        return {"dp_replicate/all_reduce_bytes": reduced, **zero1_broadcast(p.zero_stage, params)}
     padded = fsdp_padded(shapes, dims)
     params = sum(padded.values())
     kept, forward = (sum(padded[name] for name in names) for names in gathered_once(shapes, args.tie_embeddings))

@@ -34,8 +34,8 @@ from gridtrain.config import Config, ConfigError
 from gridtrain.layout.dims import ParallelDims
 from gridtrain.model.stats import build_meta
 from gridtrain.parallel.accounting import DispatchedCollectives
-from gridtrain.parallel.data_parallel import uses_ddp
-from gridtrain.parallel.grads import clip_grad_norm
+from gridtrain.parallel.data_parallel import all_reduce_as_ddp
+from gridtrain.parallel.grads import clip_grad_norm, settle_partial_grads
 from gridtrain.parallel.mesh import build_mesh, group
 from gridtrain.parallel.parallelize import ParallelModel, parallelize
 from gridtrain.rundir import RunRecord, differences, saved_record
@@ -65,6 +65,7 @@ def dry_run(cfg: Config, world: int, rank: int) -> DryRunResult:
     dims = validate(cfg, world)
     check_dry_run(cfg, dims, rank)
     start = time.perf_counter()
+    forget_meshes()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         record = _step(cfg, dims)
@@ -78,16 +79,26 @@ def dry_run(cfg: Config, world: int, rank: int) -> DryRunResult:
     return DryRunResult(record, run_dir, time.perf_counter() - start)
 
 
+def forget_meshes() -> None:
+    """Empty DTensor's caches of sharding decisions. They are keyed by device meshes, which compare
+    by shape and axis names, not by rank: a process that dry-runs a second rank of the same layout
+    (the tests do) got the first rank's meshes back from them, and collectives on its groups."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import _redistribute
+
+    if hasattr(torch._C, "_clear_DTensor_sharding_propagator_cache"):
+        torch._C._clear_DTensor_sharding_propagator_cache()
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    if hasattr(_redistribute, "clear_redistribute_planner_cache"):
+        _redistribute.clear_redistribute_planner_cache()
+
+
 def check_dry_run(cfg: Config, dims: ParallelDims, rank: int) -> None:
-    """What a dry run refuses, before it starts: a rank outside the job, DDP, and a run_dir that
+    """What a dry run refuses, before it starts: a rank outside the job, and a run_dir that
     holds a real run or another job's dry run (its records would mix)."""
     problems = []
     if not 0 <= rank < dims.world_size:
         problems.append(f"--rank {rank} is not a rank of a {dims.world_size}-rank job: give 0 to {dims.world_size - 1}")
-    if dims.dp > 1 and uses_ddp(cfg.parallel.zero_stage, dims.tp, dims.pp):
-        problems.append(f"parallel.zero_stage = {cfg.parallel.zero_stage} without tp or pp is torch's DDP, whose "
-                        "reducer needs real gradients: a dry run cannot run it. Its rank holds the whole model "
-                        "(`gridtrain plan` gives the bytes); dry-run parallel.zero_stage = 2 or 3 instead")
     record = saved_record(Path(cfg.run_dir))
     if record is not None:
         if record.get("backend") != "fake":
@@ -129,8 +140,12 @@ def _step(cfg: Config, dims: ParallelDims) -> dict[str, float]:
         built = live.live
         with account.forward_backward():
             forward_backward(pmodel, read, 0, local_batch, t.micro_batch, micro_batches, precision, dims.tp, CPU)
+        if pmodel.dry_ddp is not None:
+            all_reduce_as_ddp(pmodel.parameters(), pmodel.dry_ddp)
+        settle_partial_grads(pmodel.parameters())
         clip_grad_norm(pmodel.parameters(), t.grad_clip if t.grad_clip > 0 else float("inf"), group(mesh, "pp"))
         account.collectives_done()
+        account.optimizer_begins()
         for opt in optimizers:
             opt.step()
         record = account.finish(optimizers)

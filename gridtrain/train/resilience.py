@@ -196,6 +196,7 @@ class StopSignals:
         self.grace_s = grace_s
         self.signum: int | None = None
         self.previous: dict[int, object] = {}
+        self.watchdog: threading.Timer | None = None
 
     def catch(self) -> None:
         if threading.current_thread() is threading.main_thread():
@@ -214,6 +215,13 @@ class StopSignals:
         self.signum = signum
         if self.grace_s <= 0:
             os._exit(128 + signum)
-        watchdog = threading.Timer(self.grace_s, os._exit, args=(128 + signum,))
-        watchdog.daemon = True
-        watchdog.start()
+        self.watchdog = threading.Timer(self.grace_s, os._exit, args=(128 + signum,))
+        self.watchdog.daemon = True
+        self.watchdog.start()
+
+    def disarm(self) -> None:
+        """Forget a caught signal and stop its watchdog: for a process that goes on after the
+        save (the parity harness's SIGTERM leg), not for a run, which exits."""
+        if self.watchdog is not None:
+            self.watchdog.cancel()
+        self.signum, self.watchdog = None, None

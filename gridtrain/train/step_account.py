@@ -48,14 +48,24 @@ class StepAccount:
             self.record[f"comm/{axis}/send_bytes"] = float(counters[axis].send_bytes - before)
 
     def collectives_done(self) -> None:
-        """The step's training collectives end here (a loss average after it is reporting)."""
+        """The forward's, backward's and clipping's collectives end here (a loss average after
+        it is reporting, not training)."""
         if self.active and self.comm_log:
             self.record.update(flatten_comm(self.comm_log.since_start()))
+
+    def optimizer_begins(self) -> None:
+        """The optimizer's own collectives start here: ZeRO-1's broadcast of each rank's updated
+        parameters (they were missing from the step's record)."""
+        if self.active and self.comm_log:
+            self.comm_log.start()
 
     def finish(self, optimizers: list[torch.optim.Optimizer]) -> dict[str, float]:
         """The step's record, once the optimizer has stepped (its state exists then)."""
         if not self.active:
             return {}
+        if self.comm_log:
+            for key, value in flatten_comm(self.comm_log.since_start()).items():
+                self.record[key] = self.record.get(key, 0.0) + value
         self.record["memory/weights_bytes"] = float(param_bytes(self.pmodel.parameters()))
         self.record["memory/optimizer_bytes"] = float(optimizer_bytes(optimizers))
         return self.record

@@ -29,7 +29,7 @@ from gridtrain.model.stats import build_meta, count_parameters, flops_per_token
 from gridtrain.parallel.accounting import CollectiveLog
 from gridtrain.parallel.parallelize import ParallelModel, parallelize
 from gridtrain.parallel.data_parallel import set_gradient_sync
-from gridtrain.parallel.grads import clip_grad_norm
+from gridtrain.parallel.grads import clip_grad_norm, settle_partial_grads
 from gridtrain.parallel.mesh import build_mesh, group
 from gridtrain.parallel.tensor_parallel import loss_context
 from gridtrain.rundir import RunRecord
@@ -242,6 +242,7 @@ class Trainer:
         account = self.accountant.step(self.step)
         with account.forward_backward():
             loss = self.forward_backward()
+        settle_partial_grads(self.pmodel.parameters())
         for opt in self.optimizers:
             self.precision.unscale_(opt, group(self.mesh, "world"))
         max_norm = t.grad_clip if t.grad_clip > 0 else math.inf
@@ -249,6 +250,7 @@ class Trainer:
         account.collectives_done()
         # The global mean loss and norm: every rank sees the same values, so all decide alike.
         loss_value = self.reduce_loss(loss)
+        account.optimizer_begins()
         # fp16's scaler skips overflowing steps itself (and lowers the scale): the guard sees the loss.
         if self.guard.admit(self.step + 1, loss_value, 0.0 if t.precision == "fp16" else grad_norm):
             stepped = self.precision.step(self.optimizers)
@@ -289,6 +291,12 @@ class Trainer:
     def should(self, interval: int) -> bool:
         return interval > 0 and (self.step % interval == 0 or self.step == self.cfg.train.steps)
 
+    def stop_if_signalled(self) -> None:
+        """After a step: when any rank has received SIGTERM or SIGUSR1, every rank saves this step's
+        checkpoint and stops (raises Stopped)."""
+        if any_rank(self.checkpointer.signals.signum is not None):
+            self.checkpointer.stop(self.step)
+
     def run(self) -> dict[str, float]:
         """Train to `train.steps`; returns the last step's metrics (with validation if run)."""
         cfg, checkpointer = self.cfg, self.checkpointer
@@ -317,8 +325,7 @@ class Trainer:
                     writer.write(self.step, metrics, echo=self.should(cfg.metrics.log_every) or "loss/val" in metrics)
                     writer.advance(metrics["loss/train"])
                 phase = Phase(self.step, f"while saving the checkpoint of step {self.step}")
-                if any_rank(checkpointer.signals.signum is not None):
-                    checkpointer.stop(self.step)
+                self.stop_if_signalled()
                 checkpointer.after_step(self.step, cfg.train.steps, metrics["time/step_s"])
             checkpointer.check_last_saved(self.step)
         except TrainingDiverged:

@@ -82,11 +82,13 @@ function drawCheck(run) {
     const ratio = r.predicted ? r.measured / r.predicted : NaN;
     const tr = el("tr", { "data-rank": r.rank, "data-key": r.key });
     tr.append(el("td", {}, `${r.rank}`), el("th", {}, r.key + (r.estimated ? " (estimate)" : "")),
-              el("td", {}, fmt(r.predicted, 6)), el("td", {}, fmt(r.measured, 6)), el("td", {}, fmt(ratio, 5)));
+              el("td", {}, r.missing ? "missing: not predicted" : fmt(r.predicted, 6)), el("td", {}, fmt(r.measured, 6)),
+              el("td", {}, fmt(ratio, 5)));
     table.append(tr);
-    const y = 4 + i * 18, left = 230, width = 440, top = Math.max(r.predicted, r.measured) || 1;
-    svg.append(el("text", { x: 4, y: y + 11 }, `rank ${r.rank} ${r.key}`));
-    svg.append(el("rect", { x: left, y, width: (r.predicted / top) * width, height: 7, fill: "#9fbfe0", "data-predicted": r.predicted }));
+    const predicted = r.missing ? 0 : r.predicted;
+    const y = 4 + i * 18, left = 230, width = 440, top = Math.max(predicted, r.measured) || 1;
+    svg.append(el("text", { x: 4, y: y + 11 }, `rank ${r.rank} ${r.key}` + (r.missing ? " (not predicted)" : "")));
+    svg.append(el("rect", { x: left, y, width: (predicted / top) * width, height: 7, fill: "#9fbfe0", "data-predicted": predicted }));
     svg.append(el("rect", { x: left, y: y + 7, width: (r.measured / top) * width, height: 7, fill: "#1f4e89", "data-measured": r.measured }));
   });
   svg.append(el("text", { x: 230, y: rows.length * 18 + 18 }, "light: predicted, dark: measured (each pair to its own scale)"));
