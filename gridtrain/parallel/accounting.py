@@ -174,7 +174,7 @@ class CollectiveLog:
         for axis, group in axis_groups.items():
             self.axis_of.setdefault(group.group_name, axis)
             self.axis_size.setdefault(axis, group.size())
-        self._last_id = -1
+        self._last_id = self._seen = -1
 
     def axis(self, process_group: list[str]) -> str:
         """The mesh axis of a recorded (name, description) group. Slicing a mesh can create more
@@ -192,12 +192,23 @@ class CollectiveLog:
 
     def start(self) -> None:
         entries = self._entries()
-        self._last_id = entries[-1]["record_id"] if entries else -1
+        self._last_id = self._seen = entries[-1]["record_id"] if entries else -1
+
+    def skip(self, count: int) -> None:
+        """Start again after the next `count` collectives since the last read, leaving them out.
+        Reading the recorder costs about a second once it is full (20,000 entries), so a window
+        that follows a known number of collectives starts by counting, not by reading."""
+        self._last_id = self._seen + count
 
     def since_start(self) -> dict[str, dict[str, float]]:
         """{axis: {kind_bytes: payload, kind_wire_bytes: ring bytes on the wire, kind_calls: n}}."""
         out: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-        for e in self._entries():
+        entries = self._entries()
+        if entries and entries[0]["record_id"] > self._last_id + 1 >= 1:
+            raise RuntimeError(f"the flight recorder holds {len(entries)} collectives, fewer than this step made: "
+                               "its oldest were overwritten before they were counted; raise TORCH_FR_BUFFER_SIZE")
+        for e in entries:
+            self._seen = max(self._seen, e["record_id"])
             if e["record_id"] <= self._last_id:
                 continue
             kind = _kind(e["profiling_name"])

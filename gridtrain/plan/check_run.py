@@ -110,9 +110,10 @@ def check_run(run_dir: Path) -> list[CheckRow]:
 def measured_collectives(record: dict[str, float]) -> dict[str, float]:
     """Payload bytes per mesh axis and kind of collective in an accounting record
     ('dp_shard/all_gather_bytes'; the pipeline's and the ring's 'pp/send_bytes', 'cp/send_bytes'):
-    every collective the rank made in the step, each counted once (not on the wire)."""
+    every collective the rank made in the step, each counted once (not on the wire); a counter
+    that stayed at 0 (the ring's sends under the all-gather rotation) made none."""
     return {key[len("comm/"):]: value for key, value in record.items()
-            if key.startswith("comm/") and key.endswith("_bytes") and not key.endswith("_wire_bytes")}
+            if key.startswith("comm/") and key.endswith("_bytes") and not key.endswith("_wire_bytes") and value}
 
 
 def measured_step_seconds(run_dir: Path) -> float:

@@ -205,7 +205,7 @@ def estimate_collectives(args: ModelArgs, dims: ParallelDims, cfg: Config, pp_ra
     model exactly (several parallel axes, or a pipeline with more than one stage per rank or with
     recomputation): each axis's traffic over this rank's own stages, composed. Measured against the
     accounting on 12 layouts of 4 ranks: most axes exact, a pipeline's SP all-gathers off by up to
-    13% (they move between its ranks), ZeRO-3's gathers on ZB-V's first rank by 19%. Per axis:
+    13% (they move between its ranks); ZeRO-3 beside every zero-bubble schedule exact. Per axis:
     - tp: per micro-batch the activation traffic of the rank's blocks (tp_activation_traffic;
       gloo logs the all-gathers at 1/tp) and loss_parallel's three values per token on the last
       stage; with SP the norms' weight gradients once; one fp32 norm scalar per sharded tensor
@@ -217,8 +217,9 @@ def estimate_collectives(args: ModelArgs, dims: ParallelDims, cfg: Config, pp_ra
       including its replicate for DDP with TP) or once (DDP's buckets), each tensor padded to a
       multiple of dp_shard rows; ZeRO-2 gathers each unit once per sync, ZeRO-3 twice (but the
       last block, the head and the embedding once without a pipeline; under GPipe and 1F1B once
-      per micro-batch and once more, the embedding once per micro-batch; everything once under
-      a split-backward schedule, whose stage gathers before its two passes).
+      per micro-batch and once more, the embedding once per micro-batch; under a split-backward
+      schedule, whose stage gathers before its two passes, everything once but the embedding,
+      once per micro-batch).
     Under bf16 and fp16, the part of tensor-parallel traffic that carries matmul outputs moves in
     16 bits (tp_activation_traffic)."""
     t, p = cfg.train, cfg.parallel
@@ -271,8 +272,14 @@ def dp_collectives(args: ModelArgs, dims: ParallelDims, cfg: Config, layout: Lay
         # head, which stay gathered), and the first backward once more (measured by dry runs of
         # 70B and 405B layouts at 8 and 16 micro-batches, on the first and the last stage alike).
         gathered = (m + 1) * (params - kept - forward) + kept + m * forward
-    else:  # under a split backward, the stage's own gathers serve both passes (SplitBackwardStage)
-        gathered = (1 if row.split_backward else 2) * params
+    elif row.split_backward:
+        # The stage's own gathers serve every forward and both backward passes
+        # (SplitBackwardStage), but the embedding's unit, resharded after each forward and not
+        # needed by backward, is gathered again by every micro-batch's forward (measured at 2
+        # and 4 micro-batches under ZB-V and interleaved ZB).
+        gathered = params - forward + m * forward
+    else:
+        gathered = 2 * params
     # The gradients reduced, and one norm scalar per sharded tensor.
     axis, shards = fsdp_axis(dims)
     out = {f"{axis}/all_gather_bytes": gathered * gather_bytes(t.precision) / 4,

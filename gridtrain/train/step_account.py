@@ -53,11 +53,12 @@ class StepAccount:
         if self.active and self.comm_log:
             self.record.update(flatten_comm(self.comm_log.since_start()))
 
-    def optimizer_begins(self) -> None:
-        """The optimizer's own collectives start here: ZeRO-1's broadcast of each rank's updated
+    def optimizer_begins(self, reporting: int = 0) -> None:
+        """The optimizer's own collectives start here, after the `reporting` collectives issued
+        since `collectives_done` (the loss average): ZeRO-1's broadcast of each rank's updated
         parameters (they were missing from the step's record)."""
         if self.active and self.comm_log:
-            self.comm_log.start()
+            self.comm_log.skip(reporting)
 
     def finish(self, optimizers: list[torch.optim.Optimizer]) -> dict[str, float]:
         """The step's record, once the optimizer has stepped (its state exists then)."""

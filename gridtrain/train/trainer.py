@@ -249,8 +249,8 @@ class Trainer:
         grad_norm = clip_grad_norm(self.pmodel.parameters(), max_norm, group(self.mesh, "pp")).item()
         account.collectives_done()
         # The global mean loss and norm: every rank sees the same values, so all decide alike.
-        loss_value = self.reduce_loss(loss)
-        account.optimizer_begins()
+        loss_value, reporting = self.reduce_loss(loss)
+        account.optimizer_begins(reporting)
         # fp16's scaler skips overflowing steps itself (and lowers the scale): the guard sees the loss.
         if self.guard.admit(self.step + 1, loss_value, 0.0 if t.precision == "fp16" else grad_norm):
             stepped = self.precision.step(self.optimizers)
@@ -273,14 +273,13 @@ class Trainer:
                 "mfu_pct": 100 * achieved / (self.peak * self.world.world_size),
                 "flops/achieved_TFLOPs": achieved / 1e12}
 
-    def reduce_loss(self, loss: torch.Tensor) -> float:
+    def reduce_loss(self, loss: torch.Tensor) -> tuple[float, int]:
         """The global batch's mean loss: the ranks' shares summed over data and context
-        parallelism, taken from the last pipeline stage."""
-        for axis in ("pp", "dp", "cp"):
-            axis_group = group(self.mesh, axis)
-            if axis_group is not None:
-                dist.all_reduce(loss, group=axis_group)
-        return loss.item()
+        parallelism, taken from the last pipeline stage; and how many collectives that took."""
+        groups = [g for g in (group(self.mesh, axis) for axis in ("pp", "dp", "cp")) if g is not None]
+        for axis_group in groups:
+            dist.all_reduce(loss, group=axis_group)
+        return loss.item(), len(groups)
 
     # -- the run -----------------------------------------------------------------------------
 
