@@ -32,6 +32,7 @@ LAYOUTS = {
         "zero2": {"parallel.zero_stage": 2},
         "tp2": {"parallel.tp": 2},
         "tp2_sp": {"parallel.tp": 2, "parallel.sequence_parallel": True},
+        "tp2_tied": {"parallel.tp": 2, "model.tie_embeddings": True},
         "pp2_gpipe": {"parallel.pp": 2, "parallel.pp_schedule": "gpipe"},
         "pp2_1f1b": {"parallel.pp": 2, "parallel.pp_schedule": "1f1b"},
         "pp2_zbv": {"parallel.pp": 2, "parallel.pp_schedule": "zbv", "parallel.pp_virtual_stages": 2},
@@ -159,7 +160,7 @@ def test_fsdp_gathers_parameters_in_bf16_and_reduces_in_fp32(runs):
         assert fp32["comm/dp_shard/all_gather_bytes"] == 2 * 4 * numel
 
 
-CHECKED = [(2, "ddp2"), (2, "zero2"), (2, "tp2"), (2, "tp2_sp"), (2, "pp2_1f1b"), (2, "pp2_gpipe"), (2, "pp2_zbv"),
+CHECKED = [(2, "ddp2"), (2, "zero2"), (2, "tp2"), (2, "tp2_sp"), (2, "tp2_tied"), (2, "pp2_1f1b"), (2, "pp2_gpipe"), (2, "pp2_zbv"),
            (4, "fsdp4"), (4, "hsdp2x2"), (4, "tp4_gqa"), (4, "pp2_tp2"), (4, "pp2_fsdp2"), (8, "pp2_tp2_fsdp2")]
 
 

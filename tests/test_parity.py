@@ -109,6 +109,35 @@ def test_subset_really_ran_parallel_layouts(verdicts):
     assert tp_bf16 and all(v["update_rel"] > 0 for v in tp_bf16)
 
 
+DRY_RUN = [c for c in SUBSET if c.world > 1]
+
+
+@pytest.mark.dist  # not several processes, but a rank of each: 2 minutes in all
+@pytest.mark.parametrize("name", [c.name for c in DRY_RUN])
+def test_every_layout_of_the_subset_dry_runs_its_last_rank_as_planned(tmp_path, name):
+    """`--dry-run` of the last rank (the loss's) of every multi-rank layout of the subset runs,
+    and `plan --check` of it finds the planner's state bytes and saved activations to the byte
+    and a prediction for every collective: exact, or marked estimated (composed axis by axis).
+    It found what the steps' parity could not: fp16 pipelines died on their loss scale, CP beside
+    an interleaved pipeline on its stages' shapes, DDP and ZeRO-1 were refused; the planner
+    counted a tied embedding's gradient twice under TP, put fp16's overflow flag on an axis the
+    run does not name, and left out fp16's saved loss scale."""
+    from gridtrain.config_load import load_config
+    from gridtrain.parity.matrix import base_overrides
+    from gridtrain.plan.check_run import check_run
+    from gridtrain.train.dry_run import dry_run
+
+    case = next(c for c in DRY_RUN if c.name == name)
+    rank = case.world - 1
+    dry_run(load_config(None, {**base_overrides(), **case.overrides, "run_dir": str(tmp_path)}), case.world, rank)
+    rows = check_run(tmp_path)
+    assert {r.rank for r in rows} == {rank}
+    assert {"weights", "gradients", "optimizer", "activations"} <= {r.bucket for r in rows}
+    assert not [r.bucket for r in rows if r.missing]
+    off = [(r.bucket, r.predicted, r.measured) for r in rows if not r.estimated and r.measured != r.predicted]
+    assert not off
+
+
 @pytest.mark.dist
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_parity_check_fails_on_other_data_and_without_clipping(tmp_path_factory, corpus_dir, precision):

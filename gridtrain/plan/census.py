@@ -6,7 +6,8 @@ The rules are the runtime's (gridtrain/parallel):
 - tensor parallelism splits column-parallel weights (wq, wk, wv, w1, w3, output) on their rows,
   row-parallel ones (wo, w2) on their columns and the embedding on its vocabulary rows; norms are
   replicated. One quirk of DTensor is kept, not assumed away: under tensor parallelism without
-  FSDP, the embedding's gradient comes back replicated (full size);
+  FSDP, the embedding's gradient comes back replicated (full size), unless the head shares it
+  (tied), whose column-parallel use keeps it sharded;
 - FSDP (ZeRO 2 and 3) splits each local tensor's first dimension into dp_shard chunks of
   ceil(d / N) rows; rank i holds chunk i (the last chunks may be shorter or empty);
 - ZeRO-1 (torch's ZeroRedundancyOptimizer) gives each whole tensor's optimizer state to one
@@ -137,18 +138,20 @@ def rank_elements(shape: ModelShape, tp: int, pp: int, virtual: int, schedule: s
             local = tuple((n, tp_local(n, s, tp)) for n, s in part.items())
             held, count = zero1_shares(local, dp)[dp_index]
             n = sum(numel(s) for _, s in local)
-            total = _add(total, Elements(n, sum(_grad(name, part[name], s, tp, False) for name, s in local), held, count))
+            grads = sum(_grad(name, part[name], s, tp, False, shape.tie_embeddings) for name, s in local)
+            total = _add(total, Elements(n, grads, held, count))
             continue
         # Every block of a stage has the same tensors: count one block and the edges.
-        block = _local_elements(tuple(stage_shapes(shape, range(1), False, False).items()), tp, shard)
+        block = _local_elements(tuple(stage_shapes(shape, range(1), False, False).items()), tp, shard, False)
         edges = _local_elements(tuple(stage_shapes(shape, range(0), stage == 0, stage == num_stages - 1).items()),
-                                tp, shard)
+                                tp, shard, shape.tie_embeddings)
         total = _add(total, _add(_scale(block, counts[stage]), edges))
     return total
 
 
 @functools.lru_cache(maxsize=1024)
-def _local_elements(part: tuple[tuple[str, Shape], ...], tp: int, shard: tuple[int, int] | None) -> Elements:
+def _local_elements(part: tuple[tuple[str, Shape], ...], tp: int, shard: tuple[int, int] | None,
+                    tied: bool) -> Elements:
     """Elements of a set of tensors on one rank, every tensor's optimizer state kept there."""
     params = grads = 0
     for name, s in part:
@@ -156,14 +159,16 @@ def _local_elements(part: tuple[tuple[str, Shape], ...], tp: int, shard: tuple[i
         if shard is not None:
             local = fsdp_local(local, *shard)
         params += numel(local)
-        grads += _grad(name, s, local, tp, shard is not None)
+        grads += _grad(name, s, local, tp, shard is not None, tied)
     return Elements(params, grads, params, len(part))
 
 
-def _grad(name: str, full: Shape, local: Shape, tp: int, fsdp: bool) -> int:
+def _grad(name: str, full: Shape, local: Shape, tp: int, fsdp: bool, tied: bool) -> int:
     """Elements of a tensor's gradient: its local size, except the embedding's under tensor
-    parallelism without FSDP, which DTensor returns replicated (full size)."""
-    return numel(full) if tp > 1 and not fsdp and name.startswith("tok_embeddings") else numel(local)
+    parallelism without FSDP, which DTensor returns replicated (full size) when the embedding
+    alone uses it (measured by dry runs: a tied head's use keeps it sharded)."""
+    replicated = tp > 1 and not fsdp and not tied and name.startswith("tok_embeddings")
+    return numel(full) if replicated else numel(local)
 
 
 def _add(a: Elements, b: Elements) -> Elements:

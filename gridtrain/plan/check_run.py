@@ -42,7 +42,8 @@ def predict_activations(args: ModelArgs, dims: ParallelDims, cfg: Config, pp_ran
     forwards its stages ran by then (schedules.forwards_held), each saving what activations.py's
     census says for the rank's tokens (seq/cp of each sequence under CP; with selective
     recomputation, the ring's kernel outputs of CP rank `cp_rank`), with the weight casts or norm
-    copies of its precision, and the token ids and targets."""
+    copies of its precision, the token ids and targets, and under fp16 the loss scale (one fp32
+    scalar every micro-batch's scaled loss keeps for its backward)."""
     shape, layout = from_args(args), run_layout(args, dims, cfg)
     v, seq = layout.pp_virtual_stages, layout.seq_len // dims.cp
     counts = stage_layer_counts(args.n_layers, dims.pp * v, cfg.parallel.pp_fewer_edge_layers)
@@ -53,7 +54,9 @@ def predict_activations(args: ModelArgs, dims: ParallelDims, cfg: Config, pp_ran
     total += ring * layout.micro_batch * seq * sum(n * counts[s] for s, n in held.items())
     # A pipeline chunks the whole local batch into views of one storage: ids and targets count whole.
     ids = 8 * seq * (layout.micro_batch * layout.num_microbatches if dims.pp > 1 else layout.micro_batch)
-    return total + ids * ((0 in held) + (len(counts) - 1 in held))
+    last = len(counts) - 1 in held
+    scale = 4 * (cfg.train.precision == "fp16" and last)  # fp16's S, saved by the scaled loss's product
+    return total + ids * ((0 in held) + last) + scale
 
 
 def microbatch_activations(args: ModelArgs, dims: ParallelDims, cfg: Config, pp_rank: int) -> float:

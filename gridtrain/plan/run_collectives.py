@@ -84,7 +84,7 @@ def collectives(args: ModelArgs, dims: ParallelDims, cfg: Config, pp_rank: int,
     exact = _predict_collectives(args, dims, cfg, pp_rank)
     out = exact or estimate_collectives(args, dims, cfg, pp_rank)
     if out and cfg.train.precision == "fp16" and dims.world_size > 1:
-        world = next((a for a, n in dims.degrees.items() if n == dims.world_size), "world")
+        world = world_axis(dims)
         parts = len(forwards_held(cfg.parallel.pp_schedule, dims.pp, cfg.parallel.pp_virtual_stages
                                   if dims.pp > 1 else 1, 1, pp_rank))
         out[f"{world}/all_reduce_bytes"] = out.get(f"{world}/all_reduce_bytes", 0.0) + 4.0 * parts
@@ -97,6 +97,15 @@ def collectives(args: ModelArgs, dims: ParallelDims, cfg: Config, pp_rank: int,
             if not out[f"{axis}/all_reduce_bytes"]:
                 del out[f"{axis}/all_reduce_bytes"]
     return out, bool(exact)
+
+
+def world_axis(dims: ParallelDims) -> str:
+    """The name the accounting gives the world's group (parallel.mesh.Mesh.axis_groups: an axis
+    whose group spans every rank is that group, and the first such axis names it): a mesh axis
+    of the world's size, else the flattened 'dp' or 'dp_shard_cp', else 'world'."""
+    spans = [axis for axis, n in dims.degrees.items() if n == dims.world_size]
+    spans += ["dp"] * (dims.dp == dims.world_size) + ["dp_shard_cp"] * (dims.cp > 1 and dims.dp_shard * dims.cp == dims.world_size)
+    return (spans or ["world"])[0]
 
 
 def reduce_scattered(args: ModelArgs, dims: ParallelDims, cfg: Config, pp_rank: int) -> dict[str, float]:

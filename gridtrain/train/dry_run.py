@@ -131,9 +131,10 @@ def _step(cfg: Config, dims: ParallelDims) -> dict[str, float]:
         shape = (n, cfg.data.seq_len // dims.cp)  # two storages, as the data reader gives them (CP: a rank's chunks)
         return torch.randint(0, vocab, shape), torch.randint(0, vocab, shape)
 
+    precision.begin_step()  # outside the fake mode: fp16 reads its loss scale
     if pmodel.schedule is not None:
         with fake:
-            give_stage_shapes(pmodel, t.micro_batch, cfg.data.seq_len, cfg.model.args().dim,
+            give_stage_shapes(pmodel, t.micro_batch, cfg.data.seq_len // dims.cp, cfg.model.args().dim,
                               dims.tp if cfg.parallel.sequence_parallel else 1, read)
     with fake, LiveBytes() as live, comm:
         live.track([pmodel.parameters(), [b for part in pmodel.parts for b in part.buffers()]])
@@ -143,6 +144,8 @@ def _step(cfg: Config, dims: ParallelDims) -> dict[str, float]:
         if pmodel.dry_ddp is not None:
             all_reduce_as_ddp(pmodel.parameters(), pmodel.dry_ddp)
         settle_partial_grads(pmodel.parameters())
+        for opt in optimizers:  # fp16: the overflow flag's all-reduce, as the Trainer's step makes it
+            precision.unscale_(opt, group(mesh, "world"))
         clip_grad_norm(pmodel.parameters(), t.grad_clip if t.grad_clip > 0 else float("inf"), group(mesh, "pp"))
         account.collectives_done()
         account.optimizer_begins()
@@ -159,8 +162,9 @@ def give_stage_shapes(pmodel: ParallelModel, micro_batch: int, seq_len: int, dim
     """torch's pipeline stages learn what they receive by asking their neighbours (and vote on it
     with a collective whose answer they read): a fake process group answers nothing. So each of
     this rank's stages is given its shapes as static metadata, found by running it on a fake
-    micro-batch: token ids into the first stage, the fp32 residual stream (B x T x dim, or
-    B x T/tp x dim with sequence parallelism) into the others; and the vote is skipped."""
+    micro-batch: token ids into the first stage, the fp32 residual stream (B x T x dim of the
+    rank's T tokens, seq/cp under context parallelism; B x T/tp x dim with sequence parallelism)
+    into the others; and the vote is skipped."""
     from torch.distributed.pipelining._utils import InferenceMode, _StageMeta, extract_tensor_metas
 
     schedule = pmodel.schedule

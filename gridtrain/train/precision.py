@@ -53,6 +53,7 @@ class Precision:
     def __init__(self, cfg: TrainConfig, device: torch.device) -> None:
         self.mode = cfg.precision
         self.device_type = device.type
+        self.step_scale = 1.0
         self.scaler = ShardAwareGradScaler(
             device.type, init_scale=cfg.loss_scale_init, growth_factor=2.0, backoff_factor=0.5,
             growth_interval=cfg.loss_scale_growth_interval, enabled=self.mode == "fp16")
@@ -71,9 +72,12 @@ class Precision:
         return {"precision/loss_scale": self.loss_scale} if self.mode == "fp16" else {}
 
     def begin_step(self) -> None:
-        """Make sure the scale exists on every rank, also on pipeline ranks that compute no loss."""
+        """Make sure the scale exists on every rank, also on pipeline ranks that compute no loss,
+        and read the step's scale (`step_scale`) once."""
         if self.scaler.is_enabled() and self.scaler._scale is None:
             self.scaler._lazy_init_scale_growth_tracker(torch.device(self.device_type))
+        self.step_scale = self.loss_scale
+        """S for this step's losses, read before the step (a dry run's step cannot read a value)."""
 
     def backward(self, loss: torch.Tensor) -> None:
         self.scaler.scale(loss).backward()

@@ -68,8 +68,8 @@ def forward_backward(pmodel: ParallelModel, read: Callable[[int, int], tuple[tor
     """Forward and backward over `local_batch` sequences from sample `first` (`read(first, n)` gives
     inputs and targets), in micro-batches of `micro_batch` (a pipeline's schedule splits them
     itself), each loss divided by the global batch's `micro_batches`; returns this rank's share of
-    the global batch's mean loss (zero on pipeline ranks without the last stage)."""
-    precision.begin_step()
+    the global batch's mean loss (zero on pipeline ranks without the last stage). The caller has
+    begun the step's precision (`Precision.begin_step`)."""
     if pmodel.schedule is not None:
         inputs, targets = read(first, local_batch)
         losses: list[torch.Tensor] = []
@@ -77,7 +77,7 @@ def forward_backward(pmodel: ParallelModel, read: Callable[[int, int], tuple[tor
             pmodel.schedule.step(inputs.to(device), target=targets.to(device), losses=losses, return_outputs=False)
         if not losses:
             return torch.zeros((), device=device)
-        return sum(scalar(l).detach() for l in losses) / precision.loss_scale
+        return sum(scalar(l).detach() for l in losses) / precision.step_scale
     model, accum = pmodel.parts[0], local_batch // micro_batch
     loss_sum = torch.zeros((), device=device)
     for micro in range(accum):
@@ -240,6 +240,7 @@ class Trainer:
         for opt in self.optimizers:
             set_lr(opt, lr)
         account = self.accountant.step(self.step)
+        self.precision.begin_step()
         with account.forward_backward():
             loss = self.forward_backward()
         settle_partial_grads(self.pmodel.parameters())
