@@ -1,11 +1,12 @@
 """Every pipeline schedule timed on the same layouts: measured bubble beside the planner's.
 
-    python bench/bench_schedules.py [--steps 8] [--microbatches 8] [--seq-len 256]
+    python bench/bench_schedules.py [--steps 8] [--microbatches 8 ...] [--pp 2 4] [--seq-len 256]
 
 The small model with 8 layers (so that PP 4 with 2 stages per rank gets a layer per stage) runs
 `gridtrain train --nproc P` for P = 2 and 4 under every schedule (1 stage per rank for GPipe and
-1F1B, 2 for the others), micro-batches of 1 sequence, one intra-op thread per process, with every
-pipeline action timed (schedule_trace.py). From the trace of each step after the first two:
+1F1B, 2 for the others) and every m given, micro-batches of 1 sequence, one intra-op thread per
+process, with every pipeline action timed (schedule_trace.py). From the trace of each step after
+the first two:
 
 - measured bubble: 1 - (sum over ranks of the time spent in actions) / (P x the step's pipeline
   span, first action's start to last action's end). Only meaningful where every rank has its own
@@ -17,8 +18,9 @@ pipeline action timed (schedule_trace.py). From the trace of each step after the
   fewer cores than P this is what the schedule's order costs;
 - per action, the median CPU milliseconds of a forward F, a fused backward B, and the split
   backward's input part I and weight part W, per layer; the split's extra cost is (I + W) / B - 1;
-- the planner's bubble: gridtrain.plan.pipeline.schedule_bubble for the same P, m and v with the
-  planner's action costs, and its step relative to 1F1B's.
+- the planner's bubble: gridtrain.plan.pipeline.schedule_bubble for the same P, m and v: torch's
+  action order (layout/pipeline_order.py) replayed with the planner's action costs. Every m torch
+  takes is run (`--microbatches 1 2 3 4`: the m < pp cases where the closed forms fail).
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from gridtrain.layout.pipeline_order import refusal  # noqa: E402
 from gridtrain.layout.schedules import RUNTIME_SCHEDULES, SCHEDULES  # noqa: E402
-from gridtrain.plan.pipeline import bubble_scale, schedule_bubble  # noqa: E402
+from gridtrain.plan.pipeline import schedule_bubble  # noqa: E402
 
 LAYERS = 8
 
@@ -114,41 +117,39 @@ def summarize(records: list[list], pp: int) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--microbatches", type=int, nargs="+", default=[8])
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--pp", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--schedules", nargs="+", default=list(RUNTIME_SCHEDULES))
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args()
-    m, cores = args.microbatches, os.cpu_count() or 1
-    print(f"small model, {LAYERS} layers, seq {args.seq_len}, {m} micro-batches of 1 sequence, "
-          f"1 thread per process, {cores} cores; per-layer CPU ms of F, B, I, W; k: the replayed idle "
-          "time in units of (p-1)/v x a rank's F + B, over 1F1B's")
-    print(f"{'pp':>3} {'schedule':<17} {'v':>2} {'span ms':>8} {'replay ms':>9} {'measured':>9} {'replayed':>9} "
-          f"{'planner':>8} {'k':>5} {'planner k':>9} {'F':>6} {'B':>6} {'I':>6} {'W':>6}")
+    cores = os.cpu_count() or 1
+    print(f"small model, {LAYERS} layers, seq {args.seq_len}, micro-batches of 1 sequence, 1 thread per process, "
+          f"{cores} cores; per-layer CPU ms of F, B, I, W; planner: the action order replayed with the "
+          "planner's action costs (plan/replay.py)")
+    print(f"{'pp':>3} {'schedule':<17} {'v':>2} {'m':>3} {'span ms':>8} {'replay ms':>9} {'measured':>9} "
+          f"{'replayed':>9} {'planner':>8} {'F':>6} {'B':>6} {'I':>6} {'W':>6}")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for pp in args.pp:
-            unit = None
-            for schedule in sorted(RUNTIME_SCHEDULES, key=lambda name: name != "1f1b"):
-                v = SCHEDULES[schedule].stages_per_rank or 2
-                try:
-                    records = traced_run(Path(tmp), f"pp{pp}-{schedule}", pp, schedule, v, m, args.seq_len,
-                                         args.steps)
-                except subprocess.CalledProcessError as err:
-                    print(f"{pp:>3} {schedule:<17} {v:>2} failed: {err.stderr.strip().splitlines()[-1]}")
-                    continue
-                s = summarize(records, pp)
-                if schedule == "1f1b":
-                    unit = s["idle_ms"] / (pp - 1)
-                k = s["idle_ms"] / ((pp - 1) / v) / unit if unit else float("nan")
-                planner_k = bubble_scale(schedule)
-                shared = "*" if pp > cores else " "
-                rows.append({"pp": pp, "schedule": schedule, "v": v, **s, "k": k,
-                             "planner": schedule_bubble(schedule, pp, m, v), "planner_k": planner_k})
-                print(f"{pp:>3} {schedule:<17} {v:>2} {s['span_ms']:>8.1f} {s['replay_ms']:>9.1f} "
-                      f"{s['measured']:>8.1%}{shared} {s['replayed']:>9.1%} "
-                      f"{schedule_bubble(schedule, pp, m, v):>8.1%} {k:>5.2f} {planner_k:>9.2f} "
-                      f"{s['F']:>6.2f} {s['B']:>6.2f} {s['I']:>6.2f} {s['W']:>6.2f}", flush=True)
+            for m in args.microbatches:
+                for schedule in args.schedules:
+                    v = SCHEDULES[schedule].stages_per_rank or 2
+                    if refusal(schedule, pp, v, m):
+                        continue
+                    try:
+                        records = traced_run(Path(tmp), f"pp{pp}-m{m}-{schedule}", pp, schedule, v, m,
+                                             args.seq_len, args.steps)
+                    except subprocess.CalledProcessError as err:
+                        print(f"{pp:>3} {schedule:<17} {v:>2} {m:>3} failed: {err.stderr.strip().splitlines()[-1]}")
+                        continue
+                    s = summarize(records, pp)
+                    planned = schedule_bubble(schedule, pp, m, v)
+                    shared = "*" if pp > cores else " "
+                    rows.append({"pp": pp, "schedule": schedule, "v": v, "m": m, **s, "planner": planned})
+                    print(f"{pp:>3} {schedule:<17} {v:>2} {m:>3} {s['span_ms']:>8.1f} {s['replay_ms']:>9.1f} "
+                          f"{s['measured']:>8.1%}{shared} {s['replayed']:>9.1%} {planned:>8.1%} "
+                          f"{s['F']:>6.2f} {s['B']:>6.2f} {s['I']:>6.2f} {s['W']:>6.2f}", flush=True)
     if any(pp > cores for pp in args.pp):
         print(f"* {cores} cores for more ranks: the ranks share cores, so the measured bubble is not one; "
               "the replayed one is what the order costs on a core per rank")

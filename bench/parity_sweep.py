@@ -76,7 +76,7 @@ def report(verdicts: dict[str, dict]) -> str:
     for status in ("passed", "failed", "crashed", "refused"):
         row = table.get(status, {})
         lines.append(f"| {status} | " + " | ".join(str(row.get(w, 0)) for w in worlds) + f" | {sum(row.values())} |")
-    lines += ["", "largest deviations among passed cases:"]
+    lines += ["", legs_table(verdicts, worlds), "", "largest deviations among passed cases:"]
     for precision in AXES["precision"]:
         passed = [v for v in verdicts.values() if v["status"] == "passed" and v["precision"] == precision]
         if passed:
@@ -93,6 +93,30 @@ def report(verdicts: dict[str, dict]) -> str:
             reason = v["problems"][0].split(":")[0]
             refused[reason] = refused.get(reason, 0) + 1
     lines += ["", "refused, by reason:"] + [f"  {n:5d}  {r}" for r, n in sorted(refused.items(), key=lambda x: -x[1])]
+    return "\n".join(lines)
+
+
+LEGS = {"steps": "its steps as one process",
+        "resume": "its SIGTERM checkpoint resumed under another layout, the next step as one process",
+        "validation": "its validation loss as one process"}
+
+
+def leg_of(problem: str) -> str:
+    """Which part of a case a verdict's problem belongs to (gridtrain.parity.sweep.verdict)."""
+    if problem.startswith(("resumed as", "the checkpoint did not resume")):
+        return "resume"
+    return "validation" if problem.startswith("validation loss") else "steps"
+
+
+def legs_table(verdicts: dict[str, dict], worlds: list[int]) -> str:
+    """Cases that ran, by world size, whose each part held (a crashed case held none)."""
+    ran = [v for v in verdicts.values() if v["status"] in ("passed", "failed", "crashed")]
+    lines = ["| of the cases that ran | " + " | ".join(f"world {w}" for w in worlds) + " | all |",
+             "|---|" + "---|" * (len(worlds) + 1)]
+    for leg, text in LEGS.items():
+        held = [v for v in ran if v["status"] != "crashed" and leg not in {leg_of(p) for p in v["problems"]}]
+        counts = [sum(v["world"] == w for v in held) for w in worlds]
+        lines.append(f"| {text} | " + " | ".join(map(str, counts)) + f" | {len(held)} of {len(ran)} |")
     return "\n".join(lines)
 
 

@@ -193,20 +193,17 @@ def cmd_data(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace, extra: list[str]) -> int:
-    import torch
-
     from gridtrain.plan.machine import calibration_path
-    from gridtrain.train.calibrate import calibrate, local_machine
+    from gridtrain.train.calibrate import calibrate
 
-    peaks = calibrate(args.threads, args.seconds)
-    entry = local_machine(torch.get_num_threads())
-    for mode, flops in peaks.items():
+    entry, not_cached = calibrate(args.threads, args.seconds)
+    for mode, flops in entry["peak_flops"].items():
         attention = entry["attention_flops"].get(mode)
         extra_text = f", attention fwd+bwd {attention / 1e9:8.1f} GFLOP/s" if attention else ""
         print(f"{mode:<5} peak matmul {flops / 1e9:10.1f} GFLOP/s{extra_text}")
     print(f"memory bandwidth {entry['memory_bytes_per_s'] / 1e9:.1f} GB/s; gloo all-reduce between two ranks "
           f"{entry['gloo_bytes_per_s'] / 1e9:.2f} GB/s, latency {entry['gloo_latency_s'] * 1e6:.0f} us")
-    print(f"cached in {calibration_path()}")
+    print(f"calibration {not_cached}" if not_cached else f"cached in {calibration_path()}")
     return 0
 
 
@@ -226,8 +223,8 @@ def cmd_plan(args: argparse.Namespace, extra: list[str]) -> int:
             print("step time: none to check, a dry run computes nothing")
             return 0
         try:
-            local_machine(record.threads)  # measured now if not cached
-            print(format_step_time(*check_step_time(run_dir)))
+            calibration = local_machine(record.threads)  # measured now if not cached
+            print(format_step_time(*check_step_time(run_dir, calibration)))
         except ValueError as err:
             print(f"step time: {err}")
         return 0

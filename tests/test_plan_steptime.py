@@ -121,10 +121,10 @@ def test_tp_and_bubble_by_hand():
     # TP: 6 all-reduces (full recomputation) of 8,192 x 16,384 x 2 bytes per layer, ring of 8 on NVLink.
     one = 2 * 7 / 8 * (8192 * 16384 * 2) / (450 * GB * EFF.intra_node) + 13e-6
     assert pt.layer.tp_s == approx(6 * one)
-    # Bubble: interleaved 1F1B's (p-1)/v = 7.5 micro-batches of idle time (Narayanan et al.), x 1.12 as
-    # measured on gridtrain's runtime (bench/bench_schedules.py), beside m = 16 of work: f / (1 - f) of it.
+    # Bubble: interleaved 1F1B's (p-1)/v = 7.5 micro-batches of idle time (Narayanan et al.; m a
+    # multiple of p, where torch's order replayed gives the same), beside m = 16 of work: f / (1 - f) of it.
     assert bubble_fraction(16, 16, 2, "interleaved-1f1b") == approx(7.5 / (16 + 7.5))
-    f = 7.5 * 1.12 / (16 + 7.5 * 1.12)
+    f = 7.5 / (16 + 7.5)
     assert pt.bubble_s == approx(f / (1 - f) * 16 * pt.micro_s)
     # Pipeline sends: 2 per micro-batch per chunk, 1/tp of the activation, between nodes (the 16
     # stages are 16 consecutive nodes, tp inside each: one pod).

@@ -76,19 +76,22 @@ class Schedule:
     """torch needs at least as many micro-batches as stages (else at least one)."""
     bubble_share: float
     """The closed-form bubble over 1F1B's (p-1)/v: 1, 1/3 (ZB-H1, F = B = W), or 0 (ZB-V)."""
-    bubble_scale: float
-    """The idle time measured on gridtrain's runtime, in units of (p-1)/v x a rank's forward and
-    fused backward, over 1F1B's (Narayanan et al. 2021, sec. 2.2): bench/bench_schedules.py
-    replays each step's traced actions on a core per rank; the mean over PP 2 and PP 4 with 8
-    micro-batches, two runs each (spread about 0.1-0.2). The zero-bubble schedules keep most of
-    1F1B's bubble (Qi et al. 2023 find ZB-V's near zero only when F = B = W and m is large against
-    p); ZB-H1's is Qi et al.'s (p-1)(F + I - W)."""
+    bubble_scale: float | None
+    """For a schedule torch does not run (ZB-H1): its closed-form idle time in units of (p-1)/v x a
+    rank's forward and fused backward, over 1F1B's (Qi et al.'s (p-1)(F + I - W)). The schedules
+    torch runs are costed by replaying their action order (plan/replay.py): None. (Measured on
+    gridtrain's runtime at pp 2 and 4, 8 micro-batches, their idle time over 1F1B's was 1.12 for
+    interleaved 1F1B, 1.32 for looped-BFS, 0.82 for interleaved ZB, 0.77 for ZB-V and 0.67 for
+    DualPipeV; the replayed orders, with communication free, give 1.00, 1.00, 0.45, 0.43, 0.40:
+    bench/bench_schedules.py prints both.)"""
     in_flight: Callable[[int, int, int, int], float]
     """(pp, virtual, m, rank) -> micro-batches of the rank's whole layer set held at its peak, the
     closed form (a chunk of an interleaved rank counts 1/v), before the cap at m."""
     held: Held
-    """Forwards held per stage, counted on torch 2.13's schedules (every schedule at pp 2 and 4, m
-    from pp to 4 pp) at the rank's first backward (what the accounting measures) or its peak."""
+    """Forwards held per stage at the rank's first backward (what the accounting measures) or its
+    peak, as closed forms, counted on torch 2.13's schedules at pp 2 and 4, m from pp to 4 pp
+    (interleaved ZB's peak at multiples of pp). forwards_held counts them on the action order
+    instead wherever torch runs the schedule; these serve ZB-H1, which it does not."""
     searched: bool
     """The planner tries it unasked (GPipe and looped-BFS are dominated: 1F1B's or a larger bubble
     with every micro-batch in flight)."""
@@ -106,7 +109,7 @@ class Schedule:
 
 
 def _row(name: ScheduleName, torch_class: str | None, stages: int | None, *, bubble_share: float,
-         bubble_scale: float, in_flight: Callable[[int, int, int, int], float], held: Held,
+         bubble_scale: float | None, in_flight: Callable[[int, int, int, int], float], held: Held,
          v_shape: bool = False, split: bool = False, all_first: bool = False, rounds: bool = False,
          min_is_stages: bool = False, searched: bool = True) -> Schedule:
     return Schedule(name, torch_class, stages, v_shape, split, all_first, rounds, min_is_stages,
@@ -133,25 +136,25 @@ def _pp(pp: int, v: int, m: int, rank: int) -> float:
 
 
 _ROWS = (
-    _row("gpipe", "ScheduleGPipe", 1, bubble_share=1, bubble_scale=1.0, in_flight=_all_m, all_first=True,
+    _row("gpipe", "ScheduleGPipe", 1, bubble_share=1, bubble_scale=None, in_flight=_all_m, all_first=True,
          held=lambda pp, v, m, rank, peak: [m], searched=False),
     # "at most p" in flight (Narayanan et al. 2021); the p-1 sometimes quoted counts the warm-up forwards.
-    _row("1f1b", "Schedule1F1B", 1, bubble_share=1, bubble_scale=1.0, in_flight=_pp_minus_rank,
+    _row("1f1b", "Schedule1F1B", 1, bubble_share=1, bubble_scale=None, in_flight=_pp_minus_rank,
          min_is_stages=True, held=lambda pp, v, m, rank, peak: [pp - rank]),
     # g micro-batches a round (pp when pp divides m); the turn from warm-up to steady state is the peak.
-    _row("interleaved-1f1b", "ScheduleInterleaved1F1B", None, bubble_share=1, bubble_scale=1.12,
+    _row("interleaved-1f1b", "ScheduleInterleaved1F1B", None, bubble_share=1, bubble_scale=None,
          in_flight=_interleaved, rounds=True, held=_held_interleaved_1f1b),
     # Breadth-first (Lamy-Poirier 2023): every chunk's forwards first.
-    _row("looped-bfs", "ScheduleLoopedBFS", None, bubble_share=1, bubble_scale=1.32, in_flight=_all_m,
+    _row("looped-bfs", "ScheduleLoopedBFS", None, bubble_share=1, bubble_scale=None, in_flight=_all_m,
          all_first=True, held=lambda pp, v, m, rank, peak: [m] * v, searched=False),
     _row("zb-h1", None, 1, bubble_share=1 / 3, bubble_scale=(1 + SPLIT_INPUT - SPLIT_WEIGHT) / (1 + BACKWARD),
          in_flight=_pp_minus_rank, split=True, held=lambda pp, v, m, rank, peak: [pp - rank], searched=False),
     # Weight passes deferred: pp forwards per chunk at the peak.
-    _row("interleaved-zb", "ScheduleInterleavedZeroBubble", None, bubble_share=1 / 3, bubble_scale=0.82,
+    _row("interleaved-zb", "ScheduleInterleavedZeroBubble", None, bubble_share=1 / 3, bubble_scale=None,
          in_flight=_interleaved, split=True, rounds=True, held=_held_interleaved_zb),
-    _row("zbv", "ScheduleZBVZeroBubble", 2, bubble_share=0, bubble_scale=0.77, in_flight=_pp, v_shape=True,
+    _row("zbv", "ScheduleZBVZeroBubble", 2, bubble_share=0, bubble_scale=None, in_flight=_pp, v_shape=True,
          split=True, held=lambda pp, v, m, rank, peak: [2 * pp - 1 - rank, rank + 1]),
-    _row("dualpipev", "ScheduleDualPipeV", 2, bubble_share=0, bubble_scale=0.67, in_flight=_pp, v_shape=True,
+    _row("dualpipev", "ScheduleDualPipeV", 2, bubble_share=0, bubble_scale=None, in_flight=_pp, v_shape=True,
          split=True, min_is_stages=True,
          held=lambda pp, v, m, rank, peak: [2 * pp - rank if peak else max(2 * pp - 1 - rank, pp + 1), rank + 1]),
 )
@@ -181,19 +184,33 @@ def stage_ranks(pp: int, virtual: int, name: str) -> list[int]:
 @functools.lru_cache(maxsize=8192)
 def forwards_held(name: str, pp: int, virtual: int, m: int, rank: int, peak: bool = False) -> dict[int, int]:
     """Micro-batch forwards whose activations pipeline rank `rank` holds, per stage index it
-    runs, capped at m: at its first backward or at the step's peak (Schedule.held). Cached:
-    callers must not change the dict."""
+    runs: at its first backward or at the step's peak. Counted on the schedule's action order
+    (layout/pipeline_order.py, torch's) where torch runs it; otherwise (ZB-H1, or an m torch
+    refuses) Schedule.held, capped at m. Cached: callers must not change the dict."""
     if pp == 1:
         return {0: 1}
+    from gridtrain.layout.pipeline_order import held_at_first_backward, held_at_peak, refusal
+
     row = schedule(name)
     v = row.virtual(virtual)
     stages = [s for s, r in enumerate(stage_ranks(pp, v, name)) if r == rank]
+    if row.runnable and not refusal(name, pp, v, m):
+        counts = (held_at_peak if peak else held_at_first_backward)(name, pp, v, m, rank)
+        return {stage: counts.get(stage, 0) for stage in stages}
     return {stage: min(count, m) for stage, count in zip(stages, row.held(pp, v, m, rank, peak))}
 
 
 def in_flight(name: str, pp: int, rank: int, num_microbatches: int, virtual: int = 1) -> float:
     """Micro-batches whose activations pipeline rank `rank` holds at its peak, in units of the
-    rank's whole layer set, capped at m (Schedule.in_flight)."""
+    rank's whole layer set (a stage counts 1/v): counted on the action order where torch runs
+    the schedule (forwards_held), else Schedule.in_flight's closed form, capped at m."""
     if pp == 1:
         return 1.0
-    return min(schedule(name).in_flight(pp, virtual, num_microbatches, rank), float(num_microbatches))
+    row = schedule(name)
+    v = row.virtual(virtual)
+    if row.runnable:
+        from gridtrain.layout.pipeline_order import refusal
+
+        if not refusal(name, pp, v, num_microbatches):
+            return sum(forwards_held(name, pp, v, num_microbatches, rank, peak=True).values()) / v
+    return min(row.in_flight(pp, virtual, num_microbatches, rank), float(num_microbatches))

@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass
 
 from gridtrain.layout.schedules import BACKWARD, DEFAULT_SCHEDULE, SPLIT_INPUT, SPLIT_WEIGHT, schedule as row_of
+from gridtrain.plan.replay import step_bubble
 
 
 def bubble_ratio(pp: int, num_microbatches: int, virtual: int = 1) -> float:
@@ -190,13 +191,14 @@ def render(ops: list[Op], pp: int, virtual: int = 1) -> str:
     return "\n".join(lines + [legend])
 
 
-# ---- what a schedule costs on gridtrain's runtime: measured (bench/bench_schedules.py) ----
+# ---- what a schedule costs on gridtrain's runtime (bench/bench_schedules.py measures it) ----
 
-# The measured costs (BACKWARD, SPLIT_INPUT, SPLIT_WEIGHT) and each schedule's measured bubble
-# (Schedule.bubble_scale) live in the schedule table, gridtrain.layout.schedules.
+# The measured action costs (BACKWARD, SPLIT_INPUT, SPLIT_WEIGHT) live in the schedule table,
+# gridtrain.layout.schedules; torch's action orders in gridtrain.layout.pipeline_order.
 
 
-def bubble_scale(schedule: str) -> float:
+def bubble_scale(schedule: str) -> float | None:
+    """ZB-H1's closed-form idle time over 1F1B's (None for the schedules torch runs: replayed)."""
     return row_of(schedule).bubble_scale
 
 
@@ -209,12 +211,19 @@ def split_cost(schedule: str) -> float:
 
 
 def schedule_bubble(schedule: str, pp: int, num_microbatches: int, virtual: int = 1) -> float:
-    """The idle share of a pipeline rank's step under the schedule, as measured: work m x (F + B)
-    x split_cost, idle (p-1)/v x (F + B) x bubble_scale. For GPipe and 1F1B this is
-    bubble_fraction; the zero-bubble schedules keep a bubble (a share of 1F1B's, measured) and pay
-    the split backward's extra cost in every micro-batch."""
+    """The idle share of a pipeline rank's step under the schedule: torch's own action order for
+    (pp, v, m) replayed with the measured action costs (plan/replay.py). It is bubble_fraction
+    wherever that holds (GPipe and 1F1B at any m, the interleaved schedules at m a multiple of pp)
+    and the truth where it does not: one micro-batch through 2 ranks idles each half the step
+    under every schedule (interleaving cannot help what runs serially; the closed form says
+    1/(v + 1)). The zero-bubble schedules keep the idle time their order leaves and pay the split
+    backward's extra cost in every micro-batch. ZB-H1, which torch does not run, by its closed
+    form: idle (p-1)/v x (F + B) x bubble_scale over work m x (F + B) x split_cost."""
     if pp == 1:
         return 0.0
-    v = row_of(schedule).virtual(virtual)
+    row = row_of(schedule)
+    v = row.virtual(virtual)
+    if row.runnable:
+        return step_bubble(schedule, pp, v, num_microbatches)
     idle = (pp - 1) / v * bubble_scale(schedule)
     return idle / (num_microbatches * split_cost(schedule) + idle)

@@ -162,7 +162,7 @@ def schedule_options(pp: int, num_layers: int, m: int, c: Constraints) -> list[t
     (validate._check_pp): 1F1B needs m >= pp; interleaved schedules run micro-batches in rounds of
     pp; V schedules hold exactly 2 stages per rank. Interleaving factors from 2 to 8. The
     zero-bubble schedules are tried with m >= pp (interleaved-zb) and m >= 2 pp (V schedules: their
-    warm-up fills 2p chunks); each is costed as measured (pipeline.schedule_bubble, split_cost).
+    warm-up fills 2p chunks); each is costed by replaying its order (pipeline.schedule_bubble, split_cost).
 
     Unless the constraints name a schedule, those another dominates are left out: GPipe (1F1B's
     bubble with every micro-batch in flight) and looped-BFS (a larger bubble than interleaved

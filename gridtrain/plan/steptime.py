@@ -16,9 +16,10 @@ One step on the slowest pipeline rank:
 - TP: 4 all-reduces of the (tokens, h) activation per layer, 6 with full recomputation (SP's
   all-gather + reduce-scatter cost the same), on the critical path, no overlap;
 - CP: ring attention's KV passes, hidden behind the attention core's matmuls where they can be;
-- bubble: the schedule's idle share of the rank's step as measured on gridtrain's runtime
-  (pipeline.schedule_bubble: 1F1B's (p-1)/v bubble scaled per schedule), and the zero-bubble
-  schedules' split backward costing more per micro-batch (pipeline.split_cost);
+- bubble: the schedule's idle share of the rank's step, its torch action order replayed with the
+  measured action costs (pipeline.schedule_bubble, plan/replay.py: right for any m, m < pp
+  included), and the zero-bubble schedules' split backward costing more per micro-batch
+  (pipeline.split_cost);
 - pipeline sends: forward activation and backward gradient of every micro-batch on every chunk,
   1/tp of the activation per GPU (Megatron's scatter/gather, Narayanan et al. 2021 sec. 4.1);
 - DP: ZeRO 0/1 all-reduce gradients once, in buckets overlapped with the last micro-batch's

@@ -115,15 +115,31 @@ def measure_gloo(numel: int = 1 << 20, repeats: int = 8) -> dict[str, float]:
             "gloo_latency_s": max(times[r, 1] for r in range(2))}
 
 
-def calibrate(threads: int | None = None, seconds: float = 2.0,
-              modes: tuple[str, ...] = tuple(CALIBRATION_DTYPES), local: bool = True) -> dict[str, float]:
-    """Measure this CPU's peak matmul FLOP/s for each precision mode and cache it (merged with
-    what the cache already holds for this machine); returns {mode: FLOP/s} for `modes`. With
-    `local`, also the attention rate per mode, memory bandwidth and gloo's (local_machine())."""
+LOADED_SHARE = 0.75
+"""A calibration whose process got less than this share of its threads' CPU time ran beside
+another busy process: its figures are low (on this 2-core machine, with two busy processes beside
+it, about half), so they serve the run that measured them and are not cached."""
+ROUNDS = 3
+"""The peak is the best of this many rounds of measurements, spread over the time given."""
+
+
+def calibrate(threads: int | None = None, seconds: float = 2.0, modes: tuple[str, ...] = tuple(CALIBRATION_DTYPES),
+              local: bool = True) -> tuple[dict, str]:
+    """Measure this CPU's peak matmul FLOP/s for each precision mode, the best of ROUNDS rounds,
+    and cache it (merged with what the cache holds for this machine) unless the process did not
+    get its threads' CPU time while it measured. With `local`, also the attention rate per mode,
+    memory bandwidth and gloo's (local_machine()). Returns the machine's entry with what was
+    measured, and why it was not cached ('' when it was)."""
     if threads is not None:
         torch.set_num_threads(threads)
-    key = machine_key(torch.get_num_threads())
-    peaks = {mode: measure_peak(CALIBRATION_DTYPES[mode], seconds) for mode in modes}
+    threads = torch.get_num_threads()
+    key = machine_key(threads)
+    wall, cpu = time.perf_counter(), time.process_time()
+    peaks = {mode: 0.0 for mode in modes}
+    for _ in range(ROUNDS):
+        for mode in modes:
+            peaks[mode] = max(peaks[mode], measure_peak(CALIBRATION_DTYPES[mode], seconds / ROUNDS))
+    share = (time.process_time() - cpu) / ((time.perf_counter() - wall) * threads)
     path = calibration_path()
     cache = json.loads(path.read_text()) if path.exists() else {}
     entry = cache.setdefault(key, {"peak_flops": {}})
@@ -133,34 +149,42 @@ def calibrate(threads: int | None = None, seconds: float = 2.0,
             {mode: measure_attention_flops(CALIBRATION_DTYPES[mode], seconds / 4) for mode in modes if mode != "fp16"})
         entry["memory_bytes_per_s"] = measure_memory_bandwidth(seconds / 4)
         entry.update(measure_gloo())
-    entry.update(measured_at=time.time(), machine=platform.node())
+    entry.update(measured_at=time.time(), machine=platform.node(), cpu_share=share)
+    if share < LOADED_SHARE:
+        why = (f"not cached: this process had {share:.0%} of its {threads} thread(s)' CPU time while it measured "
+               f"(another process is busy on this machine), so the figures are low; they serve this run only: "
+               "run `gridtrain calibrate` again when the machine is idle")
+        log.warning("calibration %s", why)
+        return entry, why
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(cache, indent=2))
     os.replace(tmp, path)
-    return peaks
+    return entry, ""
 
 
-def cpu_peak_flops(precision: str, threads: int | None = None) -> float:
-    """The cached measured peak for this CPU and thread count; measured now if not cached."""
+def cpu_peak_flops(precision: str, threads: int | None = None, remeasure: bool = False) -> float:
+    """The cached measured peak for this CPU and thread count; measured now if not cached (or
+    `remeasure`)."""
     threads = threads or torch.get_num_threads()
     peaks = cached_entry(threads).get("peak_flops", {})
-    if precision not in peaks:
-        log.info("no %s calibration for this CPU with %d threads: measuring the matmul peak now "
-                 "(`gridtrain calibrate` does it ahead)", precision, threads)
-        peaks = calibrate(threads, seconds=1.5, modes=(precision,), local=False)
+    if precision not in peaks or remeasure:
+        log.info("%s %s calibration for this CPU with %d threads: measuring the matmul peak now "
+                 "(`gridtrain calibrate` does it ahead)", "re-measuring the" if remeasure else "no", precision,
+                 threads)
+        peaks = calibrate(threads, seconds=1.5, modes=(precision,), local=False)[0]["peak_flops"]
     return peaks[precision]
 
 
 def local_machine(threads: int) -> dict:
-    """The cached calibration of this CPU at `threads` per rank (calibrate() fills it)."""
+    """The cached calibration of this CPU at `threads` per rank (calibrate() fills it; measured now,
+    and used uncached if the machine is busy, when there is none)."""
     entry = cached_entry(threads)
     if "gloo_bytes_per_s" not in entry:
         log.info("no full calibration for this CPU with %d threads: measuring it now "
                  "(`gridtrain calibrate --threads %d` does it ahead)", threads, threads)
         torch.set_num_threads(threads)
-        calibrate(threads, seconds=2.0)
-        entry = cached_entry(threads)
+        entry = calibrate(threads, seconds=2.0)[0]
     return entry
 
 

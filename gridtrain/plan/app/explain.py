@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import math
 
+from gridtrain.layout.schedules import schedule
 from gridtrain.plan import placement
 from gridtrain.plan.flops import flops_per_token, hardware_flops_per_token
 from gridtrain.plan.layout import Layout
 from gridtrain.plan.memory import GiB, layer_activation_bytes, rank_params
-from gridtrain.plan.pipeline import bubble_scale, schedule_bubble, split_cost
+from gridtrain.plan.pipeline import bubble_fraction, bubble_scale, schedule_bubble, split_cost
 from gridtrain.plan.search import Candidate, Problem
 from gridtrain.plan.shape import matmul_params
 from gridtrain.plan.steptime import (HBM_PASSES, RECOMPUTE_PASSES, grad_levels, layer_hardware_flops_per_token,
@@ -90,8 +91,15 @@ def pipeline_lines(problem: Problem, cand: Candidate) -> list[str]:
         f, sc = schedule_bubble(layout.pp_schedule, p, m, v), split_cost(layout.pp_schedule)
         if sc != 1.0:
             lines.append(f"split backward (F + I + W over F + B, measured): micro-batch x {sc:.3f}")
-        lines.append(f"bubble ({layout.pp_schedule}, p={p}, v={v}, m={m}): (p-1)/v x {bubble_scale(layout.pp_schedule):.2f} "
-                     f"(measured on gridtrain's runtime) over m x {sc:.3f} + that: fraction f = {f:.4f}; "
+        if schedule(layout.pp_schedule).runnable:
+            closed = bubble_fraction(p, m, v)
+            how = (f"torch's action order replayed with the measured F, B, I, W costs: idle fraction f = {f:.4f} "
+                   f"(the closed form (p-1)/(v m + p-1) says {closed:.4f}"
+                   + (", which holds only for m a multiple of p)" if abs(closed - f) > 1e-9 else ")"))
+        else:
+            how = (f"(p-1)/v x {bubble_scale(layout.pp_schedule):.2f} (Qi et al.'s closed form) over m x {sc:.3f} "
+                   f"+ that: fraction f = {f:.4f}")
+        lines.append(f"bubble ({layout.pp_schedule}, p={p}, v={v}, m={m}): {how}; "
                      f"f/(1-f) x m x micro-batch = {_ms(st.bubble_s)}")
         lines.append(f"pipeline sends = 2 x m x v x send(b s/cp x h x 2 B / tp) = 2 x {m} x {v} x "
                      f"{_ms(pt.pp_s / (2 * m * v))} = {_ms(st.pp_s)}")

@@ -1,0 +1,68 @@
+"""`gridtrain calibrate` on a busy machine: a peak measured while other processes take the CPU
+is too low (it once made a run report 193% MFU), so it is not cached; and a cached peak that a
+run beats is measured again rather than reported."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from gridtrain.plan.machine import machine_key
+from gridtrain.train import calibrate as hardware
+
+REAL_CALIBRATE = hardware.calibrate
+
+
+def test_a_calibration_beside_busy_processes_is_not_cached_and_says_so(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("GRIDTRAIN_CACHE", str(tmp_path))
+    cores = os.cpu_count() or 1
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cores)]
+    try:
+        entry, why = REAL_CALIBRATE(threads=cores, seconds=0.6, modes=("fp32",), local=False)
+    finally:
+        for proc in busy:
+            proc.kill()
+            proc.wait()
+    assert entry["cpu_share"] < hardware.LOADED_SHARE, entry["cpu_share"]
+    assert why.startswith("not cached: this process had") and "another process is busy" in why
+    assert not (tmp_path / "calibration.json").exists()
+    assert any("not cached" in r.getMessage() for r in caplog.records)
+
+
+def test_an_idle_calibration_is_cached_as_the_best_of_its_rounds(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRIDTRAIN_CACHE", str(tmp_path))
+    monkeypatch.setattr(hardware, "LOADED_SHARE", 0.0)  # the stand-in measures nothing: no CPU share to judge
+    rounds = []
+    monkeypatch.setattr(hardware, "measure_peak", lambda dtype, seconds: rounds.append(seconds) or 1e9 * len(rounds))
+    entry, why = REAL_CALIBRATE(threads=1, seconds=0.3, modes=("fp32",), local=False)
+    assert why == "" and len(rounds) == hardware.ROUNDS and sum(rounds) == pytest.approx(0.3)
+    cached = json.loads((tmp_path / "calibration.json").read_text())[machine_key(1)]
+    assert cached["peak_flops"]["fp32"] == 1e9 * hardware.ROUNDS == entry["peak_flops"]["fp32"]
+
+
+def test_a_run_faster_than_its_cached_peak_measures_the_peak_again(tmp_path, make_config, monkeypatch, caplog):
+    """A cached peak of 1 MFLOP/s makes the tiny model's MFU far above 100%: the trainer measures
+    the peak again once, and reports MFU against that."""
+    from gridtrain.train.trainer import Trainer
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "calibration.json").write_text(json.dumps({machine_key(1): {"peak_flops": {"fp32": 1e6}}}))
+    monkeypatch.setenv("GRIDTRAIN_CACHE", str(cache))
+    calls = []
+
+    def measured(threads, seconds, modes, local):
+        calls.append(modes)
+        return {"peak_flops": {"fp32": 1e15}}, ""
+
+    monkeypatch.setattr(hardware, "calibrate", measured)
+    trainer = Trainer(make_config(tmp_path, **{"train.steps": 3, "train.threads": 1}))
+    mfus = [trainer.train_step()["mfu_pct"] for _ in range(3)]
+    trainer.release()
+    assert calls == [("fp32",)]  # once, not every step
+    assert all(m < 100 for m in mfus) and trainer.peak == 1e15
+    assert any("measured low" in r.getMessage() for r in caplog.records)
