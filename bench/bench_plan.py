@@ -1,5 +1,5 @@
 """How long the layout search takes: Llama 3 405B on 16,384 H100s (dgx-h100), sequence 8,192,
-2,048 x 8,192 = 16M tokens per step, the issue's bar being under one second.
+2,048 x 8,192 = 16M tokens per step.
 
     python bench/bench_plan.py [--repeats 5]
 
@@ -19,15 +19,17 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gridtrain.model.args import llama3_405b  # noqa: E402
-from gridtrain.layout import schedules  # noqa: E402
-from gridtrain.plan import activations, census, memory, placement, search, shape, specs, state, steptime  # noqa: E402
+from gridtrain.layout import pipeline_order, schedules  # noqa: E402
+from gridtrain.plan import (activations, census, memory, placement, replay, search, shape, specs, state,  # noqa: E402
+                            steptime)
 
 CACHED = (steptime.layer_cost, steptime.edge_flops_per_token, steptime._busiest, memory.layer_activation_bytes,
           memory.head_activation_bytes, memory.layers_per_rank, state.state_bytes_per_param,
           memory.census_activations, activations.block_bytes_per_token, census.rank_elements,
           census.zero1_shares, census._local_elements, census.peak_dp_index, memory.stage_counts,
           schedules.forwards_held, placement.axis_levels, search._divisors,
-          search.zero_options, search._buffers, search._class_representatives)
+          search.zero_options, search._buffers, search._class_representatives,
+          pipeline_order.rank_order, pipeline_order.held_at_peak, replay.replay, replay.step_bubble)
 
 
 def clear_caches() -> None:

@@ -55,21 +55,42 @@ def test_a_hand_laid_two_rank_1f1b_step():
     r = replay("1f1b", 2, 1, 2)
     assert r.span == pytest.approx(3 + 3 * BACKWARD)
     assert r.busy == pytest.approx((2 + 2 * BACKWARD,) * 2)
-    ends = {(t.rank, t.kind, t.microbatch): t.end for t in r.actions}
+    ends = {(rank, kind, mb): end for rank, kind, _, mb, _, end in r.actions}
     assert ends[(0, "B", 1)] == pytest.approx(3 + 3 * BACKWARD)
     assert r.bubble == pytest.approx(1 / 3)
     assert ends[(1, "F", 1)] == pytest.approx(3 + BACKWARD)
 
 
 @pytest.mark.parametrize("name", RUN)
+def test_past_two_pp_micro_batches_the_peak_in_flight_stays(name):
+    """held_at_peak counts on 2 pp micro-batches where only steady-state work is added
+    (steady_from): equal to counting on the whole order."""
+    from gridtrain.layout.pipeline_order import held_at_peak, steady_from
+
+    for pp in (2, 4, 8):
+        v = SCHEDULES[name].virtual(2)
+        for m in (2 * pp + 1, 3 * pp - 1, 3 * pp + 1, 4 * pp, 5 * pp, 9 * pp + 2):
+            if refusal(name, pp, v, m) or steady_from(name, pp, m) is None:
+                continue
+            for rank in range(pp):
+                held_at_peak.cache_clear()
+                shortcut = held_at_peak(name, pp, v, m, rank)
+                with pytest.MonkeyPatch.context() as mp:
+                    mp.setattr("gridtrain.layout.pipeline_order.steady_from", lambda *a: None)
+                    held_at_peak.cache_clear()
+                    assert held_at_peak(name, pp, v, m, rank) == shortcut, (pp, m, rank)
+    held_at_peak.cache_clear()
+
+
+@pytest.mark.parametrize("name", RUN)
 def test_past_two_pp_micro_batches_only_work_is_added(name):
-    """step_bubble replays 2 pp and 3 pp micro-batches and extends the work: equal to replaying
-    all m."""
+    """step_bubble takes the closed form where it holds, else replays 2 pp micro-batches and counts
+    the work on the order: equal to replaying all m, every m torch takes."""
     for pp in (2, 4):
         v = SCHEDULES[name].virtual(2)
-        for m in (2 * pp + 1, 3 * pp, 5 * pp, 9 * pp + 2):
+        for m in (1, 2, 3, pp, 2 * pp + 1, 3 * pp, 5 * pp, 9 * pp + 2):
             if not refusal(name, pp, v, m):
-                assert step_bubble(name, pp, v, m) == pytest.approx(replay(name, pp, v, m).bubble, rel=1e-12)
+                assert step_bubble(name, pp, v, m) == pytest.approx(replay(name, pp, v, m).bubble, rel=1e-12), m
 
 
 def test_in_flight_is_counted_on_the_order_and_agrees_with_the_closed_forms():

@@ -103,39 +103,30 @@ def _one_f_one_b_ops(pp: int, v: int, m: int, rank: int, per_round: int, warmup:
     """torch's _get_1f1b_rank_ops: warm-up forwards, then a forward and a backward per step, then
     the remaining backwards; chunks taken per round of micro-batches."""
     total = v * m
-
-    def forward_stage(step: int) -> int:
-        return (step // per_round) % v * pp + rank
-
-    def backward_stage(step: int) -> int:
-        return (v - 1 - (step - warmup) // per_round % v) * pp + rank
-
-    counts = {"F": {}, "B": {}, "W": {}}
-
-    def take(kind: str, stage: int) -> int:
-        j = counts[kind].get(stage, 0)
-        counts[kind][stage] = j + 1
-        return j
-
     backward_kind = "I" if zero_bubble else "B"
+    forwards, backwards, weights_done = [0] * (pp * v), [0] * (pp * v), [0] * (pp * v)
     out: list[Action] = []
-    backward_steps: list[int] = []
+    backward_stages: list[int] = []
     weights = 0
     for step in range(total + warmup):  # warm-up, steady (total - warmup), cool-down (warmup)
         if step < total:
-            stage = forward_stage(step)
-            out.append(("F", stage, take("F", stage)))
+            stage = (step // per_round) % v * pp + rank
+            out.append(("F", stage, forwards[stage]))
+            forwards[stage] += 1
         if step >= warmup:
-            stage = backward_stage(step)
-            out.append((backward_kind, stage, take("B", stage)))
-            backward_steps.append(step)
+            stage = (v - 1 - (step - warmup) // per_round % v) * pp + rank
+            out.append((backward_kind, stage, backwards[stage]))
+            backwards[stage] += 1
+            backward_stages.append(stage)
             if zero_bubble and step - warmup >= rank:
-                stage = backward_stage(backward_steps[weights])
-                out.append(("W", stage, take("W", stage)))
+                stage = backward_stages[weights]
+                out.append(("W", stage, weights_done[stage]))
+                weights_done[stage] += 1
                 weights += 1
-    while zero_bubble and weights < len(backward_steps):
-        stage = backward_stage(backward_steps[weights])
-        out.append(("W", stage, take("W", stage)))
+    while zero_bubble and weights < len(backward_stages):
+        stage = backward_stages[weights]
+        out.append(("W", stage, weights_done[stage]))
+        weights_done[stage] += 1
         weights += 1
     return out
 
@@ -225,29 +216,46 @@ def _dualpipev(pp: int, v: int, m: int, rank: int) -> list[Action]:
     return out
 
 
-def _held_counts(name: str, pp: int, v: int, m: int, rank: int) -> list[dict[int, int]]:
-    """After each action of the rank, the micro-batches whose activations each of its stages holds:
-    from the forward until the backward that frees them (B, or W under a split backward)."""
+def held_at_first_backward(name: str, pp: int, v: int, m: int, rank: int) -> dict[int, int]:
+    """Forwards each stage of the rank has run when its first backward (B or I) starts."""
+    held: dict[int, int] = {}
+    for kind, stage, _ in rank_order(name, pp, v, m, rank):
+        if kind != "F":
+            break
+        held[stage] = held.get(stage, 0) + 1
+    return held
+
+
+def steady_from(name: str, pp: int, m: int) -> int | None:
+    """A smaller micro-batch count whose step differs from m's only by steady-state work (the same
+    warm-up and cool-down, so the same idle time and the same peak in flight), or None: 2 pp for
+    m above 2 pp, where m keeps the schedule's rounds (a multiple of pp for the interleaved ones),
+    unless every forward runs first (GPipe, looped-BFS: all m in flight). Held equal to the whole
+    order by tests/test_plan_replay.py."""
+    row = row_of(name)
+    if m <= 2 * pp or row.all_forwards_first or (row.rounds_of_pp and m % pp):
+        return None
+    return 2 * pp
+
+
+@functools.lru_cache(maxsize=4096)
+def held_at_peak(name: str, pp: int, v: int, m: int, rank: int) -> dict[int, int]:
+    """Micro-batches each stage of the rank holds at the moment it holds the most, each from its
+    forward until the backward that frees it (B, or W under a split backward, which still reads
+    the stage's inputs); the rank's stages are taken as equal here."""
+    if steady_from(name, pp, m):
+        return held_at_peak(name, pp, v, steady_from(name, pp, m), rank)
     split = row_of(name).split_backward
     held: dict[int, int] = {}
-    out = []
+    total = best = 0
+    peak: dict[int, int] = {}
     for kind, stage, _ in rank_order(name, pp, v, m, rank):
         if kind == "F":
             held[stage] = held.get(stage, 0) + 1
+            total += 1
+            if total > best:
+                best, peak = total, dict(held)
         elif kind == "B" or (kind == "W" and split):
             held[stage] -= 1
-        out.append(dict(held))
-    return out
-
-
-def held_at_first_backward(name: str, pp: int, v: int, m: int, rank: int) -> dict[int, int]:
-    """Forwards each stage of the rank has run when its first backward (B or I) starts."""
-    order = rank_order(name, pp, v, m, rank)
-    first = next(i for i, (kind, _, _) in enumerate(order) if kind in ("B", "I"))
-    return _held_counts(name, pp, v, m, rank)[first - 1] if first else {}
-
-
-def held_at_peak(name: str, pp: int, v: int, m: int, rank: int) -> dict[int, int]:
-    """Micro-batches each stage of the rank holds at the moment it holds the most (in stages: the
-    rank's stages are taken as equal here)."""
-    return max(_held_counts(name, pp, v, m, rank), key=lambda held: sum(held.values()))
+            total -= 1
+    return peak

@@ -8,10 +8,9 @@ measured them on gridtrain's runtime: B 1.95, I 1.27, W 0.95), times the stage's
 stage's split backward is all weight pass (`_cost`).
 
 What comes out is what the closed forms approximate and where they do not hold (m < pp, m not a
-multiple of pp, a V or zero-bubble order whose W passes do not fill the gaps): the step's span,
-each rank's idle share, and the activations each rank holds at its peak (a micro-batch's stage
-from its forward until the backward that frees them: B, or W under a split backward, which
-still reads the stage's inputs).
+multiple of pp, a V or zero-bubble order whose W passes do not fill the gaps): the step's span and
+each rank's idle share. (What a rank holds in flight needs no times: layout/pipeline_order.py
+counts it on the order.)
 """
 
 from __future__ import annotations
@@ -20,21 +19,15 @@ import functools
 from dataclasses import dataclass
 
 from gridtrain.layout.dims import stage_layer_counts
-from gridtrain.layout.pipeline_order import rank_order
-from gridtrain.layout.schedules import BACKWARD, SPLIT_INPUT, SPLIT_WEIGHT, schedule as row_of, stage_ranks
+from gridtrain.layout.pipeline_order import rank_order, steady_from
+from gridtrain.layout.schedules import BACKWARD, SPLIT_INPUT, SPLIT_WEIGHT, schedule as row_of
 
 COSTS = {"F": 1.0, "B": BACKWARD, "I": SPLIT_INPUT, "W": SPLIT_WEIGHT}
 """Seconds of an action per layer, in forwards (schedules.py's measured ratios)."""
 
 
-@dataclass(frozen=True)
-class Timed:
-    rank: int
-    kind: str
-    stage: int
-    microbatch: int
-    start: float
-    end: float
+Timed = tuple[int, str, int, int, float, float]
+"""(rank, kind, stage, micro-batch, start, end) of one action."""
 
 
 @dataclass(frozen=True)
@@ -44,8 +37,6 @@ class Replay:
     """From the first action's start to the last one's end."""
     busy: tuple[float, ...]
     """Per rank, the time it computes."""
-    peak_held: tuple[float, ...]
-    """Per rank, the most activations it holds at once, in micro-batches of its whole layer set."""
 
     @property
     def bubble(self) -> float:
@@ -62,19 +53,6 @@ def _cost(kind: str, stage: int) -> float:
     return COSTS[kind]
 
 
-def _ready(kind: str, stage: int, j: int, last: int, done: dict[tuple[str, int, int], float]) -> float | None:
-    """When the action's inputs exist (None: not yet)."""
-    if kind == "F":
-        deps = [("F", stage - 1, j)] if stage > 0 else []
-    elif kind == "W":
-        deps = [("I", stage, j)]
-    else:  # B or I: its forward, and the gradient of its output from the next stage's B or I
-        nxt = [] if stage == last else [("B", stage + 1, j) if ("B", stage + 1, j) in done else ("I", stage + 1, j)]
-        deps = [("F", stage, j)] + nxt
-    times = [done.get(d) for d in deps]
-    return None if any(t is None for t in times) else max(times, default=0.0)
-
-
 @functools.lru_cache(maxsize=2048)
 def replay(schedule: str, pp: int, virtual: int, m: int, n_layers: int = 0, fewer_edge_layers: int = 0) -> Replay:
     """The step of `schedule` over pp ranks (virtual stages each where it takes them) and m
@@ -83,68 +61,78 @@ def replay(schedule: str, pp: int, virtual: int, m: int, n_layers: int = 0, fewe
     v = row_of(schedule).virtual(virtual)
     stages = pp * v
     counts = stage_layer_counts(n_layers, stages, fewer_edge_layers) if n_layers else [1 / v] * stages
+    cost = {kind: [_cost(kind, s) * counts[s] for s in range(stages)] for kind in COSTS}
     orders = [rank_order(schedule, pp, v, m, r) for r in range(pp)]
-    done: dict[tuple[str, int, int], float] = {}
+    # When each (stage, micro-batch) finished its forward, its input gradient (B or I), its I.
+    forward, gradient, input_pass = ([-1.0] * (stages * m) for _ in range(3))
     free, cursor, timed = [0.0] * pp, [0] * pp, []
     while any(cursor[r] < len(orders[r]) for r in range(pp)):
         progressed = False
         for r in range(pp):
-            while cursor[r] < len(orders[r]):
-                kind, stage, j = orders[r][cursor[r]]
-                ready = _ready(kind, stage, j, stages - 1, done)
-                if ready is None:
+            order, i, t = orders[r], cursor[r], free[r]
+            while i < len(order):
+                kind, stage, j = order[i]
+                at = stage * m + j
+                if kind == "F":
+                    ready = forward[at - m] if stage else 0.0
+                elif kind == "W":
+                    ready = input_pass[at]
+                elif stage == stages - 1:  # B or I of the last stage: its forward
+                    ready = forward[at]
+                else:  # B or I: its forward, and the next stage's gradient of its output
+                    f, g = forward[at], gradient[at + m]
+                    ready = -1.0 if f < 0 or g < 0 else max(f, g)
+                if ready < 0:
                     break
-                start = max(free[r], ready)
-                end = start + _cost(kind, stage) * counts[stage]
-                done[(kind, stage, j)] = free[r] = end
-                timed.append(Timed(r, kind, stage, j, start, end))
-                cursor[r] += 1
-                progressed = True
+                start = t if t > ready else ready
+                t = start + cost[kind][stage]
+                timed.append((r, kind, stage, j, start, t))
+                if kind == "F":
+                    forward[at] = t
+                else:
+                    if kind != "W":
+                        gradient[at] = t
+                    if kind == "I":
+                        input_pass[at] = t
+                i += 1
+            progressed |= i > cursor[r]
+            cursor[r], free[r] = i, t
         if not progressed:
             raise RuntimeError(f"{schedule} deadlocks at pp={pp}, v={v}, m={m}")
-    span = max(t.end for t in timed) - min(t.start for t in timed)
-    busy = tuple(sum(t.end - t.start for t in timed if t.rank == r) for r in range(pp))
-    return Replay(tuple(timed), span, busy, _peaks(timed, pp, counts, schedule, v))
-
-
-def _peaks(timed: list[Timed], pp: int, counts: list[float], schedule: str, v: int) -> tuple[float, ...]:
-    """Per rank, the most activations held at once (a stage's share of the rank's layers per
-    micro-batch), each from its forward's start until its freeing backward ends."""
-    owners = stage_ranks(pp, v, schedule)
-    freeing = "W" if row_of(schedule).split_backward else "B"
-    peaks = []
-    for r in range(pp):
-        layers = sum(c for s, c in enumerate(counts) if owners[s] == r) or 1
-        events = []
-        for t in timed:
-            if t.rank != r:
-                continue
-            share = counts[t.stage] / layers
-            if t.kind == "F":
-                events.append((t.start, 1, share))
-            elif t.kind == freeing or t.kind == "B":
-                events.append((t.end, 0, -share))
-        held = best = 0.0
-        for _, _, delta in sorted(events):
-            held += delta
-            best = max(best, held)
-        peaks.append(best)
-    return tuple(peaks)
+    busy = [0.0] * pp
+    for rank, _, _, _, start, end in timed:
+        busy[rank] += end - start
+    return Replay(tuple(timed), max(free) - min(a[4] for a in timed), tuple(busy))
 
 
 @functools.lru_cache(maxsize=8192)
 def step_bubble(schedule: str, pp: int, virtual: int, m: int) -> float:
-    """The idle share of the step (Replay.bubble) for uniform stages. From 2 pp micro-batches on,
-    more micro-batches add steady-state work and no idle time (for m a multiple of pp under the
-    interleaved schedules, whose rounds change with m otherwise), and the work grows by the same
-    amount per micro-batch (DualPipeV's steady state runs fused backwards, its ends split ones):
-    such steps are replayed at 2 pp and 3 pp, their idle time kept and their work extended
-    (tests/test_plan_replay.py holds both ways equal), so that a search over thousands of layouts
-    replays small steps only."""
+    """The idle share of the step (Replay.bubble) for uniform stages. For the fused-backward
+    schedules at m >= pp (GPipe and 1F1B at any m) the replay is the closed form
+    (p-1)/v / (m + (p-1)/v), which is taken without replaying (tests/test_plan_replay.py holds the
+    two equal). Where more micro-batches add only steady-state work (pipeline_order.steady_from),
+    the idle time is replayed at 2 pp micro-batches and the work counted on the orders (DualPipeV's
+    steady state runs fused backwards, its ends split ones), so that a search over thousands of
+    layouts replays small steps only."""
     row = row_of(schedule)
-    if m <= 3 * pp or (row.rounds_of_pp and m % pp):
+    v = row.virtual(virtual)
+    if not row.split_backward and (row.stages_per_rank == 1 or m >= pp):
+        idle = (pp - 1) / v
+        return idle / (m + idle)
+    ref = steady_from(schedule, pp, m)
+    if ref is None:
         return replay(schedule, pp, virtual, m).bubble
-    two, three = replay(schedule, pp, virtual, 2 * pp), replay(schedule, pp, virtual, 3 * pp)
-    idle = len(two.busy) * two.span - sum(two.busy)
-    work = sum(two.busy) + (sum(three.busy) - sum(two.busy)) * (m - 2 * pp) / pp
-    return idle / (idle + work)
+    r = replay(schedule, pp, virtual, ref)
+    idle = len(r.busy) * r.span - sum(r.busy)
+    at_ref, next_round = (_work(schedule, pp, v, n) for n in (ref, ref + pp))
+    return idle / (idle + at_ref + (next_round - at_ref) * (m - ref) / pp)
+
+
+def _work(schedule: str, pp: int, v: int, m: int) -> float:
+    """The ranks' busy time in a step of m micro-batches (uniform stages, 1/v of a rank's layers):
+    each stage runs each micro-batch's forward and its backward, fused or split; DualPipeV mixes
+    the two, so its actions are counted."""
+    if schedule == "dualpipev":
+        return sum(_cost(kind, stage) / v for r in range(pp) for kind, stage, _ in rank_order(schedule, pp, v, m, r))
+    backward = COSTS["I"] + COSTS["W"] if row_of(schedule).split_backward else COSTS["B"]
+    return pp * m * (COSTS["F"] + backward)

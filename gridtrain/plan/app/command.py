@@ -15,7 +15,7 @@ from typing import TextIO
 from gridtrain.config import ConfigError
 from gridtrain.config_load import BARE_FLAG, parse_overrides
 from gridtrain.plan import budget
-from gridtrain.plan.app import explain, render
+from gridtrain.plan.app import explain, ranking, render
 from gridtrain.plan.app.inputs import (LAYOUT_LABELS, batch_sequences, check_constraints, constraints_label,
                                        parse_count, parse_layout, parse_whole, resolve_cluster, resolve_model)
 from gridtrain.plan.app.report import Assumptions, build_report, layout_dict, no_fit_report
@@ -153,7 +153,7 @@ def plan(args: argparse.Namespace, extra: list[str], out: TextIO) -> int:
     if problems:
         raise PlanError("--layout is inconsistent:\n  " + "\n  ".join(problems))
     start = time.perf_counter()
-    result = search(problem, constraints, top=args.top)
+    result = search(problem, constraints, top=2 * args.top)  # rows that collapse leave room for more
     seconds = time.perf_counter() - start
     if not result.ranked:
         reason = no_fit_message(problem, constraints, result)
@@ -161,10 +161,11 @@ def plan(args: argparse.Namespace, extra: list[str], out: TextIO) -> int:
             json.dump(no_fit_report(problem, result, name, reason), out, indent=2)
             out.write("\n")
         raise PlanError(reason)
-    chosen = result.ranked[0]
+    rows = ranking.collapse(ranking.order(result.ranked))[:args.top]
+    chosen = rows[0].best
     assumptions = Assumptions(price_per_gpu_hour=problem.cluster.price_per_gpu_hour, pue=args.pue,
                               electricity_per_kwh=args.electricity_price, mtbf_gpu_hours=args.mtbf_hours)
-    report = build_report(problem, result, chosen, name, tokens, assumptions, seconds)
+    report = build_report(problem, result, rows, name, tokens, assumptions, seconds)
     report["notes"] = notes + [fit_line(problem, constraints, chosen)]
     if problem.model_keys is not None:
         report["train_command"] = train_command(problem.model_keys, problem.global_batch_seqs, problem.precision,

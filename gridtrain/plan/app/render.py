@@ -81,8 +81,16 @@ def render_ranked(r: dict) -> list[str]:
         lines.append(f"{i:>2} {lay['tp']:>2} {lay['cp']:>2} {lay['pp']:>3} {lay['dp']:>5} {lay['dp_shard']:>5} "
                      f"{lay['zero_stage']:>4} {lay['pp_schedule']:<16} {lay['pp_virtual_stages']:>1} "
                      f"{lay['micro_batch']:>3} {lay['num_microbatches']:>4} {lay['recompute']:<9} "
-                     f"{c['peak_GiB']:>8.1f} {c['step_s']:>7.3f} {_count(c['tokens_per_s']):>9} {c['mfu']:>6.1%}")
-    return lines
+                     f"{c['peak_GiB']:>8.1f} {c['step_s']:>7.3f} {_count(c['tokens_per_s']):>9} {c['mfu']:>6.1%}"
+                     + (f"  {SHORT.get(c['varies'], c['varies'])} {', '.join(map(str, c['values']))} alike"
+                        if c.get("varies") else ""))
+    if any(c.get("varies") for c in r["ranked"]):
+        lines.append("'alike': layouts differing only in that choice, within 0.5% of each other's step time")
+    return lines + r.get("why_first", [])
+
+
+SHORT = {"pp_virtual_stages": "v", "micro_batch": "mb", "zero_stage": "zero", "pp_schedule": "schedule",
+         "dp_shard": "shard", "recompute": "recompute"}
 
 
 def render_memory(r: dict) -> list[str]:

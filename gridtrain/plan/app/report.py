@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from gridtrain.plan import budget, comm, reliability
+from gridtrain.plan.app.ranking import Row, why_first
 from gridtrain.plan.layout import Layout
 from gridtrain.layout.dims import ParallelDims
 from gridtrain.plan.memory import BUCKETS, GiB, RankMemory, rank_memory, rank_state, state_index
@@ -156,16 +157,28 @@ def problem_dict(problem: Problem, model_name: str) -> dict[str, object]:
             "state_bytes": asdict(problem.state)}
 
 
-def build_report(problem: Problem, result: SearchResult, chosen: Candidate, model_name: str,
+def row_dict(problem: Problem, row: Row) -> dict[str, object]:
+    """A ranked row: its best layout, and the choice its collapsed variants differ in."""
+    out = candidate_dict(row.best) | {"refused": runs(problem, row.best)}
+    if row.field:
+        out |= {"varies": row.field, "values": row.values,
+                "same_as": [layout_dict(c.layout) for c in row.same]}
+    return out
+
+
+def build_report(problem: Problem, result: SearchResult, rows: list[Row], model_name: str,
                  total_tokens: float, a: Assumptions, search_s: float) -> dict[str, object]:
-    """The whole plan for `chosen` (normally result.ranked[0])."""
+    """The whole plan for the first row's layout, the ranked rows (ranking.collapse) and why the
+    first leads."""
+    chosen = rows[0].best
     bud = budget_dict(problem, chosen, total_tokens, a)
     return {"fits": True, "problem": problem_dict(problem, model_name), "assumptions": asdict(a),
             "search": {"enumerated": result.enumerated, "evaluated": result.evaluated,
                        "seconds": search_s},
             "chosen": candidate_dict(chosen),
             "units": units_dict(problem, chosen.layout, total_tokens),
-            "ranked": [candidate_dict(c) | {"refused": runs(problem, c)} for c in result.ranked],
+            "ranked": [row_dict(problem, row) for row in rows],
+            "why_first": why_first(rows, problem.memory_limit),
             "memory": memory_dict(problem, chosen), "bytes_per_axis": comm_dict(problem, chosen),
             "ranks": ranks_list(problem, chosen.layout), "budget": bud,
             "checkpoint": checkpoint_dict(problem, chosen, bud["days"], a)}
