@@ -55,18 +55,21 @@ def test_axis_levels_on_grand_teton():
 
 
 def test_hierarchical_time_equals_comm():
-    # Without latencies, two levels are comm.hierarchical_all_reduce_time (reduce-scatter in the
+    # Bandwidth-wise, two levels are comm.hierarchical_all_reduce_time (reduce-scatter in the
     # node, all-reduce of 1/g across nodes, all-gather back).
-    flat = replace(DGX, intra_node_latency_s=0.0, inter_node_latency_s=0.0, nodes_per_pod=0)
+    flat = replace(DGX, nodes_per_pod=0)
     levels = placement.axis_levels(flat, 32, 1, 0.6, 0.8)
     assert [lv.ranks for lv in levels] == [8, 4]
     intra, inter = comm.Link(450 * GB, 0, 0.6), comm.Link(50 * GB, 0, 0.8)
     expected = comm.hierarchical_all_reduce_time(4 * GB, 8, 4, intra, inter).total
-    assert placement.all_reduce_time(4 * GB, levels) == approx(expected)
-    # One level is a ring plus one small-collective latency.
+    # plus one call's latency by NCCL's model: the tree's 8.4 + 2 x (7 NVLink steps x 4 + 2 network
+    # steps x 14) us = 120.4 us beats the ring's 8.4 + 56 x 3.4 + 6 x 14 = 282.8 us
+    assert placement.all_reduce_time(4 * GB, levels) == approx(expected + 120.4e-6)
+    # One level is a ring plus its 14 NVLink steps' latency; in 10 calls, ten times the latency.
     one = placement.axis_levels(DGX, 8, 1, 0.6, 0.8)
     ring = comm.ring_all_reduce_time(1 * GB, 8, comm.Link(450 * GB, 0, 0.6))
-    assert placement.all_reduce_time(1 * GB, one) == approx(ring + 13e-6)
+    assert placement.all_reduce_time(1 * GB, one) == approx(ring + 8.4e-6 + 14 * 3.4e-6)
+    assert placement.all_reduce_time(1 * GB, one, 10) == approx(ring + 10 * (8.4e-6 + 14 * 3.4e-6))
 
 
 def test_p2p_link_follows_the_slowest_hop():
@@ -118,8 +121,9 @@ def test_tp_and_bubble_by_hand():
     lay = Layout(tp=8, pp=16, dp_replicate=128, micro_batch=1, seq_len=8192, num_microbatches=16,
                  pp_schedule="interleaved-1f1b", pp_virtual_stages=2, sequence_parallel=True, recompute="full")
     pt = steptime.pipeline_time(s, lay, DGX, EFF)
-    # TP: 6 all-reduces (full recomputation) of 8,192 x 16,384 x 2 bytes per layer, ring of 8 on NVLink.
-    one = 2 * 7 / 8 * (8192 * 16384 * 2) / (450 * GB * EFF.intra_node) + 13e-6
+    # TP: 6 all-reduces (full recomputation) of 8,192 x 16,384 x 2 bytes per layer, ring of 8 on NVLink,
+    # each call NCCL's 8.4 us + 14 ring steps x 3.4 us.
+    one = 2 * 7 / 8 * (8192 * 16384 * 2) / (450 * GB * EFF.intra_node) + 8.4e-6 + 14 * 3.4e-6
     assert pt.layer.tp_s == approx(6 * one)
     # Bubble: interleaved 1F1B's (p-1)/v = 7.5 micro-batches of idle time (Narayanan et al.; m a
     # multiple of p, where torch's order replayed gives the same), beside m = 16 of work: f / (1 - f) of it.
@@ -141,9 +145,11 @@ def test_dp_hides_behind_backward():
     lay = Layout(dp_replicate=8, zero_stage=1, micro_batch=1, seq_len=8192, num_microbatches=8)
     st = steptime.step_time(s, lay, DGX)
     grads = shape.param_counts(s).total * 2
-    total = 2 * 7 / 8 * grads / (450 * GB * EFF.intra_node) + 13e-6
+    # one call per layer's bucket, 32 of them, each NCCL's 8.4 us + 14 ring steps x 3.4 us
+    total = 2 * 7 / 8 * grads / (450 * GB * EFF.intra_node) + 32 * (8.4e-6 + 14 * 3.4e-6)
     assert st.dp_total_s == approx(total)
-    assert st.dp_s == approx(total / 32)
+    # the last bucket waited for, and the other 31 slow the backward beside them by 0.35 s a second
+    assert st.dp_s == approx(total / 32 + 0.35 * total * 31 / 32)
     # ZeRO-3 moves 1.5x the bytes and exposes more.
     z3 = steptime.step_time(s, replace(lay, zero_stage=3, dp_replicate=1, dp_shard=8), DGX)
     assert z3.dp_total_s > 1.4 * 8 * total and z3.dp_s >= st.dp_s

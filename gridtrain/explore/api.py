@@ -65,6 +65,7 @@ FIELDS: dict[str, Field] = {
     "tokens": Field("float", 1e3, 1e16, flag="--tokens"),
     "precision": Field("choice", choices=("bf16", "fp16", "fp32"), flag="--precision"),
     "convention": Field("choice", choices=("gridtrain", "zero", "megatron"), flag="--convention"),
+    "implementation": Field("choice", choices=("eager", "compiled", "megatron"), flag="--implementation"),
     "hbm_usable": Field("float", 0, 1, flag="--hbm-usable", low_open=True),
     "price": Field("float", 0, 1e4, flag="--price"),
     "top": Field("int", 1, 50, flag="--top"),

@@ -15,8 +15,9 @@ that share a pod (full-bisection fabric, one NIC per GPU), then the pods (the fa
 oversubscribed, so each GPU gets inter-node bandwidth / oversubscription). A collective runs level
 by level (two-level NCCL/Horovod style, generalized): reduce-scatter inside the innermost level,
 the next level on 1/k of the payload, all-gather back. Each level costs the ring's bytes over its
-link's achieved bandwidth plus the link's measured small-message latency once (the specs' 13 us and
-55 us are whole small collectives, as the Smol Training Playbook measured them, not per ring step).
+link's achieved bandwidth. Each call adds its latency as NCCL's own tuning model prices it
+(`nccl_latency`): a base plus one per-step latency for every step of the ring, NVLink or network,
+so that a collective over 2,048 ranks pays 2,047 steps, and FSDP's per-layer calls pay it per layer.
 """
 
 from __future__ import annotations
@@ -74,28 +75,67 @@ def axis_levels(cluster: ClusterSpec, degree: int, stride: int, intra_efficiency
     return tuple(levels)
 
 
+NCCL_BASE_S = 8.4e-6
+"""NCCL's base latency of one call, ring and tree, Simple protocol (src/graph/tuning.cc, baseLat,
+NCCL 2.2x): the protocol it picks for the megabyte-and-up buckets that gradients, FSDP's
+gathers and TP's activations move."""
+NCCL_RING_STEP_S = {"nvlink": 3.4e-6, "net": 14.0e-6}
+"""Per ring step (hwLat, Ring, Simple): over NVLink, over the network. With one GPU per node NCCL
+charges the tree's network latency, also 14 us."""
+NCCL_TREE_STEP_S = {"nvlink": 4.0e-6, "net": 14.0e-6}
+"""Per tree step (hwLat, Tree, Simple), for all-reduce only."""
+
+
+def nccl_latency(kind: str, levels: tuple[Level, ...]) -> float:
+    """The latency NCCL's tuning model gives one call over the group (ncclTopoTuneModel). Ring
+    over n ranks on `nodes` nodes: n-1 steps (all-gather, reduce-scatter) or 2(n-1) (all-reduce),
+    of which nodes-1 (2(nodes-1)) cross the network; tree (all-reduce): 2 ((n/nodes - 1) NVLink
+    steps + log2(nodes) network steps); NCCL takes the cheaper. Worked example: an all-gather over
+    2,048 ranks, one per node: 8.4 + 2,047 x 14 us = 28.7 ms; an all-reduce over 8 in a node:
+    8.4 + 14 x 3.4 = 56 us."""
+    n = math.prod(level.ranks for level in levels)
+    if n <= 1:
+        return 0.0
+    ppn = levels[0].ranks if levels[0].name == "node" else 1
+    nodes = n // ppn
+    twice = 2 if kind == "all_reduce" else 1
+    steps, net_steps = twice * (n - 1), twice * (nodes - 1)
+    ring = NCCL_BASE_S + (steps - net_steps) * NCCL_RING_STEP_S["nvlink"] + net_steps * NCCL_RING_STEP_S["net"]
+    if kind != "all_reduce":
+        return ring
+    tree = NCCL_BASE_S + 2 * ((ppn - 1) * NCCL_TREE_STEP_S["nvlink"]
+                              + math.ceil(math.log2(nodes)) * NCCL_TREE_STEP_S["net"])
+    return min(ring, tree)
+
+
 def _level_time(kind: str, payload: float, level: Level) -> float:
     link = comm.Link(level.link.bytes_per_s, 0.0, level.link.efficiency)
     if kind == "all_reduce":
-        return comm.ring_all_reduce_time(payload, level.ranks, link) + level.link.latency_s
-    return comm.reduce_scatter_time(payload, level.ranks, link) + level.link.latency_s
+        return comm.ring_all_reduce_time(payload, level.ranks, link)
+    return comm.reduce_scatter_time(payload, level.ranks, link)
 
 
-def all_reduce_time(payload: float, levels: tuple[Level, ...]) -> float:
-    """All-reduce of a `payload`-byte tensor over the levels: reduce-scatter inside the innermost,
-    all-reduce of payload/k over the rest, all-gather back (inter-level bytes per GPU shrink by k)."""
+def _all_reduce_bytes_time(payload: float, levels: tuple[Level, ...]) -> float:
     if not levels:
         return 0.0
     if len(levels) == 1:
         return _level_time("all_reduce", payload, levels[0])
     inner = levels[0]
     edge = 2 * _level_time("reduce_scatter", payload, inner)
-    return edge + all_reduce_time(payload / inner.ranks, levels[1:])
+    return edge + _all_reduce_bytes_time(payload / inner.ranks, levels[1:])
 
 
-def reduce_scatter_time(payload: float, levels: tuple[Level, ...]) -> float:
-    """Reduce-scatter of a `payload`-byte tensor, level by level (all-gather costs the same)."""
-    total = 0.0
+def all_reduce_time(payload: float, levels: tuple[Level, ...], calls: int = 1) -> float:
+    """All-reduce of a `payload`-byte tensor over the levels, in `calls` equal collectives:
+    reduce-scatter inside the innermost, all-reduce of payload/k over the rest, all-gather back
+    (inter-level bytes per GPU shrink by k), plus each call's latency."""
+    return _all_reduce_bytes_time(payload, levels) + calls * nccl_latency("all_reduce", levels)
+
+
+def reduce_scatter_time(payload: float, levels: tuple[Level, ...], calls: int = 1) -> float:
+    """Reduce-scatter of a `payload`-byte tensor in `calls` collectives, level by level, plus each
+    call's latency (all-gather costs the same)."""
+    total = calls * nccl_latency("reduce_scatter", levels)
     for level in levels:
         total += _level_time("reduce_scatter", payload, level)
         payload /= level.ranks

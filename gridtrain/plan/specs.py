@@ -67,6 +67,10 @@ ACCELERATORS: dict[str, AcceleratorSpec] = {
         AcceleratorSpec("A100-80GB", 312, 80, 2039, 400, 600),
         AcceleratorSpec("H100-SXM", 989, 80, 3352, 700, 900),
         AcceleratorSpec("H100-PCIe", 756, 80, 2000, 350, 600),
+        # torchtitan's benchmark H100s (Grand Teton, llama3_h100_202412_torchtitan.md): 96 GB of
+        # HBM2e at 2.4 TB/s, run at a 500 W limit. Its peak lies between the SXM's and the NVL's,
+        # and is not published: torchtitan divides by the SXM's 989, and so does this entry.
+        AcceleratorSpec("H100-96GB", 989, 96, 2400, 500, 900),
         AcceleratorSpec("H200", 989, 141, 4800, 700, 900),
         AcceleratorSpec("B200", 2250, 192, 8000, 1000, 1800),
         # No NVLink: PCIe Gen4 x16, 64 GB/s both directions. The A10G (AWS) has no published power.
@@ -153,7 +157,13 @@ def _selene_a100() -> ClusterSpec:
     return ClusterSpec("selene-a100", ACCELERATORS["A100-80GB"], 8, 300, 13e-6, 25, 55e-6)
 
 
-CLUSTERS = {"dgx-h100": _dgx_h100_llama3, "selene-a100": _selene_a100}
+def _grand_teton_h100_96gb() -> ClusterSpec:
+    # torchtitan's benchmark hosts: 8 H100 (96 GB) per host fully connected by NVLink, 400 Gb/s
+    # RDMA per GPU between hosts = 50 GB/s; latencies as dgx-h100's.
+    return ClusterSpec("grand-teton-h100-96gb", ACCELERATORS["H100-96GB"], 8, 450, 13e-6, 50, 55e-6)
+
+
+CLUSTERS = {"dgx-h100": _dgx_h100_llama3, "selene-a100": _selene_a100, "grand-teton-h100-96gb": _grand_teton_h100_96gb}
 
 
 def cluster(name: str, extra: dict[str, ClusterSpec] | None = None) -> ClusterSpec:

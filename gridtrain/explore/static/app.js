@@ -14,11 +14,11 @@ const PART_LABELS = {
   compute: "compute", tp: "TP communication", cp: "CP communication", pp: "pipeline sends",
   bubble: "pipeline bubble", dp: "exposed DP/FSDP", optimizer: "optimizer step",
 };
-const BASE_KEYS = ["model", "gpu", "cluster", "num_gpus", "seq_len", "global_batch", "tokens", "precision"];
+const BASE_KEYS = ["model", "gpu", "cluster", "num_gpus", "seq_len", "global_batch", "tokens", "precision", "implementation"];
 const LAYOUT_KEYS = ["tp", "pp", "cp", "zero", "rep", "mb", "schedule", "v", "recompute"];
 const SHAPE_KEYS = ["dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size"];
 const DEFAULTS = { model: "llama3-8b", gpu: "h100", num_gpus: "8", seq_len: "4096", global_batch: "512",
-                   tokens: "", precision: "bf16" };
+                   tokens: "", precision: "bf16", implementation: "eager" };
 const CHOICES = { tp: [1, 2, 4, 8, 16], pp: [1, 2, 4, 8, 16, 32], cp: [1, 2, 4, 8, 16], zero: [0, 1, 2, 3],
                   rep: [1, 2, 4, 8, 16, 32], mb: [1, 2, 4, 8, 16], v: [1, 2, 3, 4, 8] };
 
@@ -102,7 +102,7 @@ function schedule() {
 function number(v) { return v === undefined || v === "" ? undefined : Number(v); }
 
 function requestBody(withLayout = true) {
-  const body = { model: state.model, gpu: state.gpu, precision: state.precision };
+  const body = { model: state.model, gpu: state.gpu, precision: state.precision, implementation: state.implementation };
   if (state.cluster) body.cluster = state.cluster;
   for (const k of ["num_gpus", "seq_len", "global_batch", "tokens"]) if (number(state[k]) !== undefined) body[k] = number(state[k]);
   const shape = {};

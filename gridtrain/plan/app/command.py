@@ -25,6 +25,7 @@ from gridtrain.plan.runnable import refusal, train_command
 from gridtrain.plan.search import (Candidate, Constraints, PlanError, Problem, SearchResult, cp_options, degree_options,
                                    search, tp_options)
 from gridtrain.plan.shape import param_counts
+from gridtrain.plan.steptime import IMPLEMENTATIONS
 
 DEFAULT_BATCH_TOKENS = 2**22
 """~4M tokens per step when no batch is given: 2^22 = 512 x 8,192 = 4,194,304 (Llama 3 405B
@@ -66,7 +67,8 @@ def build_problem(args: argparse.Namespace, extra: list[str]) -> tuple[Problem, 
     model_keys = None if args.arch == "gpt" else (("model.preset", args.model), *sorted(overrides.items()))
     problem = Problem(model.shape, cluster, num_gpus, seq_len, seqs, flash_attention=not args.no_flash,
                       hbm_usable=args.hbm_usable, state=state, act_bytes=4 if args.precision == "fp32" else 2,
-                      model_keys=model_keys, precision=args.precision, runnable_only=not args.any_layout)
+                      model_keys=model_keys, precision=args.precision, runnable_only=not args.any_layout,
+                      eff=IMPLEMENTATIONS[args.implementation])
     return problem, model.name, tokens, notes
 
 
@@ -197,8 +199,9 @@ def run_plan(args: argparse.Namespace, extra: list[str], out: TextIO | None = No
     try:
         if args.reference:
             from gridtrain.plan.reference import reference_rows, render_reference
+            from gridtrain.plan.reference_titan import render_titan, titan_rows
 
-            out.write(render_reference(reference_rows()) + "\n")
+            out.write(render_reference(reference_rows()) + "\n\n" + render_titan(titan_rows()) + "\n")
             return 0
         return plan(args, extra, out)
     except PlanError as e:

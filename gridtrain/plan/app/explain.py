@@ -115,8 +115,15 @@ def dp_lines(problem: Problem, cand: Candidate) -> list[str]:
             3: "ZeRO-3 all-gather x2 + reduce-scatter per micro-batch"}[layout.zero_stage]
     where = " ; ".join(x for x in (f"shard over {placement.describe_levels(shard)}" if shard else "",
                                    f"replicate over {placement.describe_levels(rep)}" if rep else "") if x)
-    return [f"DP ({kind}; {where}): {_ms(st.dp_total_s)} in all, {_ms(st.dp_s)} exposed after "
-            f"overlap with backward/forward compute (bucketed per layer)",
+    c = eff.overlap_slowdown
+    waited = (st.dp_s - c * st.dp_total_s) / (1 - c)
+    calls = " and ".join(f"{placement.nccl_latency(k, lv) * 1e6:,.1f} us per {k.replace('_', '-')} call over {name}"
+                         for k, lv, name in (("all_gather" if layout.zero_stage >= 2 else "all_reduce", shard,
+                                              "the shard group"), ("all_reduce", rep, "the replicas")) if lv)
+    return [f"DP ({kind}; {where}): {_ms(st.dp_total_s)} in all, one call per layer each (NCCL's latency: "
+            f"{calls}); {_ms(waited)} waited for after overlap with backward/forward compute (bucketed per "
+            f"layer) + {c:g} x the {_ms(st.dp_total_s - waited)} hidden (the matmuls slowed by the NCCL "
+            f"kernels beside them) = {_ms(st.dp_s)} exposed",
             f"optimizer (AdamW, memory-bound over this rank's 1/{layout.zero_shard_degree} of the "
             f"parameters) = {_ms(st.optimizer_s)}"]
 

@@ -33,6 +33,9 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="training precision (gridtrain's train.precision)")
     p.add_argument("--any-layout", action="store_true",
                    help="also rank layouts gridtrain train refuses (ZeRO-1 beside TP, CP beside DDP, ...), labelled")
+    p.add_argument("--implementation", default="eager", choices=["eager", "compiled", "megatron"],
+                   help="what the kernels reach: gridtrain as it runs (PyTorch eager), under torch.compile, or "
+                        "Megatron-LM's fused kernels (each calibrated on published runs)")
     p.add_argument("--convention", default="gridtrain", choices=["gridtrain", "zero", "megatron"],
                    help="bytes per parameter: gridtrain's runtime (fp32 state, 16-bit compute copies), the "
                    "ZeRO paper's 2 + 2 + 12, or Megatron-LM's 2 + 4 + 12")
@@ -45,7 +48,8 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="emit the whole plan as JSON")
     p.add_argument("--explain", action="store_true", help="show each formula with its numbers")
     p.add_argument("--reference", action="store_true",
-                   help="predicted vs measured TFLOP/s for Megatron-LM's SC21 Table 1")
+                   help="predicted vs published: Megatron-LM's SC21 Table 1 (TFLOP/s per GPU, Megatron kernels) "
+                        "and torchtitan's H100 benchmark (tokens/s per GPU and memory, eager and compiled)")
     return p
 
 
