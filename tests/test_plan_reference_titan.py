@@ -23,7 +23,7 @@ def test_every_published_row_within_ten_percent_in_speed_and_memory():
         assert abs(r["tokens_error_pct"]) <= 10, r
         assert abs(r["memory_error_pct"]) <= 10, r
     # what the README prints (tokens/s per GPU, rounded)
-    assert [round(r["predicted_tokens_per_s_per_gpu"]) for r in rows] == [5764, 6702, 5617, 6504]
+    assert [round(r["predicted_tokens_per_s_per_gpu"]) for r in rows] == [5768, 6665, 5622, 6470]
 
 
 def test_the_rows_fix_the_kernel_efficiencies():
@@ -101,3 +101,22 @@ def test_nccl_latency_by_hand():
     assert placement.nccl_latency("all_reduce", _levels((16, "pod"), (8, "cluster"))) == \
         pytest.approx(8.4e-6 + 2 * 7 * 14e-6)
     assert placement.nccl_latency("all_reduce", _levels((1, "node"))) == 0.0
+    # CP 2 x FSDP 4 inside one node: 8 ranks on one node, 7 NVLink steps
+    assert placement.nccl_latency("all_gather", _levels((2, "node"), (4, "node"))) == pytest.approx(
+        8.4e-6 + 7 * 3.4e-6)
+    # all-reduce over 3 nodes of 8: the tree's floor(log2 3) = 1 network level, 2 x (7 x 4 + 14) us
+    assert placement.nccl_latency("all_reduce", _levels((8, "node"), (3, "pod"))) == pytest.approx(
+        8.4e-6 + 2 * (7 * 4e-6 + 14e-6))
+
+
+def test_pat_where_one_rank_per_node():
+    """All-gathers over one GPU per node: NCCL's PAT, 8 us + floor(log2 n) x 14 / 3.5 us + 2.8 us per
+    rank (5.8 ms for 2,048 ranks, against the ring's 28.7 ms), at 0.75 of the ring's bandwidth; it
+    wins small payloads and loses large ones. With several GPUs per node there is no PAT."""
+    spread = _levels((256, "pod"), (8, "cluster"))
+    assert placement.pat_latency(spread) == pytest.approx(8e-6 + 11 * 4e-6 + 2.8e-6 * 2048)
+    assert placement.pat_latency(_levels((8, "node"), (4, "pod"))) is None
+    small, large = 1e6, 1e12
+    assert placement.all_gather_time(small, spread) < placement.nccl_latency("all_gather", spread)
+    wire = large * 255 / 256 / 50e9 + large / 256 * 7 / 8 / 50e9
+    assert placement.all_gather_time(large, spread) == pytest.approx(wire + 8.4e-6 + 2047 * 14e-6)

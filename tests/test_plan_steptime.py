@@ -21,7 +21,7 @@ EFF = steptime.CALIBRATED
 
 
 @pytest.mark.parametrize("model", [shape.from_args(llama3_8b()), shape.gpt(4096, 36, 32)])
-@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+@pytest.mark.parametrize("recompute", ["none", "selective", "attention", "full"])
 def test_layer_flops_add_up_to_hardware_flops(model, recompute):
     # L layers plus the head (forward + backward, never recomputed) = flops.hardware_flops_per_token.
     per_layer = steptime.layer_hardware_flops_per_token(model, 2048, recompute)
@@ -108,10 +108,11 @@ def test_single_gpu_step_by_hand():
     # the input embedding (norms included, as gridtrain counts them): 32 blocks of
     # 4096 x (2 x 4096 + 2 x 1024) + 3 x 4096 x 14336 + 2 x 4096, the final norm's 4096 and the
     # head's 128,256 x 4096: 7,504,924,672. Model FLOPs per token 6N + 12 L H Q T with L = 32,
-    # H = 32, Q = 128, T = 4096; selective recomputation adds the attention core's forward, 4 L H Q T.
+    # H = 32, Q = 128, T = 4096; gridtrain's selective recomputation keeps the matmuls' and the
+    # attention core's outputs: no FLOPs repeated, HFU = MFU.
     matmul_params = 32 * (4096 * (2 * 4096 + 2 * 1024) + 3 * 4096 * 14336 + 2 * 4096) + 4096 + 128_256 * 4096
     model_fpt = 6 * matmul_params + 12 * 32 * 32 * 128 * 4096
-    hardware_fpt = model_fpt + 4 * 32 * 32 * 128 * 4096
+    hardware_fpt = model_fpt
     assert st.mfu == approx(4 * 4096 / total * model_fpt / 989e12)
     assert st.hfu == approx(4 * 4096 / total * hardware_fpt / 989e12)
 
@@ -145,14 +146,22 @@ def test_dp_hides_behind_backward():
     lay = Layout(dp_replicate=8, zero_stage=1, micro_batch=1, seq_len=8192, num_microbatches=8)
     st = steptime.step_time(s, lay, DGX)
     grads = shape.param_counts(s).total * 2
-    # one call per layer's bucket, 32 of them, each NCCL's 8.4 us + 14 ring steps x 3.4 us
-    total = 2 * 7 / 8 * grads / (450 * GB * EFF.intra_node) + 32 * (8.4e-6 + 14 * 3.4e-6)
-    assert st.dp_total_s == approx(total)
-    # the last bucket waited for, and the other 31 slow the backward beside them by 0.35 s a second
-    assert st.dp_s == approx(total / 32 + 0.35 * total * 31 / 32)
+    # DDP's buckets: 1 MiB, then 25 MiB each, one all-reduce call apiece, each NCCL's 8.4 us +
+    # 14 ring steps x 3.4 us
+    calls = 1 + math.ceil((grads - 2**20) / (25 * 2**20))
+    assert calls == 614
+    total = 2 * 7 / 8 * grads / (450 * GB * EFF.intra_node) + calls * (8.4e-6 + 14 * 3.4e-6)
+    # then ZeRO-1's broadcast of the updated fp32 parameters (an all-gather's bytes, one call per
+    # layer), after the step
+    after = 7 / 8 * grads * 2 / (450 * GB * EFF.intra_node) + 32 * (8.4e-6 + 7 * 3.4e-6)
+    assert st.dp_total_s == approx(total + after)
+    # the all-reduce overlapped layer by layer: the last layer's share waited for, the rest slowing
+    # the backward beside it by 0.35 s a second
+    assert st.dp_s == approx(total / 32 + 0.35 * total * 31 / 32 + after)
     # ZeRO-3 moves 1.5x the bytes and exposes more.
     z3 = steptime.step_time(s, replace(lay, zero_stage=3, dp_replicate=1, dp_shard=8), DGX)
-    assert z3.dp_total_s > 1.4 * 8 * total and z3.dp_s >= st.dp_s
+    wire = 2 * 7 / 8 * grads / (450 * GB * EFF.intra_node)
+    assert z3.dp_total_s > 1.4 * 8 * wire and z3.dp_s >= st.dp_s
 
 
 def test_monotone_in_the_constants():

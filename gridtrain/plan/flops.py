@@ -23,7 +23,9 @@ def hardware_flops_per_token(shape: ModelShape, seq_len: int, recompute: str = "
 
     full: every block's forward runs again, 2 N_blocks + 4 L H Q T more (the head is not
     recomputed: Megatron's 96 = 4 x 24 applies to blocks, the logit layer keeps 3 x);
-    selective (Korthikanti et al.): only the attention core, 4 L H Q T more. Flash attention's
+    attention (Korthikanti et al., Megatron-LM's "selective"): only the attention core, 4 L H Q T
+    more; gridtrain's selective saves the matmuls' and attention's outputs and recomputes only
+    elementwise work, no FLOPs counted here (parallel/parallelize.py). Flash attention's
     own recomputation of the scores in backward is not counted (it is an implementation detail
     of the kernel, as in Megatron's and torchtitan's accounting)."""
     model = flops_per_token(shape, seq_len)
@@ -31,9 +33,9 @@ def hardware_flops_per_token(shape: ModelShape, seq_len: int, recompute: str = "
     if recompute == "full":
         blocks = shape.num_layers * (block_params(shape) - norm_params(shape))
         return model + 2 * blocks + attention_fwd
-    if recompute in ("selective", "attention"):
+    if recompute == "attention":
         return model + attention_fwd
-    if recompute == "none":
+    if recompute in ("none", "selective"):
         return model
     raise ValueError(f"recompute must be 'none', 'selective', 'attention' or 'full', not {recompute!r}")
 

@@ -40,6 +40,8 @@ class Level:
     """Bandwidth per GPU one way, achieved efficiency, latency of one small collective."""
     name: str
     """'node', 'pod' or 'cluster'."""
+    step_s: float | None = None
+    """The cluster's own per-step latency of a collective (ClusterSpec.collective_step_s), else NCCL's."""
 
 
 def _largest_divisor_at_most(n: int, bound: int) -> int:
@@ -61,17 +63,17 @@ def axis_levels(cluster: ClusterSpec, degree: int, stride: int, intra_efficiency
     left, span = degree, stride
     in_node = _largest_divisor_at_most(left, g // span) if span < g else 1
     if in_node > 1:
-        levels.append(Level(in_node, intra, "node"))
+        levels.append(Level(in_node, intra, "node", cluster.collective_step_s))
     left, span = left // in_node, span * in_node
     if left > 1 and pod_gpus != math.inf:
         in_pod = _largest_divisor_at_most(left, int(pod_gpus // max(span, g)))
         if in_pod > 1:
-            levels.append(Level(in_pod, inter, "pod"))
+            levels.append(Level(in_pod, inter, "pod", cluster.collective_step_s))
         left //= in_pod
         if left > 1:
-            levels.append(Level(left, cross, "cluster"))
+            levels.append(Level(left, cross, "cluster", cluster.collective_step_s))
     elif left > 1:
-        levels.append(Level(left, inter, "pod"))
+        levels.append(Level(left, inter, "pod", cluster.collective_step_s))
     return tuple(levels)
 
 
@@ -86,26 +88,50 @@ NCCL_TREE_STEP_S = {"nvlink": 4.0e-6, "net": 14.0e-6}
 """Per tree step (hwLat, Tree, Simple), for all-reduce only."""
 
 
+NCCL_PAT_BANDWIDTH = 0.75
+"""PAT (NCCL >= 2.23, all-gather and reduce-scatter with one GPU per node) reaches 0.75 of the
+ring's bus bandwidth (busBw *= .75 in the tuning model)."""
+
+
+def _ppn_nodes(levels: tuple[Level, ...]) -> tuple[int, int]:
+    """(ranks per node, nodes) of a group: every node level's ranks share one node."""
+    n = math.prod(level.ranks for level in levels)
+    ppn = math.prod(level.ranks for level in levels if level.name == "node")
+    return ppn, n // ppn
+
+
 def nccl_latency(kind: str, levels: tuple[Level, ...]) -> float:
-    """The latency NCCL's tuning model gives one call over the group (ncclTopoTuneModel). Ring
-    over n ranks on `nodes` nodes: n-1 steps (all-gather, reduce-scatter) or 2(n-1) (all-reduce),
-    of which nodes-1 (2(nodes-1)) cross the network; tree (all-reduce): 2 ((n/nodes - 1) NVLink
-    steps + log2(nodes) network steps); NCCL takes the cheaper. Worked example: an all-gather over
-    2,048 ranks, one per node: 8.4 + 2,047 x 14 us = 28.7 ms; an all-reduce over 8 in a node:
-    8.4 + 14 x 3.4 = 56 us."""
+    """The latency NCCL's tuning model gives one call over the group (ncclTopoTuneModel, Simple
+    protocol). Ring over n ranks on `nodes` nodes: n-1 steps (all-gather, reduce-scatter) or
+    2(n-1) (all-reduce), of which nodes-1 (2(nodes-1)) cross the network; tree (all-reduce):
+    2 ((n/nodes - 1) NVLink steps + floor(log2 nodes) network steps), NCCL taking the cheaper.
+    Worked examples: an all-reduce over 8 in a node, 8.4 + 14 x 3.4 = 56 us; a ring all-gather
+    over 2,048 ranks one per node, 8.4 + 2,047 x 14 us = 28.7 ms (NCCL picks PAT there instead:
+    pat_latency). A cluster with its own per-step latency (gloo between local ranks) pays that
+    on each of the ring's steps."""
     n = math.prod(level.ranks for level in levels)
     if n <= 1:
         return 0.0
-    ppn = levels[0].ranks if levels[0].name == "node" else 1
-    nodes = n // ppn
     twice = 2 if kind == "all_reduce" else 1
+    if levels[0].step_s is not None:
+        return twice * (n - 1) * levels[0].step_s
+    ppn, nodes = _ppn_nodes(levels)
     steps, net_steps = twice * (n - 1), twice * (nodes - 1)
     ring = NCCL_BASE_S + (steps - net_steps) * NCCL_RING_STEP_S["nvlink"] + net_steps * NCCL_RING_STEP_S["net"]
     if kind != "all_reduce":
         return ring
     tree = NCCL_BASE_S + 2 * ((ppn - 1) * NCCL_TREE_STEP_S["nvlink"]
-                              + math.ceil(math.log2(nodes)) * NCCL_TREE_STEP_S["net"])
+                              + int(math.log2(nodes)) * NCCL_TREE_STEP_S["net"])
     return min(ring, tree)
+
+
+def pat_latency(levels: tuple[Level, ...]) -> float | None:
+    """PAT's latency for an all-gather or reduce-scatter with one rank per node (NCCL's tuning
+    model: 8 us + floor(log2 nodes) x 14 / 3.5 us + 2.8 us per rank); None where NCCL does not run it."""
+    n = math.prod(level.ranks for level in levels)
+    if n <= 1 or levels[0].step_s is not None or _ppn_nodes(levels)[0] != 1:
+        return None
+    return 8e-6 + int(math.log2(n)) * NCCL_RING_STEP_S["net"] / 3.5 + 2.8e-6 * n
 
 
 def _level_time(kind: str, payload: float, level: Level) -> float:
@@ -132,17 +158,25 @@ def all_reduce_time(payload: float, levels: tuple[Level, ...], calls: int = 1) -
     return _all_reduce_bytes_time(payload, levels) + calls * nccl_latency("all_reduce", levels)
 
 
-def reduce_scatter_time(payload: float, levels: tuple[Level, ...], calls: int = 1) -> float:
-    """Reduce-scatter of a `payload`-byte tensor in `calls` collectives, level by level, plus each
-    call's latency (all-gather costs the same)."""
-    total = calls * nccl_latency("reduce_scatter", levels)
+def all_gather_time(payload: float, levels: tuple[Level, ...], calls: int = 1) -> float:
+    """All-gather of a `payload`-byte tensor in `calls` collectives, level by level, plus each
+    call's latency; with one rank per node NCCL's PAT where its lower latency beats its lower
+    bandwidth (NCCL picks by time)."""
+    wire = 0.0
     for level in levels:
-        total += _level_time("reduce_scatter", payload, level)
+        wire += _level_time("reduce_scatter", payload, level)
         payload /= level.ranks
-    return total
+    ring = wire + calls * nccl_latency("all_gather", levels)
+    pat = pat_latency(levels)
+    return ring if pat is None else min(ring, wire / NCCL_PAT_BANDWIDTH + calls * pat)
 
 
-all_gather_time = reduce_scatter_time
+def reduce_scatter_time(payload: float, levels: tuple[Level, ...], calls: int = 1) -> float:
+    """Reduce-scatter: the all-gather's cost, but over gloo (local ranks), which has none: there
+    FSDP all-reduces the gradients (run_collectives), at an all-reduce's cost."""
+    if levels and levels[0].step_s is not None:
+        return all_reduce_time(payload, levels, calls)
+    return all_gather_time(payload, levels, calls)
 
 
 def p2p_time(payload: float, cluster: ClusterSpec, degree: int, stride: int, intra_efficiency: float,

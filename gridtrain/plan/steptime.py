@@ -34,8 +34,10 @@ One step on the slowest pipeline rank:
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, replace
 
+from gridtrain.layout.schedules import schedule
 from gridtrain.plan import placement
 from gridtrain.plan.flops import flops_per_token, hardware_flops_per_token
 from gridtrain.plan.layout import Layout
@@ -65,10 +67,20 @@ class Efficiency:
     overlap_slowdown: float = 0.0
     """Compute time lost per second of DP/FSDP communication hidden under it: NCCL's kernels take
     SMs and HBM bandwidth from the matmuls they overlap."""
+    attention: float | None = None
+    """Fraction of the peak the attention core reaches (None: as the matmuls; a CPU's is far lower)."""
+    grads_once_per_step: bool = False
+    """Replicated gradients are all-reduced once per step whatever the layout (Megatron-LM's DDP);
+    False: as gridtrain's runtime does, once per micro-batch where FSDP replicates them beside TP
+    without a pipeline."""
+
+    @property
+    def attention_share(self) -> float:
+        return self.matmul if self.attention is None else self.attention
 
 
 CALIBRATED = Efficiency(matmul=0.66, hbm=0.70, intra_node=0.60, inter_node=0.80, layer_overhead_s=50e-6,
-                        overlap_slowdown=0.35)
+                        overlap_slowdown=0.35, grads_once_per_step=True)
 """Calibrated against Megatron-LM's SC21 Table 1 (A100-80GB, Selene); see README "Planning". The
 overlap slowdown is fixed by torchtitan's FSDP rows instead (reference_titan): from 8 GPUs on
 NVLink to 128 over RDMA the hidden FSDP traffic grows 0.21 -> 0.45 s a step and the published
@@ -77,8 +89,8 @@ between them."""
 
 IMPLEMENTATIONS: dict[str, Efficiency] = {
     "megatron": CALIBRATED,
-    "compiled": replace(CALIBRATED, matmul=0.53),
-    "eager": replace(CALIBRATED, matmul=0.44),
+    "compiled": replace(CALIBRATED, matmul=0.49, grads_once_per_step=False),
+    "eager": replace(CALIBRATED, matmul=0.41, grads_once_per_step=False),
 }
 """What kernels reach, by the implementation that runs them. 'megatron': Megatron-LM's fused
 kernels (and Transformer Engine's), fixed by SC21 Table 1. 'eager' (what gridtrain runs: PyTorch
@@ -122,7 +134,14 @@ def layer_hardware_flops_per_token(shape: ModelShape, seq_len: int, recompute: s
     model = 6 * block_params(shape) + 3 * attn_fwd
     if recompute == "full":
         return model + 2 * (block_params(shape) - norm_params(shape)) + attn_fwd
-    return model + (attn_fwd if recompute == "selective" else 0)
+    return model + (attn_fwd if recompute == "attention" else 0)
+
+
+def layer_attention_flops_per_token(shape: ModelShape, seq_len: int, recompute: str) -> float:
+    """The attention core's part of layer_hardware_flops_per_token: 3 x 4 h s (forward and
+    backward, the full square), and the forward again where it is recomputed (full, attention)."""
+    attn_fwd = 4 * shape.num_heads * shape.head_dim * seq_len
+    return attn_fwd * (4 if recompute in ("full", "attention") else 3)
 
 
 @functools.lru_cache(maxsize=64)
@@ -143,7 +162,8 @@ def layer_cost(shape: ModelShape, cluster: ClusterSpec, eff: Efficiency, seq_len
     acc = cluster.accelerator
     tokens = micro_batch * seq_len / cp
     hw = layer_hardware_flops_per_token(shape, seq_len, recompute) * tokens / tp
-    matmul_s = hw / (acc.peak_flops * eff.matmul)
+    attention = layer_attention_flops_per_token(shape, seq_len, recompute) * tokens / tp
+    matmul_s = (hw - attention) / (acc.peak_flops * eff.matmul) + attention / (acc.peak_flops * eff.attention_share)
     saved = layer_activation_bytes(shape, seq_len, micro_batch, tp, sequence_parallel, cp, "none",
                                    flash, act_bytes)
     kept = layer_activation_bytes(shape, seq_len, micro_batch, tp, sequence_parallel, cp, recompute,
@@ -165,7 +185,7 @@ def layer_cost(shape: ModelShape, cluster: ClusterSpec, eff: Efficiency, seq_len
         forwards = 1 if recompute == "none" else 2
         send = lambda size: placement.p2p_time(size, cluster, cp, tp, eff.intra_node, eff.inter_node)  # noqa: E731
         sends = (forwards + 1) * (cp - 1) * send(kv) + cp * send(kv * 4 / act_bytes)
-        attn_core = 12 * shape.hidden * seq_len * tokens / tp / (acc.peak_flops * eff.matmul)
+        attn_core = 12 * shape.hidden * seq_len * tokens / tp / (acc.peak_flops * eff.attention_share)
         cp_s = max(0.0, sends - attn_core)
     fwd = 1 + (1 if recompute == "full" else 0)
     return LayerCost(matmul_s, memory_bound_s, eff.layer_overhead_s, tp_s, cp_s, 1 - 1 / (fwd + 2))
@@ -315,36 +335,76 @@ def dp_time(shape: ModelShape, layout: Layout, cluster: ClusterSpec, eff: Effici
     return exposed + eff.overlap_slowdown * (total - exposed), total
 
 
+DDP_BUCKET_BYTES = 25 * 2**20
+"""DDP's gradient buckets (parallel/data_parallel.py: bucket_cap_mb=25, the first 1 MiB)."""
+
+
+def ddp_buckets(grad_bytes: float) -> int:
+    """All-reduce calls DDP makes for `grad_bytes` of gradients: a first bucket of 1 MiB, then 25 MiB each."""
+    return 1 + max(0, math.ceil((grad_bytes - 2**20) / DDP_BUCKET_BYTES))
+
+
+def fsdp_gather_passes(layout: Layout) -> tuple[int, int]:
+    """(forward, backward) all-gathers of a rank's FSDP units per step under ZeRO-3, as gridtrain's
+    runtime makes them (run_collectives.dp_collectives, measured by dry runs): without a pipeline
+    every micro-batch gathers in forward and again in backward; a one-stage-per-rank schedule
+    gathers in every forward and in the first backward; the multi-stage schedules once each way,
+    and with a split backward only in forward."""
+    m = layout.num_microbatches
+    if layout.pp == 1:
+        return m, m
+    row = schedule(layout.pp_schedule)
+    if row.split_backward:
+        return 1, 0
+    return (m, 1) if row.stages_per_rank == 1 else (1, 1)
+
+
 def _dp_overlap(shape: ModelShape, layout: Layout, cluster: ClusterSpec, eff: Efficiency, pt: PipelineTime,
                 state: StateBytes) -> tuple[float, float]:
     """(exposed, total) seconds of data-parallel communication per step on the critical rank,
     whose P parameters (this pipeline rank's, 1/tp of each matrix) weigh G = P x gradient bytes
-    and W = P x weight bytes. ZeRO 0/1: one all-reduce of G over cp x dp. ZeRO 2: a
-    reduce-scatter of G over dp_shard per micro-batch, an all-gather of W once. ZeRO 3: per
-    micro-batch two all-gathers of W and a reduce-scatter of G over dp_shard (x cp). ZeRO 2/3 add
-    an all-reduce of the shard G / (dp_shard x cp) over dp_replicate (HSDP). Each is issued layer
-    by layer (DDP's buckets, FSDP's per-block units), and every call pays NCCL's latency."""
+    and W = P x weight bytes, each collective as often as gridtrain's runtime issues it. Gradients
+    are reduced once per micro-batch without a pipeline and once per step with one (syncs).
+    DDP (ZeRO 0/1 on DP alone): one all-reduce of G over cp x dp in its buckets, and ZeRO-1's
+    broadcast of the updated parameters after the step (the bytes of an all-gather of P in fp32).
+    FSDP replication (ZeRO-0 beside TP or PP): an all-reduce of G per sync. ZeRO 2: per sync an
+    all-gather of W and a reduce-scatter of G over dp_shard (x cp). ZeRO 3: W gathered
+    fsdp_gather_passes times, G reduce-scattered per sync. ZeRO 2/3 add an all-reduce of the
+    shard G / (dp_shard x cp) over dp_replicate per sync (HSDP). FSDP's collectives are issued
+    unit by unit (one per layer), DDP's bucket by bucket; every call pays its latency."""
     if layout.dp * layout.cp == 1:
         return 0.0, 0.0
     params = rank_params(shape, layout, pt.critical_rank, pt.layers)
     weights, grads = params * state.compute, params * state.gradients
     m, chunks = layout.num_microbatches, max(pt.layers, 1)
+    syncs = 1 if layout.pp > 1 else m
     backward = pt.micro_s * pt.layer.backward_share
     forward = pt.micro_s - backward
     shard, rep = grad_levels(layout, cluster, eff)
     if layout.zero_stage in (0, 1):
-        total = placement.all_reduce_time(grads, rep, chunks)
-        return overlapped(total, backward, chunks), total
+        if layout.zero_stage == 0 and (layout.tp > 1 or layout.pp > 1):
+            passes = 1 if eff.grads_once_per_step else syncs
+            one = placement.all_reduce_time(grads, rep, chunks)
+            return passes * overlapped(one, backward, chunks), passes * one
+        calls = ddp_buckets(grads)
+        total = placement.all_reduce_time(grads, rep, calls)
+        exposed = overlapped(total, backward, min(calls, chunks))
+        if layout.zero_stage == 1:
+            after = placement.all_gather_time(params * 4, rep, chunks)
+            return exposed + after, total + after
+        return exposed, total
     rs = placement.reduce_scatter_time(grads, shard, chunks)
     ag = placement.all_gather_time(weights, shard, chunks)
     ar = placement.all_reduce_time(grads / layout.zero_shard_degree, rep, chunks)
     if layout.zero_stage == 2:
-        exposed = (m - 1) * overlapped(rs, backward, chunks) + overlapped(rs + ar, backward, chunks)
-        return exposed + overlapped(ag, forward, chunks), m * rs + ag + ar
-    fwd = overlapped(ag, forward, chunks)
-    bwd = overlapped(ag + rs, backward, chunks)
-    last = overlapped(ag + rs + ar, backward, chunks)
-    return m * fwd + (m - 1) * bwd + last, m * (2 * ag + rs) + ar
+        exposed = syncs * overlapped(ag, forward, chunks) + (syncs - 1) * overlapped(rs + ar, backward, chunks)
+        return exposed + overlapped(rs + ar, backward, chunks), syncs * (ag + rs + ar)
+    ag_forward, ag_backward = fsdp_gather_passes(layout)
+    if layout.pp == 1:  # each micro-batch's backward gathers, reduces and (HSDP) all-reduces
+        exposed = m * overlapped(ag, forward, chunks) + m * overlapped(ag + rs + ar, backward, chunks)
+        return exposed, m * (2 * ag + rs + ar)
+    exposed = ag_forward * overlapped(ag, forward, chunks) + overlapped(ag_backward * ag + rs + ar, backward, chunks)
+    return exposed, (ag_forward + ag_backward) * ag + rs + ar
 
 
 def optimizer_seconds(shape: ModelShape, layout: Layout, cluster: ClusterSpec, eff: Efficiency,

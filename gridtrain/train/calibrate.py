@@ -115,6 +115,31 @@ def measure_gloo(numel: int = 1 << 20, repeats: int = 8) -> dict[str, float]:
             "gloo_latency_s": max(times[r, 1] for r in range(2))}
 
 
+def measure_layer_overhead(seconds: float) -> float:
+    """Seconds of one gridtrain transformer block's forward and backward under bf16 autocast at a
+    shape too small to compute anything (dim 16, 8 tokens): the framework's own time per layer per
+    micro-batch (op dispatch, autograd, autocast's casts), the best of the runs."""
+    from gridtrain.model.args import ModelArgs
+    from gridtrain.model.llama import TransformerBlock, rope_frequencies
+
+    args = ModelArgs(dim=16, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=32, max_seq_len=8, ffn_dim=32)
+    block, freqs = TransformerBlock(0, args), rope_frequencies(args)
+    x = torch.randn(1, 8, 16, requires_grad=True)
+
+    def once() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = block(x, freqs)
+        out.float().sum().backward()
+
+    once()
+    best, deadline = float("inf"), time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        start = time.perf_counter()
+        once()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 LOADED_SHARE = 0.75
 """A calibration whose process got less than this share of its threads' CPU time ran beside
 another busy process: its figures are low (on this 2-core machine, with two busy processes beside
@@ -149,6 +174,7 @@ def calibrate(threads: int | None = None, seconds: float = 2.0, modes: tuple[str
             {mode: measure_attention_flops(CALIBRATION_DTYPES[mode], seconds / 4) for mode in modes if mode != "fp16"})
         entry["memory_bytes_per_s"] = measure_memory_bandwidth(seconds / 4)
         entry.update(measure_gloo())
+        entry["layer_overhead_s"] = measure_layer_overhead(seconds / 4)
     entry.update(measured_at=time.time(), machine=platform.node(), cpu_share=share)
     if share < LOADED_SHARE:
         why = (f"not cached: this process had {share:.0%} of its {threads} thread(s)' CPU time while it measured "

@@ -17,7 +17,8 @@ from gridtrain.config_load import BARE_FLAG, parse_overrides
 from gridtrain.plan import budget
 from gridtrain.plan.app import explain, ranking, render
 from gridtrain.plan.app.inputs import (LAYOUT_LABELS, batch_sequences, check_constraints, constraints_label,
-                                       parse_count, parse_layout, parse_whole, resolve_cluster, resolve_model)
+                                       parse_count, parse_layout, parse_whole, resolve_cluster, resolve_local,
+                                       resolve_model)
 from gridtrain.plan.app.report import Assumptions, build_report, layout_dict, no_fit_report
 from gridtrain.plan.memory import BUCKETS, GiB
 from gridtrain.plan.state import CONVENTIONS
@@ -39,7 +40,12 @@ def build_problem(args: argparse.Namespace, extra: list[str]) -> tuple[Problem, 
     except ConfigError as e:
         raise PlanError("; ".join(e.problems)) from None
     model = resolve_model(args.model, overrides, args.arch)
-    cluster = resolve_cluster(args.gpu, args.cluster, args.hardware)
+    local = None
+    if args.gpu == "local" and not args.cluster:
+        local = resolve_local(parse_whole(args.num_gpus, "--num-gpus"), args.precision)
+        cluster = local.cluster
+    else:
+        cluster = resolve_cluster(args.gpu, args.cluster, args.hardware)
     if args.price is not None:
         cluster = replace(cluster, price_per_gpu_hour=args.price)
     notes: list[str] = []
@@ -68,7 +74,7 @@ def build_problem(args: argparse.Namespace, extra: list[str]) -> tuple[Problem, 
     problem = Problem(model.shape, cluster, num_gpus, seq_len, seqs, flash_attention=not args.no_flash,
                       hbm_usable=args.hbm_usable, state=state, act_bytes=4 if args.precision == "fp32" else 2,
                       model_keys=model_keys, precision=args.precision, runnable_only=not args.any_layout,
-                      eff=IMPLEMENTATIONS[args.implementation])
+                      eff=local.eff if local else IMPLEMENTATIONS[args.implementation])
     return problem, model.name, tokens, notes
 
 
@@ -155,7 +161,7 @@ def plan(args: argparse.Namespace, extra: list[str], out: TextIO) -> int:
     if problems:
         raise PlanError("--layout is inconsistent:\n  " + "\n  ".join(problems))
     start = time.perf_counter()
-    result = search(problem, constraints, top=2 * args.top)  # rows that collapse leave room for more
+    result = search(problem, constraints, top=5 * args.top)  # rows that collapse leave room for more
     seconds = time.perf_counter() - start
     if not result.ranked:
         reason = no_fit_message(problem, constraints, result)

@@ -16,8 +16,8 @@ from gridtrain.plan.memory import GiB, layer_activation_bytes, rank_params
 from gridtrain.plan.pipeline import bubble_fraction, bubble_scale, schedule_bubble, split_cost
 from gridtrain.plan.search import Candidate, Problem
 from gridtrain.plan.shape import matmul_params
-from gridtrain.plan.steptime import (HBM_PASSES, RECOMPUTE_PASSES, grad_levels, layer_hardware_flops_per_token,
-                                     pipeline_time)
+from gridtrain.plan.steptime import (HBM_PASSES, RECOMPUTE_PASSES, grad_levels, layer_attention_flops_per_token,
+                                     layer_hardware_flops_per_token, pipeline_time)
 
 
 def _g(x: float) -> str:
@@ -57,15 +57,19 @@ def layer_lines(problem: Problem, layout: Layout) -> list[str]:
     s, eff, acc = problem.shape, problem.eff, problem.cluster.accelerator
     tokens = layout.tokens_per_microbatch / layout.cp
     per_token = layer_hardware_flops_per_token(s, layout.seq_len, layout.recompute)
-    matmul = per_token * tokens / layout.tp / (acc.peak_flops * eff.matmul)
+    attention = layer_attention_flops_per_token(s, layout.seq_len, layout.recompute)
+    matmul = (per_token - attention) * tokens / layout.tp / (acc.peak_flops * eff.matmul)
+    core = attention * tokens / layout.tp / (acc.peak_flops * eff.attention_share)
     args = (s, layout.seq_len, layout.micro_batch, layout.tp, layout.sequence_parallel, layout.cp)
     saved = layer_activation_bytes(*args, "none", layout.flash_attention)
     kept = layer_activation_bytes(*args, layout.recompute, layout.flash_attention)
     rebuilt = saved - kept if layout.recompute != "none" else 0.0
     bound = (HBM_PASSES * saved + RECOMPUTE_PASSES * rebuilt) / (acc.hbm_gb_per_s * 1e9 * eff.hbm)
     lines = [
-        f"matmul per layer per micro-batch = FLOPs/token/layer x tokens / tp / (peak x {eff.matmul:.0%}) = "
-        f"{_g(per_token)} x {tokens:,.0f} / {layout.tp} / ({_g(acc.peak_flops)} x {eff.matmul}) = {_ms(matmul)}",
+        f"matmuls per layer per micro-batch = FLOPs/token/layer outside attention x tokens / tp / (peak x "
+        f"{eff.matmul:.0%}) = {_g(per_token - attention)} x {tokens:,.0f} / {layout.tp} / ({_g(acc.peak_flops)} x "
+        f"{eff.matmul:.3g}) = {_ms(matmul)}; attention core {_g(attention)} x {tokens:,.0f} / {layout.tp} / "
+        f"({_g(acc.peak_flops)} x {eff.attention_share:.3g}) = {_ms(core)}",
         f"memory-bound per layer = ({HBM_PASSES} x saved {_g(saved)}B + {RECOMPUTE_PASSES} x rebuilt "
         f"{_g(rebuilt)}B) / (HBM {acc.hbm_gb_per_s:g} GB/s x {eff.hbm}) = {_ms(bound)}",
     ]
@@ -111,19 +115,36 @@ def dp_lines(problem: Problem, cand: Candidate) -> list[str]:
     shard, rep = grad_levels(layout, problem.cluster, eff)
     if not shard and not rep:
         return ["DP: one replica, no gradient reduction"]
-    kind = {0: "DDP all-reduce", 1: "ZeRO-1 all-reduce", 2: "ZeRO-2 reduce-scatter per micro-batch",
-            3: "ZeRO-3 all-gather x2 + reduce-scatter per micro-batch"}[layout.zero_stage]
+    kind = {0: "DDP all-reduce in 25 MiB buckets", 1: "ZeRO-1 all-reduce in 25 MiB buckets, then its broadcast",
+            2: "ZeRO-2 all-gather + reduce-scatter per sync",
+            3: "ZeRO-3 all-gathers + reduce-scatter per sync"}[layout.zero_stage]
+    replicated = layout.zero_stage == 0 and (layout.tp > 1 or layout.pp > 1)
+    if replicated:
+        kind = "FSDP replication: all-reduce per sync"
+    if layout.zero_stage >= 2 or replicated and not eff.grads_once_per_step:
+        syncs = 1 if layout.pp > 1 else layout.num_microbatches
+        kind += f" ({syncs} sync{'s' if syncs > 1 else ''}: {'once a step beside a pipeline' if layout.pp > 1 else 'every micro-batch'})"
     where = " ; ".join(x for x in (f"shard over {placement.describe_levels(shard)}" if shard else "",
                                    f"replicate over {placement.describe_levels(rep)}" if rep else "") if x)
     c = eff.overlap_slowdown
-    waited = (st.dp_s - c * st.dp_total_s) / (1 - c)
-    calls = " and ".join(f"{placement.nccl_latency(k, lv) * 1e6:,.1f} us per {k.replace('_', '-')} call over {name}"
+    latency = "gloo's measured" if problem.cluster.collective_step_s is not None else "NCCL's"
+    def per_call(kind: str, levels: tuple) -> str:
+        pat = placement.pat_latency(levels) if kind == "all_gather" else None
+        return f"{placement.nccl_latency(kind, levels) * 1e6:,.1f} us" + (
+            f" (PAT {pat * 1e6:,.1f} us at 0.75 of the bandwidth, where it is faster)" if pat else "")
+
+    calls = " and ".join(f"{per_call(k, lv)} per {k.replace('_', '-')} call over {name}"
                          for k, lv, name in (("all_gather" if layout.zero_stage >= 2 else "all_reduce", shard,
                                               "the shard group"), ("all_reduce", rep, "the replicas")) if lv)
-    return [f"DP ({kind}; {where}): {_ms(st.dp_total_s)} in all, one call per layer each (NCCL's latency: "
-            f"{calls}); {_ms(waited)} waited for after overlap with backward/forward compute (bucketed per "
-            f"layer) + {c:g} x the {_ms(st.dp_total_s - waited)} hidden (the matmuls slowed by the NCCL "
-            f"kernels beside them) = {_ms(st.dp_s)} exposed",
+    head = f"DP ({kind}; {where}): {_ms(st.dp_total_s)} in all, by layer or bucket ({latency} latency: {calls}); "
+    if c >= 1:
+        overlap = f"none of it hidden (gloo's threads share the cores the compute runs on) = {_ms(st.dp_s)} exposed"
+    else:
+        waited = (st.dp_s - c * st.dp_total_s) / (1 - c)
+        overlap = (f"{_ms(waited)} waited for after overlap with backward/forward compute (bucketed per layer) + "
+                   f"{c:g} x the {_ms(st.dp_total_s - waited)} hidden (the matmuls slowed by the NCCL kernels "
+                   f"beside them) = {_ms(st.dp_s)} exposed")
+    return [head + overlap,
             f"optimizer (AdamW, memory-bound over this rank's 1/{layout.zero_shard_degree} of the "
             f"parameters) = {_ms(st.optimizer_s)}"]
 

@@ -15,7 +15,7 @@ from gridtrain.config import ConfigError
 from gridtrain.config_load import load_config
 from gridtrain.model.args import PRESETS
 from gridtrain.layout.schedules import RUNTIME_SCHEDULES
-from gridtrain.plan import shape, specs
+from gridtrain.plan import local, shape, specs
 from gridtrain.names import PLAN_RECOMPUTE
 from gridtrain.plan.search import Constraints, PlanError, Problem, cp_options, tp_options
 
@@ -153,6 +153,14 @@ def resolve_model(preset: str, overrides: dict[str, str], arch: str = "llama") -
         raise PlanError(f"--arch {arch!r}: choose 'llama' or 'gpt'")
     name = preset if not overrides else f"{preset} with {', '.join(f'{k[6:]}={v}' for k, v in overrides.items())}"
     return ModelChoice(name + (" as GPT blocks" if arch == "gpt" else ""), s, margs.max_seq_len)
+
+
+def resolve_local(ranks: int, precision: str) -> local.LocalPlanMachine:
+    """`--gpu local`: this machine's calibrated ranks (plan/local.py)."""
+    try:
+        return local.local_machine(ranks, precision)
+    except local.NoCalibration as e:
+        raise PlanError(str(e)) from None
 
 
 def resolve_cluster(gpu: str, cluster_name: str | None, hardware: str | None) -> specs.ClusterSpec:

@@ -16,7 +16,8 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--model", default="llama3-8b", help="a model preset (see `gridtrain model --list`)")
     p.add_argument("--arch", default="llama", choices=["llama", "gpt"],
                    help="block family: llama (RMSNorm, GQA, SwiGLU) or gpt (LayerNorm, GELU ffn = 4h, learned positions)")
-    p.add_argument("--gpu", default="h100", help="accelerator: h100, h200, a100, a100-40gb, b200, v100, tpu-v5p, ...")
+    p.add_argument("--gpu", default="h100", help="accelerator: h100, h200, a100, a100-40gb, b200, v100, tpu-v5p, ...; "
+                   "local: N processes of this machine, as `gridtrain calibrate` measured it")
     p.add_argument("--cluster", help="a cluster shape (dgx-h100, selene-a100, or one from --hardware)")
     p.add_argument("--hardware", help="TOML file of [accelerator.NAME] and [cluster.NAME] tables")
     p.add_argument("--num-gpus", default="8", help="GPUs (K/M suffixes allowed)")

@@ -54,7 +54,12 @@ class Row:
 
 
 def _only_difference(a: Layout, b: Layout) -> str | None:
+    """The one choice two layouts differ in; the micro-batch counts as one with the number of
+    micro-batches it implies, and HSDP's shard group with the replicas it implies (the batch and
+    dp being the same)."""
     differ = [f.name for f in fields(Layout) if getattr(a, f.name) != getattr(b, f.name)]
+    implied = {"micro_batch": "num_microbatches", "dp_shard": "dp_replicate"}
+    differ = [d for d in differ if not any(d == follows and leads in differ for leads, follows in implied.items())]
     return differ[0] if len(differ) == 1 else None
 
 

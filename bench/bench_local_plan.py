@@ -1,0 +1,104 @@
+"""The planner's ranking checked where it can be: on this machine. `gridtrain plan --gpu local`
+ranks layouts for N local processes of the small model; each of its first rows runs through
+`gridtrain train --nproc N` and its measured median step time is set beside the predicted one.
+
+    python bench/bench_local_plan.py [--worlds 2 4] [--rows 5] [--steps 10] [--json FILE]
+
+Needs this machine calibrated at one thread per rank (`gridtrain calibrate --threads 1`) and
+nothing else busy. A row of the plan that collapses several layouts ('mb 1, 2, 4 alike') runs
+its first. The measured step is the median of the steps after the first two, from the run's own
+tokens/s; the verdict: the measured best among the predicted first two, and every predicted step
+within 20% of its measured median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from gridtrain.plan.layout import Layout  # noqa: E402
+from gridtrain.plan.runnable import train_command  # noqa: E402
+
+MODEL, SEQ, BATCH = "small", 256, 16
+
+
+def plan(world: int, rows: int) -> list[dict]:
+    cmd = [sys.executable, "-m", "gridtrain", "plan", "--model", MODEL, "--gpu", "local", "--num-gpus", str(world),
+           "--seq-len", str(SEQ), "--global-batch", str(BATCH), "--tokens", "1M", "--top", "20", "--json"]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return json.loads(out.stdout)["ranked"][:rows]
+
+
+def label(layout: dict) -> str:
+    parts = [f"{k} {layout[k]}" for k in ("tp", "pp", "cp") if layout[k] > 1]
+    dp = layout["dp_replicate"] * layout["dp_shard"]
+    if dp > 1:
+        parts.append(f"dp {dp} ZeRO-{layout['zero_stage']}" + (f" (HSDP {layout['dp_replicate']} x "
+                                                                f"{layout['dp_shard']})" if layout['dp_replicate'] > 1
+                                                                and layout['zero_stage'] >= 2 else ""))
+    if layout["pp"] > 1:
+        parts.append(layout["pp_schedule"] + (f" v{layout['pp_virtual_stages']}" if layout["pp_virtual_stages"] > 1 else ""))
+    parts.append(f"mb {layout['micro_batch']} x {layout['num_microbatches']}")
+    if layout["recompute"] != "none":
+        parts.append(f"recompute {layout['recompute']}")
+    return ", ".join(parts)
+
+
+def measure(layout: dict, world: int, steps: int, tmp: Path) -> float:
+    lay = Layout(**{k: v for k, v in layout.items() if k != "dp"})
+    words = train_command((("model.preset", MODEL),), BATCH, "bf16", lay, world).split()
+    run_dir = tmp / f"run{len(list(tmp.iterdir()))}"
+    cmd = [sys.executable, "-m", "gridtrain", *words[1:], "--run_dir", str(run_dir), "--train.steps", str(steps),
+           "--train.warmup_steps", "1", "--train.val_every", "0", "--metrics.account_every", "0",
+           "--metrics.tensorboard", "false", "--checkpoint.interval", "0", "--checkpoint.final", "false"]
+    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if done.returncode:
+        print(f"{' '.join(cmd)}\nexited {done.returncode}:\n{done.stderr[-3000:]}", file=sys.stderr)
+        return float("nan")
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    tput = [r["throughput/tokens_per_s"] for r in records if "throughput/tokens_per_s" in r][2:]
+    return BATCH * SEQ / statistics.median(tput)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--rows", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--json", help="write the rows here too")
+    args = ap.parse_args()
+    results, ok = [], True
+    with tempfile.TemporaryDirectory() as tmp:
+        for world in args.worlds:
+            rows = plan(world, args.rows)
+            measured = [measure(r["layout"], world, args.steps, Path(tmp)) for r in rows]
+            ok &= all(m == m for m in measured)  # a run that failed fails the verdict
+            best = min(range(len(rows)), key=lambda i: measured[i] if measured[i] == measured[i] else float("inf"))
+            print(f"\n{world} processes (`gridtrain plan --model {MODEL} --gpu local --num-gpus {world} --seq-len {SEQ} "
+                  f"--global-batch {BATCH}`):")
+            print("| # | layout | predicted s | measured s | measured/predicted |")
+            print("|---|---|---|---|---|")
+            for i, (r, m) in enumerate(zip(rows, measured), 1):
+                ratio = m / r["step_s"]
+                ok &= abs(ratio - 1) <= 0.20
+                print(f"| {i} | {label(r['layout'])} | {r['step_s']:.3f} | {m:.3f} | {ratio:.2f} |")
+                results.append({"world": world, "rank": i, "layout": r["layout"], "predicted_s": r["step_s"],
+                                "measured_s": m})
+            ok &= best < 2
+            print(f"measured best: #{best + 1}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    print("\nverdict:", "every prediction within 20%, measured best among the predicted first two" if ok else "MISSED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

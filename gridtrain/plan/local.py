@@ -1,0 +1,82 @@
+"""This machine as a cluster: `gridtrain plan --gpu local` ranks layouts of N local processes (CPU
+ranks over gloo, as `gridtrain train --nproc N` runs them) with the same search and step-time model
+as any GPU cluster, its constants the ones `gridtrain calibrate` measured here.
+
+Each rank is a "GPU" of one node holding all N:
+- peak: the calibrated matmul peak at the rank's threads, shared when N x threads exceeds the
+  cores (each rank gets cores / (N x threads) of its threads' time); matmuls reach
+  localtime.CPU_MATMUL of it, attention the calibrated SDPA forward + backward rate;
+- memory bandwidth: the calibrated elementwise rate, shared the same way; memory: the machine's
+  RAM split evenly over the ranks;
+- framework time: the calibrated forward and backward of a block too small to compute (op
+  dispatch, autograd, autocast), per layer per micro-batch;
+- collectives: gloo's all-reduce bus bandwidth between two ranks, each call costing the measured
+  latency of a small all-reduce per two ring steps, both shared like the cores, never overlapped
+  with compute (gloo's threads take the cores the matmuls run on: Efficiency.overlap_slowdown =
+  1); gloo has no reduce-scatter, so FSDP's gradients cost an all-reduce.
+Threads per rank: what torchrun gives each of N > 1 processes, OMP_NUM_THREADS or 1; one process
+keeps torch's default, the cores.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from gridtrain.plan.localtime import CPU_MATMUL
+from gridtrain.plan.machine import cached_entry, cpu_model_name
+from gridtrain.plan.specs import AcceleratorSpec, ClusterSpec
+from gridtrain.plan.steptime import Efficiency
+
+
+class NoCalibration(ValueError):
+    """This machine has not been calibrated at the threads per rank a plan needs."""
+
+
+@dataclass(frozen=True)
+class LocalPlanMachine:
+    cluster: ClusterSpec
+    eff: Efficiency
+    threads: int
+    contention: float
+
+
+def rank_threads(ranks: int) -> int:
+    """Threads per rank of `gridtrain train --nproc ranks` (module docstring)."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return int(os.environ["OMP_NUM_THREADS"])
+    return 1 if ranks > 1 else os.cpu_count() or 1
+
+
+def ram_bytes() -> float:
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 8e9
+
+
+def local_machine(ranks: int, precision: str, entry: dict | None = None, cores: int | None = None,
+                  ram: float | None = None) -> LocalPlanMachine:
+    """This machine as a one-node cluster of `ranks` CPU ranks (module docstring). `entry`, `cores`
+    and `ram` replace the cached calibration and the machine's own figures (tests)."""
+    threads = rank_threads(ranks)
+    entry = entry if entry is not None else cached_entry(threads)
+    mode = precision
+    if any(k not in entry for k in ("gloo_bytes_per_s", "layer_overhead_s")) or mode not in entry.get("peak_flops", {}):
+        raise NoCalibration(f"--gpu local needs this machine calibrated at {threads} thread(s) per rank "
+                            f"({ranks} rank(s)): run `gridtrain calibrate --threads {threads}` first")
+    cores = cores or os.cpu_count() or 1
+    contention = max(1.0, ranks * threads / cores)
+    peak = entry["peak_flops"][mode] / contention
+    attention = entry.get("attention_flops", {}).get(mode)
+    gloo = entry["gloo_bytes_per_s"] / contention
+    acc = AcceleratorSpec(f"local CPU rank ({cpu_model_name()}, {threads} thread(s))", peak / 1e12,
+                          (ram or ram_bytes()) / ranks / 1e9, entry["memory_bytes_per_s"] / contention / 1e9, 0,
+                          2 * gloo / 1e9)
+    step_latency = entry.get("gloo_latency_s", 0.0) / 2 * contention
+    cluster = ClusterSpec("local", acc, ranks, gloo / 1e9, step_latency, gloo / 1e9, step_latency,
+                          price_per_gpu_hour=0.0, collective_step_s=step_latency)
+    eff = Efficiency(matmul=CPU_MATMUL, hbm=1.0, intra_node=1.0, inter_node=1.0,
+                     layer_overhead_s=entry.get("layer_overhead_s", 0.0) * contention,
+                     overlap_slowdown=1.0, attention=None if attention is None else attention / contention / peak)
+    return LocalPlanMachine(cluster, eff, threads, contention)

@@ -1,0 +1,91 @@
+"""`gridtrain plan --gpu local`: this machine's calibrated CPU ranks as a cluster. The search ranks
+layouts for N local processes and prints a `gridtrain train --nproc N` command that validates; the
+step time follows from the calibration by hand; without a calibration the plan says how to take it."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import shlex
+
+import pytest
+
+from gridtrain.cli import main
+from gridtrain.config_load import load_config, parse_overrides
+from gridtrain.plan import local, shape, steptime
+from gridtrain.plan.layout import Layout
+from gridtrain.plan.machine import calibration_path, machine_key
+from gridtrain.plan.shape import param_counts
+from gridtrain.validate import validate
+
+ENTRY = {"peak_flops": {"fp32": 60e9, "bf16": 40e9, "fp16": 20e9},
+         "attention_flops": {"fp32": 15e9, "bf16": 10e9, "fp16": 5e9},
+         "memory_bytes_per_s": 5e9, "gloo_bytes_per_s": 1e9, "gloo_latency_s": 100e-6, "layer_overhead_s": 4e-4}
+
+
+@pytest.fixture
+def calibrated(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRIDTRAIN_CACHE", str(tmp_path))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    calibration_path().write_text(json.dumps({machine_key(1): ENTRY}))
+
+
+def plan(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["plan", "--model", "tiny", "--gpu", "local", "--seq-len", "256", "--global-batch", "8",
+                     "--tokens", "1M", *argv])
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_local_plan_prints_a_command_that_runs_here(calibrated):
+    code, out, _ = plan("--num-gpus", "2", "--json")
+    assert code == 0
+    report = json.loads(out)
+    assert report["ranked"] and all(c["refused"] == "" for c in report["ranked"])
+    words = shlex.split(report["train_command"])
+    assert words[:4] == ["gridtrain", "train", "--nproc", "2"]
+    dims = validate(load_config(None, parse_overrides(words[4:])), world=2)
+    chosen = report["chosen"]["layout"]
+    assert (dims.tp, dims.pp, dims.cp, dims.dp_shard, dims.dp_replicate) == (
+        chosen["tp"], chosen["pp"], chosen["cp"], chosen["dp_shard"], chosen["dp_replicate"])
+
+
+def test_local_step_time_by_hand():
+    """DDP over 2 ranks of 1 thread on 2 cores: compute at the calibrated rates, the gradient
+    all-reduce at gloo's bandwidth plus its per-call latency per layer, none of it overlapped."""
+    m = local.local_machine(2, "bf16", entry=ENTRY, cores=2, ram=16e9)
+    assert m.contention == 1.0 and m.cluster.accelerator.hbm_gb == 8.0
+    s = shape.from_args(load_config(None, {"model.preset": "tiny"}).model.args())
+    lay = Layout(dp_replicate=2, micro_batch=4, seq_len=256, num_microbatches=1, zero_stage=0)
+    st = steptime.step_time(s, lay, m.cluster, m.eff, steptime.StateBytes.gridtrain(), act_bytes=2)
+    grads = param_counts(s).total * steptime.StateBytes.gridtrain().gradients
+    one_call = 2 * (2 - 1) * 100e-6 / 2  # 2(n-1) ring steps at half a measured small all-reduce
+    expected = grads * 2 * (2 - 1) / 2 / 1e9 + one_call  # 0.5 MB of gradients: DDP's first bucket
+    assert st.dp_total_s == pytest.approx(expected)
+    assert st.dp_s == pytest.approx(st.dp_total_s)  # gloo never hides behind compute
+    attention = steptime.layer_attention_flops_per_token(s, 256, "none") * 4 * 256
+    hw = steptime.layer_hardware_flops_per_token(s, 256, "none") * 4 * 256
+    layer = (hw - attention) / (40e9 * local.CPU_MATMUL) + attention / 10e9
+    assert st.layout == lay and m.eff.attention == pytest.approx(10 / 40)
+    assert steptime.layer_cost(s, m.cluster, m.eff, 256, 4, 1, 1, False, "none", True).matmul_s == \
+        pytest.approx(layer)
+
+
+def test_ranks_beyond_the_cores_share_them():
+    two = local.local_machine(2, "bf16", entry=ENTRY, cores=2, ram=16e9)
+    four = local.local_machine(4, "bf16", entry=ENTRY, cores=2, ram=16e9)
+    assert four.contention == 2.0
+    assert four.cluster.accelerator.peak_flops == pytest.approx(two.cluster.accelerator.peak_flops / 2)
+    assert four.cluster.accelerator.hbm_gb == 4.0
+    # the framework's time per layer too: the calibrated 0.4 ms, twice over with two ranks a core
+    assert (two.eff.layer_overhead_s, four.eff.layer_overhead_s) == pytest.approx((4e-4, 8e-4))
+
+
+def test_without_a_calibration_the_plan_says_how_to_take_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRIDTRAIN_CACHE", str(tmp_path))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    code, out, err = plan("--num-gpus", "2")
+    assert code == 2 and out == ""
+    assert "gridtrain calibrate --threads 1" in err
