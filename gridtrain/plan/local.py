@@ -45,7 +45,15 @@ def rank_threads(ranks: int) -> int:
     """Threads per rank of `gridtrain train --nproc ranks` (module docstring)."""
     if os.environ.get("OMP_NUM_THREADS"):
         return int(os.environ["OMP_NUM_THREADS"])
-    return 1 if ranks > 1 else os.cpu_count() or 1
+    return 1 if ranks > 1 else usable_cores()
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity, which containers and taskset narrow)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def ram_bytes() -> float:
@@ -65,7 +73,7 @@ def local_machine(ranks: int, precision: str, entry: dict | None = None, cores: 
     if any(k not in entry for k in ("gloo_bytes_per_s", "layer_overhead_s")) or mode not in entry.get("peak_flops", {}):
         raise NoCalibration(f"--gpu local needs this machine calibrated at {threads} thread(s) per rank "
                             f"({ranks} rank(s)): run `gridtrain calibrate --threads {threads}` first")
-    cores = cores or os.cpu_count() or 1
+    cores = cores or usable_cores()
     contention = max(1.0, ranks * threads / cores)
     peak = entry["peak_flops"][mode] / contention
     attention = entry.get("attention_flops", {}).get(mode)

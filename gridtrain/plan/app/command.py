@@ -49,6 +49,10 @@ def build_problem(args: argparse.Namespace, extra: list[str]) -> tuple[Problem, 
     if args.price is not None:
         cluster = replace(cluster, price_per_gpu_hour=args.price)
     notes: list[str] = []
+    if local:
+        share = f", each at 1/{local.contention:g} of them (the processes share the cores)" if local.contention > 1 else ""
+        notes.append(f"--gpu local: {local.threads} thread(s) per process at the rates `gridtrain calibrate` measured "
+                     f"here{share}; --implementation does not apply")
     seq_len = parse_whole(args.seq_len, "--seq-len") if args.seq_len else model.max_seq_len
     if args.global_batch and args.global_batch_tokens:
         raise PlanError("--global-batch and --global-batch-tokens are both given: give one (the batch in "
