@@ -89,3 +89,20 @@ def test_without_a_calibration_the_plan_says_how_to_take_it(tmp_path, monkeypatc
     code, out, err = plan("--num-gpus", "2")
     assert code == 2 and out == ""
     assert "gridtrain calibrate --threads 1" in err
+
+
+def test_attention_at_the_models_head_size_and_recomputations_own_time():
+    """Attention at the calibrated rate of the model's head size, interpolated in log head size
+    (40 and 80 GFLOP/s at 32 and 64: 40 + log2(48/32) x 40 = 63.4 at 48), the nearest beyond the
+    grid, the single older rate without one; recomputation's checkpoint machinery per layer on top."""
+    entry = {**ENTRY, "attention_flops_by_head_dim": {"bf16": {"32": 40e9, "64": 80e9, "128": 120e9}},
+             "recompute_overhead_s": {"selective": 1e-3, "full": 2e-3}}
+    assert local.attention_rate(entry, "bf16", 48) == pytest.approx(40e9 + 0.5849625 * 40e9)
+    assert local.attention_rate(entry, "bf16", 16) == 40e9 and local.attention_rate(entry, "bf16", 256) == 120e9
+    assert local.attention_rate(ENTRY, "bf16", 32) == 10e9
+    m = local.local_machine(2, "bf16", entry=entry, cores=2, ram=16e9, head_dim=64)
+    assert m.eff.attention == pytest.approx(80e9 / 40e9)
+    s = shape.from_args(load_config(None, {"model.preset": "tiny"}).model.args())
+    costs = {mode: steptime.layer_cost(s, m.cluster, m.eff, 256, 4, 1, 1, False, mode, True).overhead_s
+             for mode in ("none", "selective", "full")}
+    assert costs == pytest.approx({"none": 4e-4, "selective": 1.4e-3, "full": 2.4e-3})

@@ -8,8 +8,10 @@ Each rank is a "GPU" of one node holding all N:
   localtime.CPU_MATMUL of it, attention the calibrated SDPA forward + backward rate;
 - memory bandwidth: the calibrated elementwise rate, shared the same way; memory: the machine's
   RAM split evenly over the ranks;
+- attention: the rate calibrate timed at the model's head size (interpolated between 32, 64, 128);
 - framework time: the calibrated forward and backward of a block too small to compute (op
-  dispatch, autograd, autocast), per layer per micro-batch;
+  dispatch, autograd, autocast), per layer per micro-batch, and what each recomputation mode's
+  checkpoint machinery adds to it;
 - collectives: gloo's all-reduce bus bandwidth between two ranks, each call costing the measured
   latency of a small all-reduce per two ring steps, both shared like the cores, never overlapped
   with compute (gloo's threads take the cores the matmuls run on: Efficiency.overlap_slowdown =
@@ -20,6 +22,7 @@ keeps torch's default, the cores.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -63,10 +66,29 @@ def ram_bytes() -> float:
         return 8e9
 
 
+def attention_rate(entry: dict, mode: str, head_dim: int | None) -> float | None:
+    """The calibrated attention rate at the model's head size: interpolated (in log head size)
+    between the sizes calibrate timed, the nearest beyond them; the one rate of an older
+    calibration, or None, without them."""
+    grid = {int(d): r for d, r in entry.get("attention_flops_by_head_dim", {}).get(mode, {}).items()}
+    if not grid or head_dim is None:
+        return entry.get("attention_flops", {}).get(mode)
+    dims = sorted(grid)
+    if head_dim <= dims[0] or head_dim >= dims[-1]:
+        return grid[dims[0] if head_dim <= dims[0] else dims[-1]]
+    low = max(d for d in dims if d <= head_dim)
+    high = min(d for d in dims if d >= head_dim)
+    if low == high:
+        return grid[low]
+    t = (math.log(head_dim) - math.log(low)) / (math.log(high) - math.log(low))
+    return grid[low] + t * (grid[high] - grid[low])
+
+
 def local_machine(ranks: int, precision: str, entry: dict | None = None, cores: int | None = None,
-                  ram: float | None = None) -> LocalPlanMachine:
-    """This machine as a one-node cluster of `ranks` CPU ranks (module docstring). `entry`, `cores`
-    and `ram` replace the cached calibration and the machine's own figures (tests)."""
+                  ram: float | None = None, head_dim: int | None = None) -> LocalPlanMachine:
+    """This machine as a one-node cluster of `ranks` CPU ranks (module docstring), for a model of
+    `head_dim`. `entry`, `cores` and `ram` replace the cached calibration and the machine's own
+    figures (tests)."""
     threads = rank_threads(ranks)
     entry = entry if entry is not None else cached_entry(threads)
     mode = precision
@@ -76,7 +98,7 @@ def local_machine(ranks: int, precision: str, entry: dict | None = None, cores: 
     cores = cores or usable_cores()
     contention = max(1.0, ranks * threads / cores)
     peak = entry["peak_flops"][mode] / contention
-    attention = entry.get("attention_flops", {}).get(mode)
+    attention = attention_rate(entry, mode, head_dim)
     gloo = entry["gloo_bytes_per_s"] / contention
     acc = AcceleratorSpec(f"local CPU rank ({cpu_model_name()}, {threads} thread(s))", peak / 1e12,
                           (ram or ram_bytes()) / ranks / 1e9, entry["memory_bytes_per_s"] / contention / 1e9, 0,
@@ -85,6 +107,8 @@ def local_machine(ranks: int, precision: str, entry: dict | None = None, cores: 
     cluster = ClusterSpec("local", acc, ranks, gloo / 1e9, step_latency, gloo / 1e9, step_latency,
                           price_per_gpu_hour=0.0, collective_step_s=step_latency)
     eff = Efficiency(matmul=CPU_MATMUL, hbm=1.0, intra_node=1.0, inter_node=1.0,
-                     layer_overhead_s=entry.get("layer_overhead_s", 0.0) * contention,
+                     layer_overhead_s=entry["layer_overhead_s"] * contention,
+                     recompute_overhead_s=tuple((k, v * contention)
+                                                for k, v in sorted(entry.get("recompute_overhead_s", {}).items())),
                      overlap_slowdown=1.0, attention=None if attention is None else attention / contention / peak)
     return LocalPlanMachine(cluster, eff, threads, contention)

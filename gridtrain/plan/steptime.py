@@ -69,6 +69,9 @@ class Efficiency:
     SMs and HBM bandwidth from the matmuls they overlap."""
     attention: float | None = None
     """Fraction of the peak the attention core reaches (None: as the matmuls; a CPU's is far lower)."""
+    recompute_overhead_s: tuple[tuple[str, float], ...] = ()
+    """Framework time recomputation adds per layer per micro-batch, by mode (its checkpoint
+    machinery, measured on CPUs where it shows)."""
     grads_once_per_step: bool = False
     """Replicated gradients are all-reduced once per step whatever the layout (Megatron-LM's DDP);
     False: as gridtrain's runtime does, once per micro-batch where FSDP replicates them beside TP
@@ -188,7 +191,8 @@ def layer_cost(shape: ModelShape, cluster: ClusterSpec, eff: Efficiency, seq_len
         attn_core = 12 * shape.hidden * seq_len * tokens / tp / (acc.peak_flops * eff.attention_share)
         cp_s = max(0.0, sends - attn_core)
     fwd = 1 + (1 if recompute == "full" else 0)
-    return LayerCost(matmul_s, memory_bound_s, eff.layer_overhead_s, tp_s, cp_s, 1 - 1 / (fwd + 2))
+    overhead = eff.layer_overhead_s + dict(eff.recompute_overhead_s).get(recompute, 0.0)
+    return LayerCost(matmul_s, memory_bound_s, overhead, tp_s, cp_s, 1 - 1 / (fwd + 2))
 
 
 def head_seconds(shape: ModelShape, cluster: ClusterSpec, eff: Efficiency, layout: Layout) -> float:

@@ -60,10 +60,21 @@ def attention_flops(batch: int, heads: int, seq: int, head_dim: int) -> float:
     return 3 * 4 * batch * heads * seq * seq * head_dim
 
 
-def measure_attention_flops(dtype: torch.dtype, seconds: float) -> float:
-    """Best achieved rate of causal SDPA forward + backward at ATTENTION_SHAPE, in the FLOPs of
+ATTENTION_HEAD_DIMS = (32, 64, 128)
+"""Head sizes at which `calibrate` also times attention (a CPU kernel's rate grows with it)."""
+
+
+def attention_shape(head_dim: int) -> tuple[int, int, int, int]:
+    """ATTENTION_SHAPE with another head size, the width (heads x head size) kept."""
+    batch, heads, seq, dim = ATTENTION_SHAPE
+    return batch, heads * dim // head_dim, seq, head_dim
+
+
+def measure_attention_flops(dtype: torch.dtype, seconds: float,
+                            shape: tuple[int, int, int, int] = ATTENTION_SHAPE) -> float:
+    """Best achieved rate of causal SDPA forward + backward at `shape`, in the FLOPs of
     `attention_flops`: on CPUs the attention kernel runs far below the matmul peak."""
-    q, k, v = (torch.randn(*ATTENTION_SHAPE).to(dtype).requires_grad_() for _ in range(3))
+    q, k, v = (torch.randn(*shape).to(dtype).requires_grad_() for _ in range(3))
 
     def once() -> None:
         torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
@@ -73,7 +84,7 @@ def measure_attention_flops(dtype: torch.dtype, seconds: float) -> float:
     while time.perf_counter() < deadline:
         start = time.perf_counter()
         once()
-        best = max(best, attention_flops(*ATTENTION_SHAPE) / (time.perf_counter() - start))
+        best = max(best, attention_flops(*shape) / (time.perf_counter() - start))
     return best
 
 
@@ -115,29 +126,41 @@ def measure_gloo(numel: int = 1 << 20, repeats: int = 8) -> dict[str, float]:
             "gloo_latency_s": max(times[r, 1] for r in range(2))}
 
 
-def measure_layer_overhead(seconds: float) -> float:
-    """Seconds of one gridtrain transformer block's forward and backward under bf16 autocast at a
-    shape too small to compute anything (dim 16, 8 tokens): the framework's own time per layer per
-    micro-batch (op dispatch, autograd, autocast's casts), the best of the runs."""
+def measure_layer_overhead(seconds: float) -> dict[str, float]:
+    """Seconds per layer per micro-batch of gridtrain's transformer blocks' forward and backward
+    under bf16 autocast at a shape too small to compute anything (dim 16, 8 tokens): the
+    framework's own time (op dispatch, autograd, autocast's casts, and under recomputation the
+    checkpoint machinery and its policy), for each recomputation mode. Three blocks against one,
+    so what a micro-batch pays once (the loss, autograd's start) falls out; the best of the runs."""
     from gridtrain.model.args import ModelArgs
-    from gridtrain.model.llama import TransformerBlock, rope_frequencies
+    from gridtrain.model.llama import Transformer, rope_frequencies
+    from gridtrain.parallel.parallelize import apply_recompute
 
-    args = ModelArgs(dim=16, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=32, max_seq_len=8, ffn_dim=32)
-    block, freqs = TransformerBlock(0, args), rope_frequencies(args)
-    x = torch.randn(1, 8, 16, requires_grad=True)
+    out = {}
+    for mode in ("none", "selective", "full"):
+        times = []
+        for blocks in (1, 3):
+            args = ModelArgs(dim=16, n_layers=blocks, n_heads=2, n_kv_heads=1, vocab_size=32, max_seq_len=8, ffn_dim=32)
+            model = Transformer(args)
+            apply_recompute(model, mode)
+            freqs, x = rope_frequencies(args), torch.randn(1, 8, 16, requires_grad=True)
 
-    def once() -> None:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            out = block(x, freqs)
-        out.float().sum().backward()
+            def once() -> None:
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    h = x
+                    for layer in model.layers.values():
+                        h = layer(h, freqs)
+                h.float().sum().backward()
 
-    once()
-    best, deadline = float("inf"), time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
-        start = time.perf_counter()
-        once()
-        best = min(best, time.perf_counter() - start)
-    return best
+            once()
+            best, deadline = float("inf"), time.perf_counter() + seconds / 6
+            while time.perf_counter() < deadline:
+                start = time.perf_counter()
+                once()
+                best = min(best, time.perf_counter() - start)
+            times.append(best)
+        out[mode] = max(0.0, (times[1] - times[0]) / 2)
+    return out
 
 
 LOADED_SHARE = 0.75
@@ -174,7 +197,13 @@ def calibrate(threads: int | None = None, seconds: float = 2.0, modes: tuple[str
             {mode: measure_attention_flops(CALIBRATION_DTYPES[mode], seconds / 4) for mode in modes if mode != "fp16"})
         entry["memory_bytes_per_s"] = measure_memory_bandwidth(seconds / 4)
         entry.update(measure_gloo())
-        entry["layer_overhead_s"] = measure_layer_overhead(seconds / 4)
+        overhead = measure_layer_overhead(seconds / 2)
+        entry["layer_overhead_s"] = overhead["none"]
+        entry["recompute_overhead_s"] = {mode: max(0.0, overhead[mode] - overhead["none"])
+                                         for mode in ("selective", "full")}
+        entry["attention_flops_by_head_dim"] = {
+            mode: {str(d): measure_attention_flops(CALIBRATION_DTYPES[mode], seconds / 8, attention_shape(d))
+                   for d in ATTENTION_HEAD_DIMS} for mode in modes if mode != "fp16"}
     entry.update(measured_at=time.time(), machine=platform.node(), cpu_share=share)
     if share < LOADED_SHARE:
         why = (f"not cached: this process had {share:.0%} of its {threads} thread(s)' CPU time while it measured "

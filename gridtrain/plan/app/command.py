@@ -42,7 +42,7 @@ def build_problem(args: argparse.Namespace, extra: list[str]) -> tuple[Problem, 
     model = resolve_model(args.model, overrides, args.arch)
     local = None
     if args.gpu == "local" and not args.cluster:
-        local = resolve_local(parse_whole(args.num_gpus, "--num-gpus"), args.precision)
+        local = resolve_local(parse_whole(args.num_gpus, "--num-gpus"), args.precision, model.shape.head_dim)
         cluster = local.cluster
     else:
         cluster = resolve_cluster(args.gpu, args.cluster, args.hardware)

@@ -155,10 +155,10 @@ def resolve_model(preset: str, overrides: dict[str, str], arch: str = "llama") -
     return ModelChoice(name + (" as GPT blocks" if arch == "gpt" else ""), s, margs.max_seq_len)
 
 
-def resolve_local(ranks: int, precision: str) -> local.LocalPlanMachine:
+def resolve_local(ranks: int, precision: str, head_dim: int) -> local.LocalPlanMachine:
     """`--gpu local`: this machine's calibrated ranks (plan/local.py)."""
     try:
-        return local.local_machine(ranks, precision)
+        return local.local_machine(ranks, precision, head_dim=head_dim)
     except local.NoCalibration as e:
         raise PlanError(str(e)) from None
 
