@@ -235,11 +235,7 @@ def test_50_plan_requests_at_once_are_all_answered_and_gets_meanwhile_are_quick(
         latencies.append((path, round(time.perf_counter() - start, 3), 50 - len(statuses)))
     for thread in threads:
         thread.join(timeout=60)
-    # (path, s, plans in flight). The first GET also queues behind the burst of 50 connections the
-    # server is still accepting (a thread each, while two searches hold the interpreter): up to ~1 s
-    # on this 2-core machine; once they are in, a GET is answered within the second.
-    assert latencies and latencies[0][1] < 2.0, latencies
-    assert max((seconds for _, seconds, _ in latencies[1:]), default=0) < 1.0, latencies
+    assert max((seconds for _, seconds, _ in latencies), default=0) < 1.0, latencies  # (path, s, plans in flight)
     assert sorted(statuses, key=str) == [200] * 50
     assert len(latencies) >= 3 and latencies[2][2] > 0, f"too few GETs while plans were in flight: {latencies}"
 
@@ -313,3 +309,17 @@ def test_another_error_while_serving_is_one_line_on_stderr(server, capsys):
         except (OSError, RuntimeError):
             server.handle_error(None, ("127.0.0.1", 5))
     assert capsys.readouterr().err == "gridtrain explore: serving 127.0.0.1: RuntimeError: no such thing\n"
+
+
+def test_the_server_keeps_the_interpreter_switching_fast_while_open():
+    """Accepting and answering keep pace with two searches: 1 ms switch interval while a server is
+    open (the default 5 ms let a burst of 50 connections hold a GET past a second), given back on close."""
+    import sys
+
+    before = sys.getswitchinterval()
+    srv = make_server()
+    try:
+        assert sys.getswitchinterval() == min(before, 0.001)
+    finally:
+        srv.server_close()
+    assert sys.getswitchinterval() == before

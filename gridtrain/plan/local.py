@@ -5,10 +5,11 @@ as any GPU cluster, its constants the ones `gridtrain calibrate` measured here.
 Each rank is a "GPU" of one node holding all N:
 - peak: the calibrated matmul peak at the rank's threads, shared when N x threads exceeds the
   cores (each rank gets cores / (N x threads) of its threads' time); matmuls reach
-  localtime.CPU_MATMUL of it, attention the calibrated SDPA forward + backward rate;
+  localtime.CPU_MATMUL of it;
 - memory bandwidth: the calibrated elementwise rate, shared the same way; memory: the machine's
   RAM split evenly over the ranks;
-- attention: the rate calibrate timed at the model's head size (interpolated between 32, 64, 128);
+- attention: the SDPA forward + backward rate calibrate timed at the model's head size
+  (interpolated between 32, 64 and 128), shared the same way;
 - framework time: the calibrated forward and backward of a block too small to compute (op
   dispatch, autograd, autocast), per layer per micro-batch, and what each recomputation mode's
   checkpoint machinery adds to it;
