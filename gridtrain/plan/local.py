@@ -92,21 +92,20 @@ def local_machine(ranks: int, precision: str, entry: dict | None = None, cores: 
     figures (tests)."""
     threads = rank_threads(ranks)
     entry = entry if entry is not None else cached_entry(threads)
-    mode = precision
-    if any(k not in entry for k in ("gloo_bytes_per_s", "layer_overhead_s")) or mode not in entry.get("peak_flops", {}):
+    if any(k not in entry for k in ("gloo_bytes_per_s", "layer_overhead_s")) or precision not in entry.get("peak_flops", {}):
         raise NoCalibration(f"--gpu local needs this machine calibrated at {threads} thread(s) per rank "
                             f"({ranks} rank(s)): run `gridtrain calibrate --threads {threads}` first")
     cores = cores or usable_cores()
     contention = max(1.0, ranks * threads / cores)
-    peak = entry["peak_flops"][mode] / contention
-    attention = attention_rate(entry, mode, head_dim)
+    peak = entry["peak_flops"][precision] / contention
+    attention = attention_rate(entry, precision, head_dim)
     gloo = entry["gloo_bytes_per_s"] / contention
     acc = AcceleratorSpec(f"local CPU rank ({cpu_model_name()}, {threads} thread(s))", peak / 1e12,
                           (ram or ram_bytes()) / ranks / 1e9, entry["memory_bytes_per_s"] / contention / 1e9, 0,
                           2 * gloo / 1e9)
     step_latency = entry.get("gloo_latency_s", 0.0) / 2 * contention
     cluster = ClusterSpec("local", acc, ranks, gloo / 1e9, step_latency, gloo / 1e9, step_latency,
-                          price_per_gpu_hour=0.0, collective_step_s=step_latency)
+                          price_per_gpu_hour=0.0, gloo_step_s=step_latency)
     eff = Efficiency(matmul=CPU_MATMUL, hbm=1.0, intra_node=1.0, inter_node=1.0,
                      layer_overhead_s=entry["layer_overhead_s"] * contention,
                      recompute_overhead_s=tuple((k, v * contention)

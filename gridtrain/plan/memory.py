@@ -233,8 +233,13 @@ def gathered_bytes_per_param(zero_stage: int, shards: int, state: StateBytes) ->
     return 0.0
 
 
+DDP_FIRST_BUCKET_BYTES, DDP_BUCKET_BYTES = 2**20, 25 * 2**20
+"""DDP's gradient buckets as gridtrain runs them (parallel/data_parallel.py: bucket_cap_mb=25, and
+torch's first bucket of 1 MiB)."""
+
+
 def buffer_bytes(shape: ModelShape, layout: Layout, state: StateBytes, act_bytes: int = 2,
-                 ddp_bucket_bytes: float = 25 * 2**20) -> float:
+                 ddp_bucket_bytes: float = DDP_BUCKET_BYTES) -> float:
     """Communication buffers, a convention rather than a measurement:
     - ZeRO-3/FSDP: one block's weights all-gathered unsharded (in the compute dtype) plus the
       next one prefetched, and one block's unsharded gradients before their reduce-scatter;

@@ -40,8 +40,9 @@ class Level:
     """Bandwidth per GPU one way, achieved efficiency, latency of one small collective."""
     name: str
     """'node', 'pod' or 'cluster'."""
-    step_s: float | None = None
-    """The cluster's own per-step latency of a collective (ClusterSpec.collective_step_s), else NCCL's."""
+    gloo_step_s: float | None = None
+    """Gloo's measured per-step latency where the cluster's ranks talk over gloo (local CPU ranks:
+    ClusterSpec.gloo_step_s); None: NCCL, priced by its tuning model."""
 
 
 def _largest_divisor_at_most(n: int, bound: int) -> int:
@@ -63,17 +64,17 @@ def axis_levels(cluster: ClusterSpec, degree: int, stride: int, intra_efficiency
     left, span = degree, stride
     in_node = _largest_divisor_at_most(left, g // span) if span < g else 1
     if in_node > 1:
-        levels.append(Level(in_node, intra, "node", cluster.collective_step_s))
+        levels.append(Level(in_node, intra, "node", cluster.gloo_step_s))
     left, span = left // in_node, span * in_node
     if left > 1 and pod_gpus != math.inf:
         in_pod = _largest_divisor_at_most(left, int(pod_gpus // max(span, g)))
         if in_pod > 1:
-            levels.append(Level(in_pod, inter, "pod", cluster.collective_step_s))
+            levels.append(Level(in_pod, inter, "pod", cluster.gloo_step_s))
         left //= in_pod
         if left > 1:
-            levels.append(Level(left, cross, "cluster", cluster.collective_step_s))
+            levels.append(Level(left, cross, "cluster", cluster.gloo_step_s))
     elif left > 1:
-        levels.append(Level(left, inter, "pod", cluster.collective_step_s))
+        levels.append(Level(left, inter, "pod", cluster.gloo_step_s))
     return tuple(levels)
 
 
@@ -113,8 +114,8 @@ def nccl_latency(kind: str, levels: tuple[Level, ...]) -> float:
     if n <= 1:
         return 0.0
     twice = 2 if kind == "all_reduce" else 1
-    if levels[0].step_s is not None:
-        return twice * (n - 1) * levels[0].step_s
+    if levels[0].gloo_step_s is not None:
+        return twice * (n - 1) * levels[0].gloo_step_s
     ppn, nodes = _ppn_nodes(levels)
     steps, net_steps = twice * (n - 1), twice * (nodes - 1)
     ring = NCCL_BASE_S + (steps - net_steps) * NCCL_RING_STEP_S["nvlink"] + net_steps * NCCL_RING_STEP_S["net"]
@@ -129,7 +130,7 @@ def pat_latency(levels: tuple[Level, ...]) -> float | None:
     """PAT's latency for an all-gather or reduce-scatter with one rank per node (NCCL's tuning
     model: 8 us + floor(log2 nodes) x 14 / 3.5 us + 2.8 us per rank); None where NCCL does not run it."""
     n = math.prod(level.ranks for level in levels)
-    if n <= 1 or levels[0].step_s is not None or _ppn_nodes(levels)[0] != 1:
+    if n <= 1 or levels[0].gloo_step_s is not None or _ppn_nodes(levels)[0] != 1:
         return None
     return 8e-6 + int(math.log2(n)) * NCCL_RING_STEP_S["net"] / 3.5 + 2.8e-6 * n
 
@@ -174,7 +175,7 @@ def all_gather_time(payload: float, levels: tuple[Level, ...], calls: int = 1) -
 def reduce_scatter_time(payload: float, levels: tuple[Level, ...], calls: int = 1) -> float:
     """Reduce-scatter: the all-gather's cost, but over gloo (local ranks), which has none: there
     FSDP all-reduces the gradients (run_collectives), at an all-reduce's cost."""
-    if levels and levels[0].step_s is not None:
+    if levels and levels[0].gloo_step_s is not None:
         return all_reduce_time(payload, levels, calls)
     return all_gather_time(payload, levels, calls)
 

@@ -135,9 +135,10 @@ class ClusterSpec:
     """Between pods the fabric is oversubscribed by this factor (Llama 3 paper: 1:7)."""
     price_per_gpu_hour: float = 2.0
     """Rental price, $ per GPU-hour (an assumed round figure for H100 rental)."""
-    collective_step_s: float | None = None
-    """When set, each ring step of every collective call costs this (gloo between local ranks,
-    measured), in place of NCCL's tuning model (placement.nccl_latency)."""
+    gloo_step_s: float | None = None
+    """Set where the ranks talk over gloo (local CPU ranks, `--gpu local`): each ring step of every
+    collective call costs this, measured, in place of NCCL's tuning model, and reduce-scatters run as
+    the all-reduces gloo has instead (placement)."""
 
     @property
     def cross_pod_gb_per_s(self) -> float:

@@ -41,7 +41,8 @@ from gridtrain.layout.schedules import schedule
 from gridtrain.plan import placement
 from gridtrain.plan.flops import flops_per_token, hardware_flops_per_token
 from gridtrain.plan.layout import Layout
-from gridtrain.plan.memory import edge_ranks, kv_heads_per_rank, layer_activation_bytes, layers_per_rank, rank_params
+from gridtrain.plan.memory import (DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES, edge_ranks, kv_heads_per_rank,
+                                   layer_activation_bytes, layers_per_rank, rank_params)
 from gridtrain.plan.pipeline import schedule_bubble, split_cost
 from gridtrain.plan.state import StateBytes
 from gridtrain.plan.shape import ModelShape, block_params, matmul_params, norm_params
@@ -339,13 +340,9 @@ def dp_time(shape: ModelShape, layout: Layout, cluster: ClusterSpec, eff: Effici
     return exposed + eff.overlap_slowdown * (total - exposed), total
 
 
-DDP_BUCKET_BYTES = 25 * 2**20
-"""DDP's gradient buckets (parallel/data_parallel.py: bucket_cap_mb=25, the first 1 MiB)."""
-
-
 def ddp_buckets(grad_bytes: float) -> int:
     """All-reduce calls DDP makes for `grad_bytes` of gradients: a first bucket of 1 MiB, then 25 MiB each."""
-    return 1 + max(0, math.ceil((grad_bytes - 2**20) / DDP_BUCKET_BYTES))
+    return 1 + max(0, math.ceil((grad_bytes - DDP_FIRST_BUCKET_BYTES) / DDP_BUCKET_BYTES))
 
 
 def fsdp_gather_passes(layout: Layout) -> tuple[int, int]:

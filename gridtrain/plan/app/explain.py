@@ -127,7 +127,7 @@ def dp_lines(problem: Problem, cand: Candidate) -> list[str]:
     where = " ; ".join(x for x in (f"shard over {placement.describe_levels(shard)}" if shard else "",
                                    f"replicate over {placement.describe_levels(rep)}" if rep else "") if x)
     c = eff.overlap_slowdown
-    latency = "gloo's measured" if problem.cluster.collective_step_s is not None else "NCCL's"
+    latency = "gloo's measured" if problem.cluster.gloo_step_s is not None else "NCCL's"
     def per_call(kind: str, levels: tuple) -> str:
         pat = placement.pat_latency(levels) if kind == "all_gather" else None
         return f"{placement.nccl_latency(kind, levels) * 1e6:,.1f} us" + (
