@@ -30,8 +30,11 @@ def memory_gib(device: torch.device) -> dict[str, float]:
     gib = 2**30
     if device.type != "cpu":
         mod = torch.get_device_module(device.type)
+        # Reserved is what the caching allocator holds from the device: the figure an
+        # out-of-memory error is decided by (allocated plus the allocator's cached blocks).
         return {"memory/allocated_GiB": mod.memory_allocated(device) / gib,
-                "memory/peak_GiB": mod.max_memory_allocated(device) / gib}
+                "memory/peak_GiB": mod.max_memory_allocated(device) / gib,
+                "memory/reserved_peak_GiB": mod.max_memory_reserved(device) / gib}
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # Linux reports KiB
     return {"memory/rss_GiB": _rss_bytes() / gib, "memory/peak_GiB": peak_kib * 1024 / gib}
 

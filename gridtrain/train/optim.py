@@ -31,8 +31,10 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, mesh: Any = None, zero_s
         from gridtrain.parallel.data_parallel import build_zero1_optimizer
 
         return build_zero1_optimizer(groups, mesh, **defaults)
-    # foreach on CPU; fused where the device supports it (CUDA), chosen by torch itself.
-    return torch.optim.AdamW(groups, **defaults)
+    # torch picks foreach everywhere by default; on CUDA the fused kernel updates every parameter in
+    # a few launches and reads no step count back to the host (torchtitan's default there too).
+    fused = all(p.device.type == "cuda" for g in groups for p in g["params"]) and bool(decay + no_decay)
+    return torch.optim.AdamW(groups, **defaults, fused=fused or None)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
