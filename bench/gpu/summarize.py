@@ -1,6 +1,6 @@
 """Turn the GPU suite's output folder into the README's GPU table (Markdown on stdout).
 
-    python bench/gpu/summarize.py bench/gpu/results/<date>
+    python bench/gpu/summarize.py bench/gpu/results/<date>/part1 [more folders of the same GPU]
 
 MFU is computed alike for both sides from tokens/s: gridtrain's model FLOPs per token,
 6N + 12 L H Q T (gridtrain.plan.flops), against the dense bf16 peak (989 TFLOP/s on an H100)
@@ -33,14 +33,16 @@ def shape_of(row: dict) -> ModelShape:
                       tie_embeddings=True)
 
 
-def speed_table(out: Path, env: dict) -> list[str]:
+def speed_table(outs: list[Path], env: dict) -> list[str]:
     spec = accelerator_of_device(env.get("name", ""))
     peak = spec.peak_flops if spec else None
     measured = env.get("matmul_bf16_TFLOPs", 0) * 1e12
     lines = ["| shape | seq | recompute | compile | side | tokens/s | MFU (dense peak) | MFU (measured matmul) "
              "| peak allocated GiB | peak reserved GiB | vs torchtitan |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
-    rows = (_load(out / "speed.json") or []) + (_load(out / "compiled.json") or [])
+    rows = [r for out in outs for part in ("speed", "compiled") for r in (_load(out / f"{part}.json") or [])]
+    done = {r["name"] for r in rows if "skipped" not in r}
+    rows = [r for r in rows if "skipped" not in r or r["name"] not in done]  # a later folder ran it
     by_key = {(r.get("shape"), r.get("compile"), r.get("side")): r for r in rows}
     for r in rows:
         if "skipped" in r or "shape" not in r:
@@ -67,11 +69,11 @@ def _gib(x: float | None) -> str:
 
 
 def main() -> None:
-    out = Path(sys.argv[1])
-    env = _load(out / "env.json") or {}
+    outs = [Path(a) for a in sys.argv[1:]]
+    out, env = outs[0], _load(outs[0] / "env.json") or {}
     print(f"{env.get('name', '?')}, torch {env.get('torch', '?')} (CUDA {env.get('cuda')}), Python {env.get('python')}; "
           f"bf16 matmul {env.get('matmul_n')}^3 measured at {env.get('matmul_bf16_TFLOPs', 0):.0f} TFLOP/s\n")
-    print("\n".join(speed_table(out, env)))
+    print("\n".join(speed_table(outs, env)))
     parity, fp16, tests = _load(out / "parity.json") or {}, _load(out / "fp16.json") or {}, _load(out / "tests.json") or {}
     if parity.get("worst"):
         w, b = parity["worst"], parity["bounds"]
