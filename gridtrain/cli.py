@@ -222,6 +222,16 @@ def cmd_plan(args: argparse.Namespace, extra: list[str]) -> int:
         if record.backend == "fake":
             print("step time: none to check, a dry run computes nothing")
             return 0
+        if record.backend == "nccl":  # an accelerator's run: priced by its published peak
+            from gridtrain.plan.check_device import check_device_memory, check_device_step_time
+
+            try:
+                row, parts, source = check_device_step_time(run_dir)
+                print(format_step_time(row, parts).replace("on this machine", f"({source})"))
+            except ValueError as err:
+                print(f"step time: {err}")
+            print("\n".join(check_device_memory(run_dir)))
+            return 0
         try:
             calibration = local_machine(record.threads)  # measured now if not cached
             print(format_step_time(*check_step_time(run_dir, calibration)))

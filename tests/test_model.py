@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import gridtrain.model
+from gridtrain.compat import TRUNC_NORMAL_REDRAWS
 from gridtrain.model.args import ModelArgs, ffn_hidden_dim, model_args
 from gridtrain.model.llama import Attention, Transformer, apply_rope, rope_frequencies, truncated_normal
 from gridtrain.model.stats import build_meta, count_parameters, flops_per_token, model_parameters
@@ -277,10 +278,13 @@ def test_truncated_normal_draws_torchs_numbers_with_less_memory(shape, std):
         torch.manual_seed(seed)
         with LiveBytes() as theirs:
             want = nn.init.trunc_normal_(torch.empty(shape), std=std, a=-3 * std, b=3 * std)
-        assert torch.equal(got, want) and torch.equal(torch.get_rng_state(), after)
+        if TRUNC_NORMAL_REDRAWS:  # torch < 2.13 inverts the CDF: other numbers (compat.py)
+            assert torch.equal(got, want) and torch.equal(torch.get_rng_state(), after)
+        else:
+            assert got.abs().max() <= 3 * std and abs(got.std().item() / std - 0.987) < 0.1 + 3 / got.numel() ** 0.5
         nbytes = got.numel() * 4
         assert ours.peak <= 2.5 * nbytes + 64
-        if got.numel() > 10_000:
+        if got.numel() > 10_000 and TRUNC_NORMAL_REDRAWS:
             assert theirs.peak >= 3 * nbytes
 
 

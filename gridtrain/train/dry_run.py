@@ -18,6 +18,7 @@ point-to-point sends are counted by the stage hooks, as on a real run.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -30,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from gridtrain.compat import PIPELINE_STAGE_META
 from gridtrain.config import Config, ConfigError
 from gridtrain.layout.dims import ParallelDims
 from gridtrain.model.stats import build_meta
@@ -135,7 +137,7 @@ def _step(cfg: Config, dims: ParallelDims) -> dict[str, float]:
     if pmodel.schedule is not None:
         with fake:
             give_stage_shapes(pmodel, t.micro_batch, cfg.data.seq_len // dims.cp, cfg.model.args().dim,
-                              dims.tp if cfg.parallel.sequence_parallel else 1, read)
+                              dims.tp if cfg.parallel.sequence_parallel else 1, read, precision.autocast)
     with fake, LiveBytes() as live, comm:
         live.track([pmodel.parameters(), [b for part in pmodel.parts for b in part.buffers()]])
         built = live.live
@@ -158,15 +160,14 @@ def _step(cfg: Config, dims: ParallelDims) -> dict[str, float]:
 
 
 def give_stage_shapes(pmodel: ParallelModel, micro_batch: int, seq_len: int, dim: int, seq_split: int,
-                      read: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]) -> None:
+                      read: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]],
+                      autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> None:
     """torch's pipeline stages learn what they receive by asking their neighbours (and vote on it
     with a collective whose answer they read): a fake process group answers nothing. So each of
     this rank's stages is given its shapes as static metadata, found by running it on a fake
     micro-batch: token ids into the first stage, the fp32 residual stream (B x T x dim of the
     rank's T tokens, seq/cp under context parallelism; B x T/tp x dim with sequence parallelism)
     into the others; and the vote is skipped."""
-    from torch.distributed.pipelining._utils import InferenceMode, _StageMeta, extract_tensor_metas
-
     schedule = pmodel.schedule
     stages = getattr(schedule, "_stages", None) or [schedule._stage]
     for stage in stages:
@@ -175,9 +176,20 @@ def give_stage_shapes(pmodel: ParallelModel, micro_batch: int, seq_len: int, dim
             y = stage.submod(x)
         # What the stage receives and sends is differentiable: its gradient travels back.
         x, y = (t if not t.is_floating_point() else t.detach().requires_grad_() for t in (x, y))
+        if not PIPELINE_STAGE_META:  # torch < 2.13: set inputs skip shape inference, and nothing votes;
+            with torch.no_grad(), autocast():  # the outputs are checked against the step's, dtype too
+                y = stage.submod(x)
+            stage.inputs_meta, stage._outputs_meta = (x,), None
+            stage._configure_outputs_meta((y,))
+            continue
+        from torch.distributed.pipelining._utils import _StageMeta, extract_tensor_metas
+
         stage._user_meta = _StageMeta(inputs=extract_tensor_metas((x,)), outputs=extract_tensor_metas((y,)),
                                       input_grads=extract_tensor_metas((None if stage.is_first else x,), allow_none=True),
                                       output_grads=extract_tensor_metas((y,), allow_none=True))
+    if not PIPELINE_STAGE_META:
+        return
+    from torch.distributed.pipelining._utils import InferenceMode
 
     def static(stages: list, has_backward: bool, p2p_done: bool) -> None:
         for stage in stages:
