@@ -102,7 +102,13 @@ def cmd_dry_run(cfg, world: int | None, rank: int) -> int:  # noqa: ANN001 - a C
     if world is None:
         print("gridtrain: --dry-run needs --world N, the number of ranks of the job to rehearse", file=sys.stderr)
         return 2
+    import os
     import resource
+
+    # A dry run computes on fake CPU tensors: hidden from it, an accelerator's driver is not loaded
+    # by torch's availability probes (fake tensors, the device mesh, each optimizer step), which on
+    # a GPU host would add its libraries to the resident memory the dry run reports.
+    os.environ["CUDA_VISIBLE_DEVICES"] = os.environ["HIP_VISIBLE_DEVICES"] = ""
 
     from gridtrain.plan.check_run import check_run, format_check
     from gridtrain.train.dry_run import dry_run

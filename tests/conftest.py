@@ -122,6 +122,18 @@ def make_config(corpus_dir: Path) -> Callable[..., Config]:
 
 
 @pytest.fixture
+def on_cpu(monkeypatch: pytest.MonkeyPatch) -> torch.device:
+    """Trainers built in the test train on the CPU even where an accelerator is present (they
+    pick it when there is one): for tests of the CPU's own path, such as its calibrated peak.
+    The Trainer's device comes from init_world, which calls distributed.pick_device."""
+    from gridtrain.train import distributed
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(distributed, "pick_device", lambda: cpu)
+    return cpu
+
+
+@pytest.fixture
 def checkpoint_weights() -> Callable[[Path], dict[str, torch.Tensor]]:
     """checkpoint_weights(path) -> the tiny model's weights in a checkpoint, loaded in this
     process (DCP reshards whatever layout wrote it to one rank)."""

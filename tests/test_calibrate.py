@@ -44,9 +44,10 @@ def test_an_idle_calibration_is_cached_as_the_best_of_its_rounds(tmp_path, monke
     assert cached["peak_flops"]["fp32"] == 1e9 * hardware.ROUNDS == entry["peak_flops"]["fp32"]
 
 
-def test_a_run_faster_than_its_cached_peak_measures_the_peak_again(tmp_path, make_config, monkeypatch, caplog):
+def test_a_run_faster_than_its_cached_peak_measures_the_peak_again(tmp_path, make_config, monkeypatch, caplog, on_cpu):
     """A cached peak of 1 MFLOP/s makes the tiny model's MFU far above 100%: the trainer measures
-    the peak again once, and reports MFU against that."""
+    the peak again once, and reports MFU against that. (A CPU's peak is measured; an accelerator's
+    is its published one, never re-measured: so the trainer runs on the CPU here.)"""
     from gridtrain.train.trainer import Trainer
 
     cache = tmp_path / "cache"
@@ -63,6 +64,7 @@ def test_a_run_faster_than_its_cached_peak_measures_the_peak_again(tmp_path, mak
     trainer = Trainer(make_config(tmp_path, **{"train.steps": 3, "train.threads": 1}))
     mfus = [trainer.train_step()["mfu_pct"] for _ in range(3)]
     trainer.release()
+    assert trainer.device == on_cpu
     assert calls == [("fp32",)]  # once, not every step
     assert all(m < 100 for m in mfus) and trainer.peak == 1e15
     assert any("measured low" in r.getMessage() for r in caplog.records)

@@ -42,7 +42,7 @@ RUNS = {
 @dataclass
 class Run:
     cfg: Config
-    weights: dict[str, torch.Tensor]
+    weights: dict[str, torch.Tensor]  # on the CPU, where export and import read checkpoints to
 
     @property
     def run_dir(self) -> Path:
@@ -56,7 +56,8 @@ class Run:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, corpus_dir) -> dict[str, Run]:
-    """Each model of RUNS trained three steps by the Trainer, checkpointed after each."""
+    """Each model of RUNS trained three steps by the Trainer (on its device: the CPU, or the
+    accelerator it picked), checkpointed after each; its final weights copied to the CPU."""
     root = tmp_path_factory.mktemp("hf-runs")
     out = {}
     for name, extra in RUNS.items():
@@ -64,7 +65,7 @@ def runs(tmp_path_factory, corpus_dir) -> dict[str, Run]:
         items["data.cache_dir"] = str(root / "cache")  # tokenised once for all three
         trainer = Trainer(load_config(None, items))
         trainer.run()
-        weights = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+        weights = {k: v.detach().to(CPU, copy=True) for k, v in trainer.model.state_dict().items()}
         out[name] = Run(trainer.cfg, weights)
     return out
 
@@ -323,7 +324,7 @@ def test_import_then_resume_continues_the_original(runs, name, tmp_path, corpus_
     resumed = trainer_from_import(tmp_path / "imported", tmp_path, corpus_dir, resume=True)
     assert resumed.step == 0 and resumed.args == run.cfg.model.args()
     for key, value in resumed.model.state_dict().items():
-        assert torch.equal(value, run.weights[key]), key  # gridtrain -> HF -> gridtrain is lossless
+        assert torch.equal(value.cpu(), run.weights[key]), key  # gridtrain -> HF -> gridtrain is lossless
     if name == "tied":
         assert resumed.model.output.weight is resumed.model.tok_embeddings.weight
 
@@ -339,7 +340,7 @@ def test_import_then_resume_continues_the_original(runs, name, tmp_path, corpus_
     assert got["loss/train"] == want["loss/train"] and got["grad/norm"] == want["grad/norm"]
     for (key, a), b in zip(resumed.model.named_parameters(), fresh.model.parameters()):
         assert torch.equal(a, b), key
-    assert any(not torch.equal(p, run.weights[k]) for k, p in resumed.model.named_parameters())
+    assert any(not torch.equal(p.cpu(), run.weights[k]) for k, p in resumed.model.named_parameters())
 
 
 def test_import_reads_sharded_safetensors(runs, tmp_path):
@@ -469,7 +470,10 @@ def test_import_compares_the_headers_before_reading_a_weight(tmp_path, monkeypat
 
 def test_a_config_of_a_million_layers_beside_two_is_refused_at_once(tmp_path):
     """config.json's layer count is compared with the headers' before a model is built from it
-    (a meta model of a million layers took minutes). A bound, not a benchmark: it ran forever."""
+    (a meta model of a million layers took minutes). A bound, not a benchmark: it ran forever.
+    The command is given 30 s; the 5 s bound is on the refusal itself, timed in this process: the
+    command's wall time is mostly the interpreter's start and its imports, torch's above all (2 s
+    with the CPU build, 8.7 s in all on an H100 machine with torch's CUDA build)."""
     import subprocess
     import sys
     import time
@@ -479,13 +483,17 @@ def test_a_config_of_a_million_layers_beside_two_is_refused_at_once(tmp_path):
     (hf_dir / "config.json").write_text(json.dumps(hf.hf_config(PRESETS["tiny"]()) | {"num_hidden_layers": 10**6}))
     save_file({"model.embed_tokens.weight": torch.zeros(320, 64), "model.layers.0.input_layernorm.weight": torch.ones(64),
                "model.layers.1.input_layernorm.weight": torch.ones(64)}, hf_dir / "model.safetensors")
-    start = time.perf_counter()
+    message = (f"the weights in {hf_dir} do not fit its config.json: num_hidden_layers is 1,000,000, the "
+               "safetensors headers hold 2 layers (model.layers.N.*)")
     out = subprocess.run([sys.executable, "-m", "gridtrain", "import", str(hf_dir), str(tmp_path / "run")],
                          capture_output=True, text=True, timeout=30)
-    wall = time.perf_counter() - start
     assert out.returncode == 2 and out.stdout == "", out.stderr
-    assert out.stderr == (f"gridtrain: the weights in {hf_dir} do not fit its config.json: num_hidden_layers is "
-                          "1,000,000, the safetensors headers hold 2 layers (model.layers.N.*)\n")
+    assert out.stderr == f"gridtrain: {message}\n"
+    assert not (tmp_path / "run").exists()
+    start = time.perf_counter()
+    with pytest.raises(hf.InterchangeError, match=re.escape(message)):
+        hf_import.import_hf(hf_dir, tmp_path / "run")
+    wall = time.perf_counter() - start
     assert wall < 5, f"{wall:.1f} s"
     assert not (tmp_path / "run").exists()
 

@@ -66,10 +66,11 @@ def test_accumulated_step_equals_one_big_batch(tmp_path, make_config):
 
 
 def test_accumulated_gradient_is_the_mean_over_the_global_batch(tmp_path, make_config):
-    """The trainer's gradient equals the gradient of the mean loss over samples [0, 8)."""
+    """The trainer's gradient equals the gradient of the mean loss over samples [0, 8) (the
+    reference on the trainer's device: the CPU, or the accelerator it picked)."""
     trainer = Trainer(make_config(tmp_path, **{"train.global_batch": 8, "train.micro_batch": 2}))
-    reference = build_model(trainer.args, trainer.cfg.train.seed, CPU)
-    inputs, targets = trainer.data.train.read(0, 8)
+    reference = build_model(trainer.args, trainer.cfg.train.seed, trainer.device)
+    inputs, targets = (t.to(trainer.device) for t in trainer.data.train.read(0, 8))
     loss_fn(reference(inputs), targets).backward()
     grads = _capture_grads(trainer)
     trainer.train_step()
@@ -219,7 +220,7 @@ def test_mixed_precision_trainer_steps(tmp_path, make_config, mode, dtype):
         assert state["exp_avg"].dtype == torch.float32
     assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
     with trainer.precision.autocast():  # the forward does run in the low precision
-        logits = trainer.model(torch.zeros(1, 4, dtype=torch.long))
+        logits = trainer.model(torch.zeros(1, 4, dtype=torch.long, device=trainer.device))
     assert logits.dtype == dtype
     if mode == "fp16":
         # Two clean steps, far fewer than the 2,000 the scale waits before doubling: the scale is
@@ -460,7 +461,10 @@ def test_recompute_matches_no_checkpointing(mode):
 
 def test_metrics_file_and_plot(tmp_path, make_config, capsys):
     cfg = make_config(tmp_path, **{"train.steps": 2, "metrics.log_every": 1})
-    Trainer(cfg).run()
+    trainer = Trainer(cfg)
+    trainer.run()
+    if trainer.device.type == "cpu":
+        assert trainer.peak == FAKE_PEAK_FLOPS  # the (fake) calibrated peak of this CPU
     records = jsonl(tmp_path / "run")
     assert [r["step"] for r in records] == [1, 2]
     for rec in records:
@@ -472,13 +476,14 @@ def test_metrics_file_and_plot(tmp_path, make_config, capsys):
         assert tokens_per_s > 0
         # A step is global_batch 4 x seq_len 32 = 128 tokens.
         assert tokens_per_s == pytest.approx(4 * 32 / rec["time/step_s"], rel=1e-9)
-        # MFU is measured against the (fake) calibrated peak of this CPU, one process. Model FLOPs
+        # MFU is measured against the peak the trainer divides by, one process: on the CPU its
+        # (fake) calibrated one, on an accelerator its published dense peak. Model FLOPs
         # per token of `tiny` (dim 64, 2 layers, 4 heads of 16, 2 KV heads, FFN 160, vocab 320,
         # untied) at seq_len 32, 6N + 12 L H Q T, by hand: per layer 64 x (64 + 32 + 32 + 64) +
         # 3 x 64 x 160 + 2 x 64 = 43,136, so N = 2 x 43,136 + 64 (final norm) + 320 x 64 (head) =
         # 106,816 (the input embedding is a lookup); 6 x 106,816 + 12 x 2 x 4 x 16 x 32 = 690,048.
         assert rec["flops/achieved_TFLOPs"] == pytest.approx(690_048 * tokens_per_s / 1e12, rel=1e-9)
-        assert rec["mfu_pct"] == pytest.approx(100 * 690_048 * tokens_per_s / (FAKE_PEAK_FLOPS * 1), rel=1e-9)
+        assert rec["mfu_pct"] == pytest.approx(100 * 690_048 * tokens_per_s / (trainer.peak * 1), rel=1e-9)
     out = tmp_path / "curves.png"
     assert main(["plot", str(tmp_path / "run"), "--out", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -176,7 +176,7 @@ class Suite:
 
     def part_tests(self) -> None:
         r = self.run("tests", [sys.executable, "-m", "pytest", "-m", "not dist", "-q", "-p", "no:cacheprovider",
-                               "-x" if self.rehearsal else "-rf"], 60 if self.rehearsal else 200)
+                               "-x" if self.rehearsal else "-rf"], 180 if self.rehearsal else 200)
         tail = (self.out / "tests.log").read_text().strip().splitlines()[-1:] or [""]
         self.write("tests", {**r, "summary": tail[0]})
 
