@@ -4,8 +4,11 @@ blocks its mask hides, in one process, and the arithmetic ring attention is made
 
 A block is one call of the device's fused attention kernel on some rows of the queries and some
 rows of the keys, full or causal; the kernel also returns each query's log-sum-exp of scores
-(on CPU `aten._scaled_dot_product_flash_attention_for_cpu`; elsewhere the same arithmetic written
-out, until the GPU kernels are wired in). Outputs of the same queries over disjoint key blocks
+(on CPU `aten._scaled_dot_product_flash_attention_for_cpu`; on CUDA FlashAttention-2's kernel,
+`aten._scaled_dot_product_flash_attention`, for 16-bit blocks of heads up to 256 wide, else the
+memory-efficient kernel, `aten._scaled_dot_product_efficient_attention`; elsewhere the same
+arithmetic written out). No block writes its score matrix out, so ring attention's memory is the
+planner's on every device that has a kernel. Outputs of the same queries over disjoint key blocks
 merge exactly, in fp32 (the online softmax of Milakov & Gimelshein 2018, as FlashAttention, Dao et
 al. 2022, and Ring Attention, Liu et al. 2023, use it):
 
@@ -73,21 +76,47 @@ def _math_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
+def _cuda_kernel(q: torch.Tensor) -> str:
+    """Which of CUDA's fused kernels takes a block: 'flash' (16-bit, heads up to 256 wide) or
+    'efficient' (fp32 too)."""
+    return "flash" if q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] <= 256 else "efficient"
+
+
 def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(output in q's dtype, fp32 log-sum-exp per query) of one block; k and v have q's heads."""
+    aten = torch.ops.aten
     if q.device.type == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
         return out, lse
+    if q.device.type == "cuda" and _cuda_kernel(q) == "flash":
+        out, lse = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
+        return out, lse
+    if q.device.type == "cuda":  # its log-sum-exp may be padded past the queries (to 32 rows)
+        out, lse = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)[:2]
+        return out, lse[..., : q.shape[-2]]
     return _math_forward(q, k, v, causal, scale)
 
 
 def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                    lse: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, ...]:
     """(dq, dk, dv) of one block, given the merged `out` and `lse` of its queries."""
+    aten = torch.ops.aten
     if q.device.type == "cpu":
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, causal, scale=scale)
+    if q.device.type == "cuda":
+        dout, out = dout.contiguous().to(q.dtype), out.to(q.dtype)
+        seed = offset = torch.empty((), dtype=torch.int64, device=q.device)  # no dropout: never read
+        if _cuda_kernel(q) == "flash":
+            s_q, s_k = q.shape[-2], k.shape[-2]
+            return aten._scaled_dot_product_flash_attention_backward(
+                dout, q, k, v, out, lse.contiguous(), None, None, s_q, s_k, 0.0, causal, seed, offset, scale=scale)
+        pad = -q.shape[-2] % 32  # the kernel reads its log-sum-exp padded to 32 rows, as it wrote it
+        dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
+            dout, q, k, v, None, out, torch.nn.functional.pad(lse, (0, pad)).contiguous(), seed, offset, 0.0, [True, True, True, False], causal,
+            scale=scale)
+        return dq, dk, dv
     return _math_backward(dout, q, k, v, out, lse, causal, scale)
 
 
