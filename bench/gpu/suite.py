@@ -16,6 +16,7 @@ itself; a part that would not fit in what is left of --budget-s is skipped and s
   tests    the single-process tests (pytest -m 'not dist') with the device selected
   compiled the speed rows again with torch.compile on
   check    `gridtrain plan --check` on each gridtrain speed run
+  profile  where gridtrain's 1B eager step spends its device time, by op and kind (profile_step.py)
 
 Everything lands in DIR: <part>.json, one log per process, the gridtrain run directories. The
 summary (summarize.py) turns DIR into the README's GPU table.
@@ -180,6 +181,20 @@ class Suite:
         tail = (self.out / "tests.log").read_text().strip().splitlines()[-1:] or [""]
         self.write("tests", {**r, "summary": tail[0]})
 
+    def part_profile(self) -> None:
+        """Where gridtrain's 1B eager step spends its time (profile_step.py), beside the speed rows."""
+        s, name = self.shapes["1b"], "profile-gridtrain-1b-eager"
+        over = {"run_dir": self.out / name, "model.preset": "small", "model.dim": s["dim"],
+                "model.n_layers": s["n_layers"], "model.n_heads": s["n_heads"], "model.n_kv_heads": s["n_kv_heads"],
+                "model.ffn_dim": s["ffn_dim"], "model.vocab_size": s["vocab"], "model.max_seq_len": s["seq"],
+                "model.tie_embeddings": "true", "data.seq_len": s["seq"], "data.cache_dir": self.out / "cache",
+                "train.steps": 100, "train.global_batch": 1, "train.micro_batch": 1, "train.precision": "bf16",
+                "train.recompute": s["ac"], "train.val_every": 0, "checkpoint.interval": 0,
+                "checkpoint.final": "false", "metrics.account_every": 0}
+        cmd = [sys.executable, str(Path(__file__).with_name("profile_step.py")), "--out", str(self.out / f"{name}.json")]
+        r = self.run(name, cmd + [a for k, v in over.items() for a in (f"--{k}", str(v))], 180)
+        self.write("profile", {**r, **(_load(self.out / f"{name}.json") or {})})
+
     def part_check(self) -> None:
         rows = []
         for run_dir in sorted(p for p in self.out.glob("speed-gridtrain-*") if p.is_dir()):
@@ -188,7 +203,7 @@ class Suite:
         self.write("check", rows)
 
 
-PARTS = ("env", "speed", "parity", "fp16", "tests", "compiled", "check")
+PARTS = ("env", "speed", "parity", "fp16", "tests", "compiled", "check", "profile")
 
 
 def _load(path: Path) -> dict | None:
