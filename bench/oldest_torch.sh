@@ -13,7 +13,7 @@ TORCH=2.11.0
 grep -v '^torch==' constraints.txt > "$VENV/constraints-no-torch.txt"
 PIP_CONSTRAINT= "$VENV/bin/pip" install -q "torch==$TORCH"
 PIP_CONSTRAINT= "$VENV/bin/pip" install -q -c "$VENV/constraints-no-torch.txt" numpy tokenizers tensorboard \
-    matplotlib tqdm safetensors pytest transformers
+    matplotlib tqdm safetensors pytest transformers torchao
 "$VENV/bin/pip" install -q --no-deps -e .
 "$VENV/bin/python" -c "import torch; print('torch', torch.__version__)"
 "$VENV/bin/python" -m pytest -q -m "not dist" -p no:cacheprovider

@@ -14,7 +14,7 @@ from pathlib import Path
 from gridtrain.errors import UserError
 from gridtrain.layout.schedules import DEFAULT_SCHEDULE, RuntimeScheduleName
 from gridtrain.model.args import ModelArgs, model_args
-from gridtrain.names import LRSchedule, OnSaveError, Precision, Recompute
+from gridtrain.names import Float8, LRSchedule, OnSaveError, Precision, Recompute
 
 
 class ConfigError(UserError, ValueError):
@@ -104,6 +104,10 @@ class TrainConfig:
     """Clip the global gradient norm to this; 0 turns clipping off (the norm is still reported)."""
     precision: Precision = "fp32"
     """'fp32', 'bf16' (autocast, fp32 master weights) or 'fp16' (autocast + dynamic loss scaling)."""
+    float8: Float8 = "none"
+    """FP8 matmuls in the blocks' linear layers beside bf16 (torchao's float8 training; needs
+    train.precision = 'bf16' and `pip install gridtrain[fp8]`): 'none', 'tensorwise' (a scale per
+    tensor; FSDP gathers weights in float8) or 'rowwise' (a scale per row). Emulated on CPU."""
     loss_scale_init: float = 65536.0
     """fp16: initial loss scale."""
     loss_scale_growth_interval: int = 2000

@@ -11,6 +11,11 @@ Precision = Literal["fp32", "bf16", "fp16"]
 """fp32; bf16 (autocast, fp32 master weights); fp16 (autocast and dynamic loss scaling)."""
 PRECISIONS: tuple[str, ...] = get_args(Precision)
 
+Float8 = Literal["none", "tensorwise", "rowwise"]
+"""FP8 training of the block linears beside bf16 (torchao's float8 training): none; tensorwise (one
+scale per tensor, FSDP gathers weights in float8); rowwise (one scale per row)."""
+FLOAT8: tuple[str, ...] = get_args(Float8)
+
 Recompute = Literal["none", "selective", "full"]
 """Activation recomputation gridtrain runs: none; selective (keeps matmul and attention outputs,
 recomputes norms, RoPE and SwiGLU's elementwise ops in backward); full (whole blocks)."""

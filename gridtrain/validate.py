@@ -5,6 +5,7 @@ Each problem names the key, the numbers and the fix; all problems are reported t
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 from pathlib import Path
@@ -15,7 +16,7 @@ from gridtrain.inputs import read_json
 from gridtrain.layout.dims import ParallelDims, stage_layer_counts
 from gridtrain.layout.schedules import RUNTIME_SCHEDULES, SCHEDULES
 from gridtrain.model.args import PRESETS, ModelArgs
-from gridtrain.names import LR_SCHEDULES, ON_SAVE_ERROR, PRECISIONS, RECOMPUTE
+from gridtrain.names import FLOAT8, LR_SCHEDULES, ON_SAVE_ERROR, PRECISIONS, RECOMPUTE
 
 
 def _choice(key: str, value: str, options: tuple[str, ...]) -> list[str]:
@@ -288,6 +289,49 @@ def _check_cp(cfg: Config, dims: ParallelDims) -> list[str]:
     return problems
 
 
+FLOAT8_DIM_MULTIPLE = 16
+"""torch._scaled_mm's alignment, which torchao's float8 linears need: every dimension a multiple of 16
+(gridtrain.parallel.float8 holds the same number; this module imports no torch)."""
+
+
+def _check_float8(cfg: Config, dims: ParallelDims) -> list[str]:
+    """FP8 (train.float8) where torchao can apply it, in a layout compared with one process."""
+    t, recipe = cfg.train, cfg.train.float8
+    if recipe == "none" or _choice("train.float8", recipe, FLOAT8):
+        return _choice("train.float8", recipe, FLOAT8)
+    problems = []
+    if t.precision != "bf16":
+        problems.append(f"train.float8 = '{recipe}' runs the block linears in float8 beside bf16 autocast, "
+                        f"not beside train.precision = '{t.precision}': set train.precision = 'bf16'")
+    if importlib.util.find_spec("torchao") is None:
+        problems.append(f"train.float8 = '{recipe}' needs torchao (its float8 training), which is not "
+                        "installed: pip install 'gridtrain[fp8]', or set train.float8 = 'none'")
+    if dims.pp > 1 or dims.cp > 1 or (cfg.parallel.zero_stage == 1 and dims.dp > 1):
+        problems.append(f"train.float8 = '{recipe}' is compared with one process under FSDP, DDP and tensor "
+                        f"parallelism only, not with parallel.pp ({dims.pp}), parallel.cp ({dims.cp}) or "
+                        f"zero_stage 1: set those to 1 (zero_stage to 0, 2 or 3), or train.float8 = 'none'")
+    if t.compile:
+        problems.append(f"train.float8 = '{recipe}' beside train.compile = true has not been compared with one "
+                        "process (torchao's emulated float8 is not compiled here): set train.compile = false, "
+                        "or train.float8 = 'none'")
+    if cfg.model.preset in PRESETS and not model_problems(cfg.model.args()):
+        problems += _float8_shape_problems(cfg.model.args(), dims.tp)
+    return problems
+
+
+def _float8_shape_problems(args: ModelArgs, tp: int) -> list[str]:
+    """Each block linear's dimensions, per tensor-parallel rank, must be multiples of 16."""
+    m, problems = FLOAT8_DIM_MULTIPLE, []
+    for key, width in (("dim", args.dim), ("n_kv_heads x head_dim", args.n_kv_heads * args.head_dim),
+                       ("ffn_dim", args.hidden_dim)):
+        if (width // tp) % m:
+            per_rank = f" / parallel.tp ({tp}) = {width // tp}" if tp > 1 else ""
+            problems.append(f"train.float8 multiplies in float8, which needs every dimension of the block "
+                            f"linears a multiple of {m}, and model.{key} = {width}{per_rank} is not: make it "
+                            f"a multiple of {m * tp}, or set train.float8 = 'none'")
+    return problems
+
+
 def _check_resilience(cfg: Config, dims: ParallelDims) -> list[str]:
     """Checkpoint cadence and policy, guards, timeouts and fault injection."""
     c, t, f = cfg.checkpoint, cfg.train, cfg.fault
@@ -323,7 +367,7 @@ def validate(cfg: Config, world: int | None = None) -> ParallelDims:
     dims = parallel_dims(cfg, world)
     problems = _check_model(cfg) + _check_parallel(cfg, dims)
     problems += _check_batch(cfg, max(dims.dp, 1)) + _check_train(cfg) + _check_data(cfg)
-    problems += _check_resilience(cfg, dims)
+    problems += _check_resilience(cfg, dims) + _check_float8(cfg, dims)
     problems += _at_least("metrics.log_every", cfg.metrics.log_every, 1)
     if not str(cfg.run_dir).strip():
         problems.append("run_dir is empty (it would write into the current directory): give --run_dir DIR")

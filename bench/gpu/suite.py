@@ -16,6 +16,7 @@ itself; a part that would not fit in what is left of --budget-s is skipped and s
   tests    the single-process tests (pytest -m 'not dist') with the device selected
   compiled the speed rows again with torch.compile on
   check    `gridtrain plan --check` on each gridtrain speed run
+  fp8      gridtrain's FP8 rows (train.float8 tensorwise and rowwise, eager) on both shapes
   profile  where gridtrain's 1B eager step spends its device time, by op and kind (profile_step.py)
 
 Everything lands in DIR: <part>.json, one log per process, the gridtrain run directories. The
@@ -113,7 +114,7 @@ class Suite:
                              **run(name, s, compiled)})
         return rows
 
-    def gridtrain_speed(self, name: str, s: dict, compiled: bool) -> dict:
+    def gridtrain_speed(self, name: str, s: dict, compiled: bool, float8: str = "none") -> dict:
         run_dir = self.out / name
         over = {"run_dir": run_dir, "model.preset": "small", "model.dim": s["dim"], "model.n_layers": s["n_layers"],
                 "model.n_heads": s["n_heads"], "model.n_kv_heads": s["n_kv_heads"], "model.ffn_dim": s["ffn_dim"],
@@ -122,7 +123,8 @@ class Suite:
                 "train.steps": STEPS, "train.global_batch": 1, "train.micro_batch": 1, "train.precision": "bf16",
                 "train.recompute": s["ac"], "train.compile": str(compiled).lower(), "train.lr": 8e-4,
                 "train.warmup_steps": 2, "train.val_every": 0, "train.sample_tokens": 0,
-                "checkpoint.interval": 0, "checkpoint.final": "false", "metrics.log_every": 1}
+                "checkpoint.interval": 0, "checkpoint.final": "false", "metrics.log_every": 1,
+                "train.float8": float8}
         cmd = [sys.executable, "-m", "gridtrain", "train"] + [a for k, v in over.items() for a in (f"--{k}", str(v))]
         r = self.run(name, cmd, 420 if compiled else 240)
         records = [m for m in _jsonl(run_dir / "metrics.jsonl") if "time/step_s" in m and "memory/weights_bytes" not in m]
@@ -150,6 +152,20 @@ class Suite:
 
     def part_compiled(self) -> None:
         self.write("compiled", self.speed_rows(compiled=True))
+
+    def part_fp8(self) -> None:
+        """gridtrain's FP8 (torchao's float8 training, real kernels on the GPU) on both shapes,
+        eager (validate refuses float8 beside compile until a GPU run compares them)."""
+        rows = []
+        for shape, s in self.shapes.items():
+            for recipe in ("tensorwise", "rowwise"):
+                name = f"fp8-gridtrain-{shape}-{recipe}"
+                if self.left() < 60 and not self.rehearsal:
+                    rows.append({"name": name, "skipped": "budget"})
+                    continue
+                rows.append({"name": name, "side": "gridtrain", "shape": shape, "compile": False, "float8": recipe,
+                             **s, **self.gridtrain_speed(name, s, False, recipe)})
+        self.write("fp8", rows)
 
     def part_parity(self) -> None:
         legs = {}
@@ -203,7 +219,7 @@ class Suite:
         self.write("check", rows)
 
 
-PARTS = ("env", "speed", "parity", "fp16", "tests", "compiled", "check", "profile")
+PARTS = ("env", "speed", "parity", "fp16", "tests", "compiled", "check", "fp8", "profile")
 
 
 def _load(path: Path) -> dict | None:

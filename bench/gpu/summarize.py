@@ -40,7 +40,7 @@ def speed_table(outs: list[Path], env: dict) -> list[str]:
     lines = ["| shape | seq | recompute | compile | side | tokens/s | MFU (dense peak) | MFU (measured matmul) "
              "| peak allocated GiB | peak reserved GiB | vs torchtitan |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
-    rows = [r for out in outs for part in ("speed", "compiled") for r in (_load(out / f"{part}.json") or [])]
+    rows = [r for out in outs for part in ("speed", "compiled", "fp8") for r in (_load(out / f"{part}.json") or [])]
     done = {r["name"] for r in rows if "skipped" not in r}
     rows = [r for r in rows if "skipped" not in r or r["name"] not in done]  # a later folder ran it
     by_key = {(r.get("shape"), r.get("compile"), r.get("side")): r for r in rows}
@@ -55,10 +55,12 @@ def speed_table(outs: list[Path], env: dict) -> list[str]:
             continue
         achieved = flops_per_token(shape_of(r), r["seq"]) * tps
         titan = by_key.get((r["shape"], r["compile"], "torchtitan"), {}).get("tokens_per_s")
-        ratio = f"{tps / titan:.2f}x" if titan and r["side"] == "gridtrain" else ""
+        fp8 = r.get("float8", "none") != "none"
+        ratio = f"{tps / titan:.2f}x" if titan and r["side"] == "gridtrain" and not fp8 else ""
+        side = f"{r['side']} fp8 {r['float8']}" if fp8 else r["side"]
         mfu = f"{100 * achieved / peak:.1f}%" if peak else "n/a"
         mfu_m = f"{100 * achieved / measured:.1f}%" if measured else "n/a"
-        lines.append(f"| {r['shape']} | {r['seq']} | {r['ac']} | {'on' if r['compile'] else 'off'} | {r['side']} "
+        lines.append(f"| {r['shape']} | {r['seq']} | {r['ac']} | {'on' if r['compile'] else 'off'} | {side} "
                      f"| {tps:,.0f} | {mfu} | {mfu_m} | {_gib(r.get('peak_allocated_GiB', r.get('max_memory_allocated_gib')))} "
                      f"| {_gib(r.get('peak_reserved_GiB', r.get('max_memory_reserved_gib')))} | {ratio} |")
     return lines

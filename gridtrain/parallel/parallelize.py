@@ -1,7 +1,8 @@
 """The one ordered composition of everything applied to the single-device model from outside.
 
-Order (torchtitan's): pipeline split, then per stage tensor parallel, activation checkpointing,
-compile, and data parallel (FSDP/DDP) last, so FSDP shards what TP already split.
+Order (torchtitan's): pipeline split, then per stage float8 (the block linears swapped for
+torchao's, `train.float8`), tensor parallel, activation checkpointing, compile, and data parallel
+(FSDP/DDP) last, so FSDP shards what TP already split.
 """
 
 from __future__ import annotations
@@ -118,10 +119,26 @@ class ParallelModel:
         return [p for part in self.parts for p in part.parameters()]
 
 
+def _apply_float8_and_tp(part: nn.Module, cfg: Config, dims: ParallelDims | None, mesh: Mesh | None,
+                         fsdp: bool, device: torch.device) -> None:
+    """Float8's block linears (`train.float8`), then tensor parallelism: with 'tensorwise' scaling
+    through torchao's float8 styles, which gather the block input in float8."""
+    recipe, styles = cfg.train.float8, None
+    if recipe != "none":
+        from gridtrain.parallel.float8 import apply_float8, block_tp_styles
+
+        apply_float8(part, recipe, device, fsdp)
+        styles = block_tp_styles(recipe, device)
+    if dims is not None and dims.tp > 1:
+        from gridtrain.parallel.tensor_parallel import apply_tp
+
+        apply_tp(part, mesh["tp"], cfg.parallel.sequence_parallel, styles)
+
+
 def parallelize(model: Transformer, cfg: Config, dims: ParallelDims | None = None, mesh: Mesh | None = None,
                 loss_fn: LossFn | None = None, n_microbatches: int = 1,
                 device: torch.device | None = None, fake: FakeTensorMode | None = None) -> ParallelModel:
-    """Apply, in order: pipeline split, tensor parallel, activation checkpointing, compile, FSDP;
+    """Apply, in order: pipeline split, float8, tensor parallel, activation checkpointing, compile, FSDP;
     then give the model memory (each rank its own shards, initialised from cfg.train.seed) if it
     is still on the meta device; then DDP, which needs real weights to start. `cfg` is the run's
     Config; without `dims` (a world of one) only recomputation and compile apply. With `fake`
@@ -139,10 +156,7 @@ def parallelize(model: Transformer, cfg: Config, dims: ParallelDims | None = Non
 
         ddp = uses_ddp(p.zero_stage, dims.tp, dims.pp)
     for _, part in stages:
-        if dims is not None and dims.tp > 1:
-            from gridtrain.parallel.tensor_parallel import apply_tp
-
-            apply_tp(part, mesh["tp"], p.sequence_parallel)
+        _apply_float8_and_tp(part, cfg, dims, mesh, data_parallel and not ddp, device or torch.device("cpu"))
         apply_recompute(part, t.recompute)
         if t.compile:
             apply_compile(part)

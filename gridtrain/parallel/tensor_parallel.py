@@ -20,31 +20,31 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                SequenceParallel, loss_parallel, parallelize_module)
 
 
-def block_plan(sequence_parallel: bool) -> dict[str, object]:
-    """Placement of each submodule of a transformer block."""
+def block_plan(sequence_parallel: bool, styles: dict[str, type] | None = None) -> dict[str, object]:
+    """Placement of each submodule of a transformer block. `styles` replaces ColwiseParallel,
+    RowwiseParallel and PrepareModuleInput by name (FP8's, which gather in float8)."""
+    styles = styles or {}
+    col, row = styles.get("ColwiseParallel", ColwiseParallel), styles.get("RowwiseParallel", RowwiseParallel)
+    prepare = styles.get("PrepareModuleInput", PrepareModuleInput)
     if not sequence_parallel:
         # The block input enters attention (and the MLP) as one replicated DTensor, so the input
         # gradients of wq, wk and wv add up as partial sums and cross the group in one all-reduce
         # (Megatron's f), not one per projection.
         return {
-            "attention": PrepareModuleInput(input_layouts=(Replicate(), None),
-                                            desired_input_layouts=(Replicate(), None)),
-            "feed_forward": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)),
-            "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(),
-            "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(),
+            "attention": prepare(input_layouts=(Replicate(), None), desired_input_layouts=(Replicate(), None)),
+            "feed_forward": prepare(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)),
+            "attention.wq": col(), "attention.wk": col(), "attention.wv": col(), "attention.wo": row(),
+            "feed_forward.w1": col(), "feed_forward.w3": col(), "feed_forward.w2": row(),
         }
     return {
         "attention_norm": SequenceParallel(),
-        "attention": PrepareModuleInput(input_layouts=(Shard(1), None),
-                                        desired_input_layouts=(Replicate(), None)),
-        "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "attention": prepare(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+        "attention.wq": col(), "attention.wk": col(),
+        "attention.wv": col(), "attention.wo": row(output_layouts=Shard(1)),
         "ffn_norm": SequenceParallel(),
-        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-        "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        "feed_forward": prepare(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": col(), "feed_forward.w3": col(),
+        "feed_forward.w2": row(output_layouts=Shard(1)),
     }
 
 
@@ -61,20 +61,21 @@ def outer_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, object]:
     return plan
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool,
+             styles: dict[str, type] | None = None) -> None:
     """Shard the model's existing weights over `tp_mesh` in place (every rank holds the same full
     weights before, so each keeps exactly its slice of the single-process model).
 
     A tied embedding and output head stay one parameter: both plans shard the (vocab, dim) matrix
     on the vocabulary (Shard(0)), so the head takes the embedding's DTensor and both uses add into
     one gradient, as in one process. (`parallelize_module` would otherwise give each module its
-    own copy, and the two would drift apart after the first step.)"""
+    own copy, and the two would drift apart after the first step.) `styles`: `block_plan`'s."""
     tied = (model.tok_embeddings is not None and model.output is not None
             and model.output.weight is model.tok_embeddings.weight)
     parallelize_module(model, tp_mesh, outer_plan(model, sequence_parallel))
     if tied:
         model.output.weight = model.tok_embeddings.weight
-    plan = block_plan(sequence_parallel)
+    plan = block_plan(sequence_parallel, styles)
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, plan)
 

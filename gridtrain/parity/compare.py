@@ -17,6 +17,14 @@ value by at most the unit roundoff u (2^-8 for bf16, 2^-11 for fp16). The bounds
   tokens cancels (the norm weights' gradients): bound 16 u per step. And every element within
   Adam's largest possible step difference, 2 x sum_t lr_t R_t, where R_t bounds
   |m_hat / sqrt(v_hat)| at step t (Cauchy-Schwarz over the moment sums; about 1 for b1^2 < b2).
+FP8 (train.float8, beside bf16) against the bf16 run of one process: the block linears round
+both operands of every matmul to e4m3 (3 mantissa bits, unit roundoff u = 2^-4; Micikevicius et
+al. 2022, "FP8 Formats for Deep Learning", table 1) after scaling, where bf16 rounded to 2^-8: the
+same derivation with u = 2^-4 gives losses within 4 u / sqrt(N) and gradient norms within u: the
+coherent part of a gradient's change is the weights' e4m3 rounding, as bf16's was the parameters'.
+(The tensorwise recipe's backward rounds output gradients to e5m2, up to 2^-3 each, but
+independently element by element, so a norm over thousands of them moves far less.)
+
 Adam's update is nearly blind to a gradient's scale (m / sqrt(v)), which would hide a wrongly
 scaled or unclipped gradient in the weights; the matrix therefore runs with an epsilon near the
 gradients' RMS (matrix.ADAM_EPS), where it is not. The README ("Parity") gives the largest
@@ -33,7 +41,8 @@ import torch
 
 from gridtrain.parity.run import Result
 
-UNIT_ROUNDOFF = {"fp32": 2.0 ** -24, "bf16": 2.0 ** -8, "fp16": 2.0 ** -11}
+UNIT_ROUNDOFF = {"fp32": 2.0 ** -24, "bf16": 2.0 ** -8, "fp16": 2.0 ** -11, "fp8": 2.0 ** -4}
+"""Half the distance from 1 to the next number: 2^-(mantissa bits + 1); 'fp8' is e4m3."""
 FP32_TOL = 1e-5
 
 

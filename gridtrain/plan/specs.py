@@ -40,6 +40,9 @@ class AcceleratorSpec:
     """Board power (TDP), W; 0 when the vendor does not publish it."""
     link_gb_per_s: float
     """Scale-up link (NVLink, TPU ICI) per device as the vendor quotes it: both directions, GB/s."""
+    fp8_tflops: float = 0.0
+    """Dense FP8 tensor-core peak, TFLOP/s; 0 where the device has no FP8 matmul (FP8 training
+    then runs its matmuls at the 16-bit peak)."""
 
     @property
     def peak_flops(self) -> float:
@@ -65,16 +68,17 @@ ACCELERATORS: dict[str, AcceleratorSpec] = {
         AcceleratorSpec("V100", 125, 32, 900, 300, 300),
         AcceleratorSpec("A100-40GB", 312, 40, 1555, 400, 600),
         AcceleratorSpec("A100-80GB", 312, 80, 2039, 400, 600),
-        AcceleratorSpec("H100-SXM", 989, 80, 3352, 700, 900),
-        AcceleratorSpec("H100-PCIe", 756, 80, 2000, 350, 600),
+        # FP8, dense (the data sheets' "3,958 / 3,026 TFLOPS" are with sparsity): twice the bf16 peak.
+        AcceleratorSpec("H100-SXM", 989, 80, 3352, 700, 900, 1979),
+        AcceleratorSpec("H100-PCIe", 756, 80, 2000, 350, 600, 1513),
         # torchtitan's benchmark H100s (Grand Teton, llama3_h100_202412_torchtitan.md): 96 GB of
         # HBM2e at 2.4 TB/s, run at a 500 W limit. Its peak lies between the SXM's and the NVL's,
         # and is not published: torchtitan divides by the SXM's 989, and so does this entry.
-        AcceleratorSpec("H100-96GB", 989, 96, 2400, 500, 900),
-        AcceleratorSpec("H200", 989, 141, 4800, 700, 900),
-        AcceleratorSpec("B200", 2250, 192, 8000, 1000, 1800),
+        AcceleratorSpec("H100-96GB", 989, 96, 2400, 500, 900, 1979),
+        AcceleratorSpec("H200", 989, 141, 4800, 700, 900, 1979),
+        AcceleratorSpec("B200", 2250, 192, 8000, 1000, 1800, 4500),
         # No NVLink: PCIe Gen4 x16, 64 GB/s both directions. The A10G (AWS) has no published power.
-        AcceleratorSpec("L40S", 362, 48, 864, 350, 64),
+        AcceleratorSpec("L40S", 362, 48, 864, 350, 64, 733),
         AcceleratorSpec("A10G", 70, 24, 600, 0, 64),
         # Google does not publish a per-chip power for v5p; ICI is 4,800 Gb/s = 600 GB/s.
         AcceleratorSpec("TPU-v5p", 459, 95, 2765, 0, 600),
@@ -209,10 +213,11 @@ def _check_keys(kind: str, name: str, table: dict[str, Any], allowed: list[str])
 
 
 def accelerator_from_table(name: str, table: dict[str, Any]) -> AcceleratorSpec:
-    """An AcceleratorSpec from a TOML table whose keys are the field names (power_w defaults to 0)."""
+    """An AcceleratorSpec from a TOML table whose keys are the field names (power_w and fp8_tflops
+    default to 0)."""
     allowed = [f.name for f in fields(AcceleratorSpec) if f.name != "name"]
     _check_keys("accelerator", name, table, allowed)
-    values = {"power_w": 0.0, **table}
+    values = {"power_w": 0.0, "fp8_tflops": 0.0, **table}
     missing = [k for k in allowed if k not in values]
     if missing:
         raise SpecError(f"[accelerator.{name}] lacks {', '.join(missing)}")

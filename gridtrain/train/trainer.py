@@ -29,6 +29,7 @@ from gridtrain.model.stats import build_meta, count_parameters, flops_per_token
 from gridtrain.parallel.accounting import CollectiveLog
 from gridtrain.parallel.parallelize import ParallelModel, parallelize
 from gridtrain.parallel.data_parallel import set_gradient_sync
+from gridtrain.parallel.float8 import precompute_scales
 from gridtrain.parallel.grads import clip_grad_norm, settle_partial_grads
 from gridtrain.parallel.mesh import build_mesh, group
 from gridtrain.parallel.tensor_parallel import loss_context
@@ -256,6 +257,8 @@ class Trainer:
         # fp16's scaler skips overflowing steps itself (and lowers the scale): the guard sees the loss.
         if self.guard.admit(self.step + 1, loss_value, 0.0 if t.precision == "fp16" else grad_norm):
             stepped = self.precision.step(self.optimizers)
+            if stepped and t.float8 == "tensorwise" and self.world.distributed:
+                precompute_scales(self.pmodel.parts)  # for FSDP's float8 all-gather: parallel/float8.py
         else:
             stepped = False
             self.precision.skip()
