@@ -1,53 +1,90 @@
-"""The planner's FP8 arithmetic (gridtrain/plan/float8.py) against numbers derived by hand."""
+"""The planner's FP8 (plan --float8; gridtrain/plan/float8.py, steptime, memory, comm) against
+numbers derived by hand for Llama 3 8B on H100s."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
 import pytest
 
 from gridtrain.model.args import model_args
-from gridtrain.plan.float8 import block_linear_params, float8_step
-from gridtrain.plan.specs import accelerator, accelerator_from_table
+from gridtrain.plan.comm import bytes_per_step
+from gridtrain.plan.float8 import block_linear_params, gathered_bytes, matmul_peak, scale_bytes
+from gridtrain.plan.layout import Layout
+from gridtrain.plan.memory import buffer_bytes, rank_memory
+from gridtrain.plan.shape import from_args
+from gridtrain.plan.specs import accelerator, accelerator_from_table, cluster
+from gridtrain.plan.state import StateBytes
+from gridtrain.plan.steptime import IMPLEMENTATIONS, layer_cost
 
-ARGS = model_args("llama3-8b")
-TOKENS = 8192
+SHAPE = from_args(model_args("llama3-8b"))
+LINEAR = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336  # q, o; k, v (8 x 128); w1, w2, w3
+STATE = StateBytes.gridtrain("bf16")
 
 
 def test_block_linears_of_llama3_8b():
-    # q, o: 4096 x 4096; k, v: 4096 x (8 x 128); w1, w2, w3: 4096 x 14336.
-    per_block = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336
-    assert per_block == 218_103_808 == block_linear_params(ARGS)
+    assert LINEAR == 218_103_808 == block_linear_params(SHAPE)
 
 
-def test_the_block_linears_run_at_twice_the_peak_on_an_h100():
-    linear_flops = 6 * 32 * 218_103_808 * TOKENS  # 3.4305e14
+def test_the_block_linears_run_at_the_fp8_peak_and_attention_stays_at_16_bits():
+    """One layer, one micro-batch of 8,192 tokens, no recomputation: the linears' 6 x 218,103,808
+    FLOPs a token at 1,979 TFLOP/s instead of 989 (x the eager share), the attention core's
+    12 x 4096 x 8192 at 989 either way; nothing else in the layer changes."""
     h100 = accelerator("h100")
-    assert h100.fp8_tflops == 1979 and h100.peak_flops == 989e12
-    fp8 = float8_step(ARGS, h100, "tensorwise", fsdp=True, tokens=TOKENS, other_flops_per_token=0.0)
-    bf16 = float8_step(ARGS, h100, "none", fsdp=True, tokens=TOKENS, other_flops_per_token=0.0)
-    assert fp8.matmul_s == pytest.approx(linear_flops / 1979e12) == pytest.approx(0.173344, rel=1e-5)
-    assert bf16.matmul_s == pytest.approx(linear_flops / 989e12) == pytest.approx(0.346863, rel=1e-5)
-    # The attention core and the head stay at the 16-bit peak: 1e9 FLOPs a token more cost 8192e9 / 989e12 s.
-    more = float8_step(ARGS, h100, "rowwise", fsdp=True, tokens=TOKENS, other_flops_per_token=1e9)
-    assert more.matmul_s - fp8.matmul_s == pytest.approx(8192e9 / 989e12)
+    assert h100.fp8_tflops == 1979 and matmul_peak(h100, "tensorwise") == 1979e12
+    assert matmul_peak(h100, "none") == 989e12 == matmul_peak(accelerator("a100"), "rowwise") * 989 / 312
+    node, eff = cluster("dgx-h100"), IMPLEMENTATIONS["eager"]
+    bf16, fp8 = (layer_cost(SHAPE, node, eff, 8192, 1, 1, 1, False, "none", True, 2, f) for f in ("none", "rowwise"))
+    linear = (6 * LINEAR + 6 * 2 * 4096) * 8192  # the block's two norm gains ride with the linears
+    assert bf16.matmul_s - fp8.matmul_s == pytest.approx(linear / (989e12 * eff.matmul) - linear / (1979e12 * eff.matmul))
+    assert (bf16.memory_bound_s, bf16.overhead_s) == (fp8.memory_bound_s, fp8.overhead_s)
 
 
 def test_no_speedup_without_an_fp8_matmul():
-    a100 = accelerator("a100")
-    assert a100.fp8_tflops == 0
-    fp8 = float8_step(ARGS, a100, "tensorwise", fsdp=False, tokens=TOKENS, other_flops_per_token=0.0)
-    assert fp8.matmul_s == pytest.approx(6 * 32 * 218_103_808 * TOKENS / 312e12)
+    node, eff = cluster("selene-a100"), IMPLEMENTATIONS["eager"]
+    assert node.accelerator.fp8_tflops == 0
+    costs = [layer_cost(SHAPE, node, eff, 8192, 1, 1, 1, False, "none", True, 2, f) for f in ("none", "tensorwise")]
+    assert costs[0] == costs[1]
 
 
-@pytest.mark.parametrize("recipe, fsdp, gathered, scales", [
-    ("tensorwise", True, 1.0, 4 * 7 * 32),  # FSDP's float8 all-gather; one fp32 scale per weight
-    ("tensorwise", False, 2.0, 0), ("rowwise", True, 2.0, 0), ("none", True, 2.0, 0),
-])
-def test_fsdp_gathers_one_byte_a_parameter_with_tensorwise(recipe, fsdp, gathered, scales):
-    step = float8_step(ARGS, accelerator("h100"), recipe, fsdp, TOKENS, 0.0)
-    assert step.gather_bytes_per_param == gathered and step.scale_bytes == scales
+def test_fsdp_gathers_the_block_linears_at_one_byte_with_tensorwise():
+    """FSDP 8 of the whole model (32 layers, 8.03B parameters): the linears' 32 x 218,103,808 at
+    1 byte, the rest (embedding, head, norms) at bf16's 2; rowwise and DDP gather nothing in float8."""
+    params = 8_030_261_248
+    linear = 32 * LINEAR
+    assert gathered_bytes(SHAPE, params, 32, 1, 2.0, "tensorwise", 3, 8) == linear + 2 * (params - linear)
+    for recipe, stage, shards in (("rowwise", 3, 8), ("tensorwise", 0, 8), ("tensorwise", 3, 1)):
+        assert gathered_bytes(SHAPE, params, 32, 1, 2.0, recipe, stage, shards) == 2 * params
+    assert scale_bytes(32, "tensorwise", 3, 8) == 4 * 7 * 32 and scale_bytes(32, "rowwise", 3, 8) == 0
+    fsdp = Layout(dp_shard=8, zero_stage=3, seq_len=8192, num_microbatches=1)
+    comm = [bytes_per_step(SHAPE, dataclasses.replace(fsdp, float8=f), 0, STATE)["dp_shard"] for f in ("none", "tensorwise")]
+    # ZeRO-3 gathers twice a micro-batch (forward and backward): each gather 1 byte a linear parameter less.
+    assert comm[0] - comm[1] == pytest.approx(2 * 7 / 8 * linear, rel=1e-9)
+
+
+def test_fsdp_float8_holds_its_gathered_blocks_in_one_byte_and_counts_the_scales():
+    fsdp = Layout(dp_shard=8, zero_stage=3, seq_len=8192, num_microbatches=1, recompute="selective")
+    plain, fp8 = (dataclasses.replace(fsdp, float8=f) for f in ("none", "tensorwise"))
+    block = LINEAR  # tp 1: the gathered block and the one prefetched, 2 bytes a parameter in bf16
+    assert buffer_bytes(SHAPE, plain, STATE) - buffer_bytes(SHAPE, fp8, STATE) == 2 * block * (2 - 1)
+    mem = [rank_memory(SHAPE, layout, STATE, 2, ranks=(0,))[0] for layout in (plain, fp8)]
+    assert mem[0].buffers - mem[1].buffers == 2 * block - 4 * 7 * 32
+
+
+def test_plan_float8_prints_what_it_prices_and_refuses_it_beside_fp32():
+    run = lambda *a: subprocess.run([sys.executable, "-m", "gridtrain", "plan", "--model", "llama3-8b", "--gpu", "h100",  # noqa: E731
+                                     "--num-gpus", "8", "--seq-len", "8192", "--global-batch", "16", "--top", "1", *a],
+                                    capture_output=True, text=True, timeout=120)
+    out = run("--float8", "tensorwise")
+    assert out.returncode == 0, out.stderr
+    assert "FP8 peak (1,979 TFLOP/s" in out.stdout and "--train.float8 tensorwise" in out.stdout
+    bf16 = run()
+    step = lambda text: float(next(l for l in text.splitlines() if l.startswith(" 1 ")).split()[-3])  # noqa: E731
+    assert step(out.stdout) < step(bf16.stdout)
+    refused = run("--float8", "rowwise", "--precision", "fp32")
+    assert refused.returncode == 2 and "give --precision bf16" in refused.stderr
 
 
 def test_a_hardware_file_may_leave_fp8_out():

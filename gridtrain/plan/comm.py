@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from gridtrain.plan.float8 import gathered_bytes
 from gridtrain.plan.layout import Layout
 from gridtrain.plan.memory import kv_heads_per_rank, rank_layers, rank_params
 from gridtrain.plan.shape import ModelShape
@@ -260,8 +261,10 @@ def bytes_per_step(shape: ModelShape, layout: Layout, rank: int = 0, state: Stat
     all-reduces per layer per micro-batch); 'pp' (activation sends); 'cp' (KV blocks). Axes of degree 1
     are left out."""
     params = rank_params(shape, layout, rank, rank_layers(shape, layout)[rank])
-    weights, grads = params * state.compute, params * state.gradients
     layers, m = rank_layers(shape, layout)[rank], layout.num_microbatches
+    weights = gathered_bytes(shape, params, layers, layout.tp, state.compute, layout.float8, layout.zero_stage,
+                             layout.zero_shard_degree)
+    grads = params * state.gradients
     tokens = layout.tokens_per_microbatch
     full = layout.recompute == "full"
     out: dict[str, float] = {}

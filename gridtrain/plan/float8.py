@@ -9,14 +9,14 @@ block linear's weight is gathered in float8, 1 byte a parameter instead of bf16'
 one fp32 scale (precomputed after the optimizer step); 'rowwise' gathers in bf16 and scales each
 row of its casts, which live only inside the matmul. Sources: Micikevicius et al. 2022, "FP8
 Formats for Deep Learning" (e4m3 forward, e5m2 gradients); the NVIDIA H100 data sheet (FP8 dense
-1,979 TFLOP/s, twice bf16's 989). Imports no torch.
+1,979 TFLOP/s, twice bf16's 989). steptime.layer_cost prices the linears at `matmul_peak`,
+steptime and comm count FSDP's gathers with `gathered_bytes`, memory the gathered block and the
+scales; the casts' own memory-bound passes are not modelled yet. Imports no torch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from gridtrain.model.args import ModelArgs
+from gridtrain.plan.shape import ModelShape
 from gridtrain.plan.specs import AcceleratorSpec
 
 LINEARS_PER_BLOCK = 7
@@ -25,33 +25,35 @@ SCALE_BYTES = 4
 """One fp32 scale."""
 
 
-def block_linear_params(args: ModelArgs) -> int:
-    """Parameters of one block's linears: attention's q and o (dim x dim each), k and v
-    (dim x n_kv_heads x head_dim each), the MLP's three (dim x hidden)."""
-    kv = args.n_kv_heads * args.head_dim
-    return 2 * args.dim * args.dim + 2 * args.dim * kv + 3 * args.dim * args.hidden_dim
+def matmul_peak(acc: AcceleratorSpec, recipe: str) -> float:
+    """The peak the block linears run at: the device's dense FP8 peak under FP8 where it has one,
+    else its 16-bit peak."""
+    return acc.fp8_tflops * 1e12 if recipe != "none" and acc.fp8_tflops > 0 else acc.peak_flops
 
 
-@dataclass(frozen=True)
-class Float8Step:
-    """FP8's share of a step: matmul seconds at the peaks, bytes gathered per parameter, scales held."""
-
-    matmul_s: float
-    """Seconds of the step's FLOPs: the block linears' at the FP8 peak (16-bit without one), the rest at 16-bit."""
-    gather_bytes_per_param: float
-    """Bytes FSDP's all-gather moves per block-linear parameter: 1 (tensorwise), else 2."""
-    scale_bytes: int
-    """Bytes of the weights' precomputed scales a rank holds (tensorwise under FSDP)."""
+def gathers_float8(recipe: str, zero_stage: int, shards: int) -> bool:
+    """Whether FSDP gathers the block linears' weights in float8: 'tensorwise' where FSDP shards
+    them (ZeRO 2 and 3 over more than one rank), as gridtrain.parallel.float8 configures torchao."""
+    return recipe == "tensorwise" and zero_stage in (2, 3) and shards > 1
 
 
-def float8_step(args: ModelArgs, acc: AcceleratorSpec, recipe: str, fsdp: bool, tokens: int,
-                other_flops_per_token: float, efficiency: float = 1.0) -> Float8Step:
-    """FP8's step for `tokens` tokens on one rank of a whole model (no model parallelism): the block
-    linears' 6 x params FLOPs per token at the FP8 peak, `other_flops_per_token` at the 16-bit
-    peak, both at `efficiency` of their peak."""
-    linear_flops = 6 * args.n_layers * block_linear_params(args) * tokens
-    fp8_peak = acc.fp8_tflops * 1e12 if recipe != "none" and acc.fp8_tflops > 0 else acc.peak_flops
-    matmul_s = (linear_flops / fp8_peak + other_flops_per_token * tokens / acc.peak_flops) / efficiency
-    gathered = 1.0 if recipe == "tensorwise" and fsdp else 2.0
-    scales = SCALE_BYTES * LINEARS_PER_BLOCK * args.n_layers if recipe == "tensorwise" and fsdp else 0
-    return Float8Step(matmul_s, gathered, scales)
+def block_linear_params(shape: ModelShape) -> int:
+    """One llama block's linear parameters: attention's q and o (h x h each), k and v (h x kv_heads
+    x head_dim each), the MLP's three (h x ffn)."""
+    kv = shape.num_kv_heads * shape.head_dim
+    return 2 * shape.hidden * shape.hidden + 2 * shape.hidden * kv + 3 * shape.hidden * shape.ffn
+
+
+def gathered_bytes(shape: ModelShape, params: float, layers: int, tp: int, compute_bytes: float, recipe: str,
+                   zero_stage: int, shards: int) -> float:
+    """Bytes FSDP gathers for a rank's `params` parameters of `layers` blocks: the block linears'
+    at 1 byte each where they are gathered in float8, everything else at `compute_bytes`."""
+    if not gathers_float8(recipe, zero_stage, shards):
+        return params * compute_bytes
+    linear = min(params, layers * block_linear_params(shape) / tp)
+    return linear + (params - linear) * compute_bytes
+
+
+def scale_bytes(layers: int, recipe: str, zero_stage: int, shards: int) -> int:
+    """The precomputed fp32 scales of a rank's block-linear weights under FSDP's float8 all-gather."""
+    return SCALE_BYTES * LINEARS_PER_BLOCK * layers if gathers_float8(recipe, zero_stage, shards) else 0

@@ -48,6 +48,8 @@ class Layout:
     """Fused attention that keeps no s x s scores (FlashAttention, SDPA)."""
     fewer_edge_layers: int = 0
     """Layers fewer on the first and last stage, which also hold embedding and head."""
+    float8: str = "none"
+    """FP8 training of the block linears (gridtrain.names.Float8; plan/float8.py)."""
 
     @property
     def dp(self) -> int:

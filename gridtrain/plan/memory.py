@@ -30,6 +30,7 @@ from gridtrain.plan.activations import (block_bytes_per_token, head_bytes_per_to
                                         ring_selective_bytes_per_token)
 from gridtrain.plan.census import peak_dp_index, rank_elements
 from gridtrain.names import PLAN_RECOMPUTE, RECOMPUTE
+from gridtrain.plan.float8 import gathers_float8, scale_bytes
 from gridtrain.plan.layout import Layout
 from gridtrain.plan.shape import ModelShape, norm_params
 from gridtrain.plan.state import ModelState, StateBytes, model_state_bytes
@@ -254,7 +255,9 @@ def buffer_bytes(shape: ModelShape, layout: Layout, state: StateBytes, act_bytes
     block = 2 * h * h / t + 2 * h * kv_width + (3 if shape.block == "llama" else 2) * h * shape.ffn / t
     out = 0.0
     if layout.zero_stage == 3 and layout.zero_shard_degree > 1:
-        out += 2 * block * state.compute + block * state.gradients
+        # Under FP8's float8 all-gather a gathered block weighs 1 byte a linear parameter.
+        gathered = 1.0 if gathers_float8(layout.float8, 3, layout.zero_shard_degree) else state.compute
+        out += 2 * block * gathered + block * state.gradients
     elif layout.zero_stage == 2 and layout.zero_shard_degree > 1:
         out += block * state.gradients
     elif layout.dp > 1:
@@ -277,6 +280,7 @@ def rank_memory(shape: ModelShape, layout: Layout, state: StateBytes = StateByte
     for rank, layers, acts in probe_activations(shape, layout, act_bytes, ranks):
         ms = rank_state(shape, layout, rank, state)
         extra = rank_params(shape, layout, rank, layers) * gathered
+        extra += scale_bytes(layers, layout.float8, layout.zero_stage, layout.zero_shard_degree)  # FP8's scales
         out.append(RankMemory(rank, layers, ms.weights, ms.gradients, ms.optimizer, acts, buffers + extra))
     return out
 

@@ -29,7 +29,7 @@ def run_layout(args: ModelArgs, dims: ParallelDims, cfg: Config) -> Layout:
                   num_microbatches=cfg.microbatches(dims.dp), pp_schedule=p.pp_schedule,
                   pp_virtual_stages=p.pp_virtual_stages if dims.pp > 1 else 1,
                   sequence_parallel=p.sequence_parallel, recompute=t.recompute,
-                  fewer_edge_layers=p.pp_fewer_edge_layers)
+                  fewer_edge_layers=p.pp_fewer_edge_layers, float8=t.float8)
 
 
 def fsdp_axis(dims: ParallelDims) -> tuple[str, int]:

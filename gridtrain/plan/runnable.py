@@ -40,6 +40,8 @@ def run_keys(model_keys: tuple[tuple[str, object], ...], global_batch_seqs: int,
                  "parallel.tp": layout.tp, "parallel.pp": layout.pp, "parallel.cp": layout.cp,
                  "parallel.dp_replicate": layout.dp_replicate, "parallel.dp_shard": layout.dp_shard,
                  "parallel.zero_stage": layout.zero_stage, "parallel.sequence_parallel": layout.sequence_parallel})
+    if layout.float8 != "none":
+        keys["train.float8"] = layout.float8
     if layout.pp > 1:
         keys.update({"parallel.pp_schedule": layout.pp_schedule, "parallel.pp_virtual_stages": layout.pp_virtual_stages,
                      "parallel.pp_fewer_edge_layers": layout.fewer_edge_layers})

@@ -68,6 +68,8 @@ class Problem:
     precision: str = "bf16"
     runnable_only: bool = True
     """With model_keys: rank only layouts `gridtrain train` accepts (else rank all, labelled)."""
+    float8: str = "none"
+    """FP8 training of the block linears (train.float8): every layout ranked runs it."""
 
     @property
     def filters_runnable(self) -> bool:
@@ -225,7 +227,7 @@ class Family:
                       num_microbatches=self.per_replica // micro_batch, pp_schedule=self.pp_schedule,
                       pp_virtual_stages=self.pp_virtual_stages,
                       sequence_parallel=self.tp > 1 and problem.sequence_parallel,
-                      recompute=self.recompute, flash_attention=problem.flash_attention)
+                      recompute=self.recompute, flash_attention=problem.flash_attention, float8=problem.float8)
 
 
 def degree_options(problem: Problem, c: Constraints) -> list[tuple[int, int, int, int]]:
@@ -321,7 +323,7 @@ def _buffers(problem: Problem, tp: int, cp: int, pp: int, micro_batch: int, zero
     stage, rep, shard = zero
     probe = Layout(tp=tp, cp=cp, pp=pp, dp_replicate=rep, dp_shard=shard, zero_stage=stage,
                    micro_batch=micro_batch, seq_len=problem.seq_len,
-                   sequence_parallel=tp > 1 and problem.sequence_parallel)
+                   sequence_parallel=tp > 1 and problem.sequence_parallel, float8=problem.float8)
     return buffer_bytes(problem.shape, probe, problem.state, problem.act_bytes)
 
 

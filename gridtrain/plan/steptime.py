@@ -39,6 +39,7 @@ from dataclasses import dataclass, replace
 
 from gridtrain.layout.schedules import schedule
 from gridtrain.plan import placement
+from gridtrain.plan.float8 import gathered_bytes, matmul_peak
 from gridtrain.plan.flops import flops_per_token, hardware_flops_per_token
 from gridtrain.plan.layout import Layout
 from gridtrain.plan.memory import (DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES, edge_ranks, kv_heads_per_rank,
@@ -157,7 +158,7 @@ def edge_flops_per_token(shape: ModelShape) -> float:
 @functools.lru_cache(maxsize=4096)
 def layer_cost(shape: ModelShape, cluster: ClusterSpec, eff: Efficiency, seq_len: int, micro_batch: int,
                tp: int, cp: int, sequence_parallel: bool, recompute: str, flash: bool,
-               act_bytes: int = 2) -> LayerCost:
+               act_bytes: int = 2, float8: str = "none") -> LayerCost:
     """The cost of one layer for one micro-batch on one GPU (module docstring). Collectives: over
     the tp axis, 4 all-reduces (6 with full recomputation) of tokens x h x act_bytes, tokens =
     micro_batch x seq_len / cp; over the cp axis, the ring's (1 + forwards) x (cp - 1) sends of a
@@ -167,7 +168,8 @@ def layer_cost(shape: ModelShape, cluster: ClusterSpec, eff: Efficiency, seq_len
     tokens = micro_batch * seq_len / cp
     hw = layer_hardware_flops_per_token(shape, seq_len, recompute) * tokens / tp
     attention = layer_attention_flops_per_token(shape, seq_len, recompute) * tokens / tp
-    matmul_s = (hw - attention) / (acc.peak_flops * eff.matmul) + attention / (acc.peak_flops * eff.attention_share)
+    # Under FP8 the block linears run at the device's FP8 peak (plan/float8.py), attention at 16 bits.
+    matmul_s = (hw - attention) / (matmul_peak(acc, float8) * eff.matmul) + attention / (acc.peak_flops * eff.attention_share)
     saved = layer_activation_bytes(shape, seq_len, micro_batch, tp, sequence_parallel, cp, "none",
                                    flash, act_bytes)
     kept = layer_activation_bytes(shape, seq_len, micro_batch, tp, sequence_parallel, cp, recompute,
@@ -295,7 +297,7 @@ def pipeline_time(shape: ModelShape, layout: Layout, cluster: ClusterSpec, eff: 
                   act_bytes: int = 2) -> PipelineTime:
     """m micro-batches through the pipeline on its slowest rank, with sends and the bubble."""
     lc = layer_cost(shape, cluster, eff, layout.seq_len, layout.micro_batch, layout.tp, layout.cp,
-                    layout.sequence_parallel, layout.recompute, layout.flash_attention, act_bytes)
+                    layout.sequence_parallel, layout.recompute, layout.flash_attention, act_bytes, layout.float8)
     counts = layers_per_rank(shape.num_layers, layout.pp, layout.pp_virtual_stages, layout.pp_schedule,
                              layout.fewer_edge_layers)
     _, last = edge_ranks(layout)
@@ -376,7 +378,9 @@ def _dp_overlap(shape: ModelShape, layout: Layout, cluster: ClusterSpec, eff: Ef
     if layout.dp * layout.cp == 1:
         return 0.0, 0.0
     params = rank_params(shape, layout, pt.critical_rank, pt.layers)
-    weights, grads = params * state.compute, params * state.gradients
+    weights = gathered_bytes(shape, params, pt.layers, layout.tp, state.compute, layout.float8, layout.zero_stage,
+                             layout.zero_shard_degree)
+    grads = params * state.gradients
     m, chunks = layout.num_microbatches, max(pt.layers, 1)
     syncs = 1 if layout.pp > 1 else m
     backward = pt.micro_s * pt.layer.backward_share

@@ -26,6 +26,7 @@ from gridtrain.plan.runnable import refusal, train_command
 from gridtrain.plan.search import (Candidate, Constraints, PlanError, Problem, SearchResult, cp_options, degree_options,
                                    search, tp_options)
 from gridtrain.plan.shape import param_counts
+from gridtrain.plan.specs import ClusterSpec
 from gridtrain.plan.steptime import IMPLEMENTATIONS
 
 DEFAULT_BATCH_TOKENS = 2**22
@@ -73,13 +74,33 @@ def build_problem(args: argparse.Namespace, extra: list[str]) -> tuple[Problem, 
         notes.append(f"no --tokens: the Chinchilla-optimal {tokens:.3g} (20 per parameter)")
     if not 0 < args.hbm_usable <= 1:
         raise PlanError(f"--hbm-usable {args.hbm_usable} must be in (0, 1]")
+    notes += float8_notes(args, cluster)
     state = CONVENTIONS[args.convention](args.precision)
     model_keys = None if args.arch == "gpt" else (("model.preset", args.model), *sorted(overrides.items()))
     problem = Problem(model.shape, cluster, num_gpus, seq_len, seqs, flash_attention=not args.no_flash,
                       hbm_usable=args.hbm_usable, state=state, act_bytes=4 if args.precision == "fp32" else 2,
                       model_keys=model_keys, precision=args.precision, runnable_only=not args.any_layout,
+                      float8=args.float8,
                       eff=local.eff if local else IMPLEMENTATIONS[args.implementation])
     return problem, model.name, tokens, notes
+
+
+def float8_notes(args: argparse.Namespace, cluster: ClusterSpec) -> list[str]:
+    """--float8's requirement (bf16) and what it changes on this device (plan/float8.py)."""
+    if args.float8 == "none":
+        return []
+    if args.precision != "bf16":
+        raise PlanError(f"--float8 {args.float8} runs the block linears in float8 beside bf16, not beside "
+                        f"--precision {args.precision}: give --precision bf16")
+    acc = cluster.accelerator
+    if acc.fp8_tflops <= 0:
+        return [f"--float8 {args.float8}: {acc.name} has no FP8 matmul, so the block linears run at its 16-bit "
+                f"peak ({acc.peak_flops / 1e12:,.0f} TFLOP/s): no faster than bf16"]
+    gather = ("FSDP gathers their weights in float8, 1 byte a parameter, with one fp32 scale each"
+              if args.float8 == "tensorwise" else "FSDP gathers in bf16 (rowwise scales each row inside the matmul)")
+    return [f"--float8 {args.float8}: the block linears' matmuls at {acc.name}'s FP8 peak ({acc.fp8_tflops:,.0f} "
+            f"TFLOP/s dense, attention and the head at {acc.peak_flops / 1e12:,.0f}); {gather}; MFU stays against "
+            f"the 16-bit peak; the casts' own time is not modelled"]
 
 
 def _leanest_text(problem: Problem, cand: Candidate) -> str:
