@@ -87,6 +87,18 @@ def test_plan_float8_prints_what_it_prices_and_refuses_it_beside_fp32():
     assert refused.returncode == 2 and "give --precision bf16" in refused.stderr
 
 
+@pytest.mark.parametrize("gpu, chosen", [("h100", "FP8 tensorwise chosen"), ("a100", "bf16 (A100-80GB has no FP8 matmul)")])
+def test_plan_float8_auto_ranks_with_and_without_it_and_takes_the_faster(gpu, chosen):
+    """On an H100 FP8 halves the linears' time, so its best layout is faster and is taken (its
+    train command says so); an A100 has no FP8 matmul: bf16."""
+    out = subprocess.run([sys.executable, "-m", "gridtrain", "plan", "--model", "llama3-8b", "--gpu", gpu,
+                          "--num-gpus", "8", "--seq-len", "8192", "--global-batch", "16", "--top", "1",
+                          "--float8", "auto"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert f"--float8 auto: {chosen}" in out.stdout
+    assert ("--train.float8 tensorwise" in out.stdout) == (gpu == "h100")
+
+
 def test_a_hardware_file_may_leave_fp8_out():
     spec = accelerator_from_table("x", {"bf16_tflops": 100, "hbm_gb": 80, "hbm_gb_per_s": 2000,
                                         "link_gb_per_s": 900})

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from dataclasses import replace
@@ -87,12 +88,14 @@ def build_problem(args: argparse.Namespace, extra: list[str]) -> tuple[Problem, 
 
 def float8_notes(args: argparse.Namespace, cluster: ClusterSpec) -> list[str]:
     """--float8's requirement (bf16) and what it changes on this device (plan/float8.py)."""
-    if args.float8 == "none":
+    if args.float8 == "none" or (args.float8 == "auto" and args.precision != "bf16"):
         return []
     if args.precision != "bf16":
         raise PlanError(f"--float8 {args.float8} runs the block linears in float8 beside bf16, not beside "
                         f"--precision {args.precision}: give --precision bf16")
     acc = cluster.accelerator
+    if args.float8 == "auto":
+        return []  # search_float8 says what it chose
     if acc.fp8_tflops <= 0:
         return [f"--float8 {args.float8}: {acc.name} has no FP8 matmul, so the block linears run at its 16-bit "
                 f"peak ({acc.peak_flops / 1e12:,.0f} TFLOP/s): no faster than bf16"]
@@ -101,6 +104,22 @@ def float8_notes(args: argparse.Namespace, cluster: ClusterSpec) -> list[str]:
     return [f"--float8 {args.float8}: the block linears' matmuls at {acc.name}'s FP8 peak ({acc.fp8_tflops:,.0f} "
             f"TFLOP/s dense, attention and the head at {acc.peak_flops / 1e12:,.0f}); {gather}; MFU stays against "
             f"the 16-bit peak; the casts' own time is not modelled"]
+
+
+def search_float8(problem: Problem, c: Constraints, top: int) -> tuple[Problem, SearchResult, str]:
+    """--float8 auto: the search with and without FP8 (tensorwise, where the device has an FP8
+    matmul and the run is bf16), and the one whose best layout is faster (bf16 on a tie)."""
+    plain = replace(problem, float8="none")
+    if problem.precision != "bf16" or problem.cluster.accelerator.fp8_tflops <= 0:
+        why = "the run is not bf16" if problem.precision != "bf16" else f"{problem.cluster.accelerator.name} has no FP8 matmul"
+        return plain, search(plain, c, top=top), f"--float8 auto: bf16 ({why})"
+    fp8 = replace(problem, float8="tensorwise")
+    results = {p.float8: (p, search(p, c, top=top)) for p in (plain, fp8)}
+    best = {k: r.ranked[0].time.total_s if r.ranked else math.inf for k, (_, r) in results.items()}
+    pick = "tensorwise" if best["tensorwise"] < best["none"] else "none"
+    shown = {k: f"{v:.3f} s" if math.isfinite(v) else "nothing fits" for k, v in best.items()}
+    return (*results[pick], f"--float8 auto: {'FP8 tensorwise' if pick != 'none' else 'bf16'} chosen (best step "
+            f"with FP8 tensorwise {shown['tensorwise']}, with bf16 {shown['none']})")
 
 
 def _leanest_text(problem: Problem, cand: Candidate) -> str:
@@ -186,7 +205,12 @@ def plan(args: argparse.Namespace, extra: list[str], out: TextIO) -> int:
     if problems:
         raise PlanError("--layout is inconsistent:\n  " + "\n  ".join(problems))
     start = time.perf_counter()
-    result = search(problem, constraints, top=5 * args.top)  # rows that collapse leave room for more
+    if args.float8 == "auto":
+        problem, result, chose = search_float8(problem, constraints, 5 * args.top)
+        notes += [chose] + float8_notes(argparse.Namespace(float8=problem.float8, precision=problem.precision),
+                                        problem.cluster)
+    else:
+        result = search(problem, constraints, top=5 * args.top)  # rows that collapse leave room for more
     seconds = time.perf_counter() - start
     if not result.ranked:
         reason = no_fit_message(problem, constraints, result)

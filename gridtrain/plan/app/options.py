@@ -32,9 +32,10 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--no-flash", action="store_true", help="attention keeps its s x s scores")
     p.add_argument("--precision", default="bf16", choices=PRECISIONS,
                    help="training precision (gridtrain's train.precision)")
-    p.add_argument("--float8", default="none", choices=FLOAT8,
+    p.add_argument("--float8", default="none", choices=[*FLOAT8, "auto"],
                    help="FP8 training of the block linears beside bf16 (gridtrain's train.float8): their matmuls "
-                        "at the device's FP8 peak, FSDP gathering 1 byte a parameter with tensorwise")
+                        "at the device's FP8 peak, FSDP gathering 1 byte a parameter with tensorwise; auto: the "
+                        "search ranks with and without it (tensorwise) and takes the faster")
     p.add_argument("--any-layout", action="store_true",
                    help="also rank layouts gridtrain train refuses (ZeRO-1 beside TP, CP beside DDP, ...), labelled")
     p.add_argument("--implementation", default="eager", choices=["eager", "compiled", "megatron"],
