@@ -16,7 +16,7 @@ itself; a part that would not fit in what is left of --budget-s is skipped and s
   tests    the single-process tests (pytest -m 'not dist') with the device selected
   compiled the speed rows again with torch.compile on
   check    `gridtrain plan --check` on each gridtrain speed run
-  fp8      gridtrain's FP8 rows (train.float8 tensorwise and rowwise, eager) on both shapes
+  fp8      FP8 rows (tensorwise and rowwise, eager) of both sides on both shapes
   profile  where gridtrain's 1B eager step spends its device time, by op and kind (profile_step.py)
 
 Everything lands in DIR: <part>.json, one log per process, the gridtrain run directories. The
@@ -138,12 +138,12 @@ class Suite:
                 "peak_allocated_GiB": last.get("memory/peak_GiB"), "peak_reserved_GiB": last.get("memory/reserved_peak_GiB"),
                 "loss_first": records[0]["loss/train"], "loss_last": last["loss/train"], "run_dir": str(run_dir)}
 
-    def titan_speed(self, name: str, s: dict, compiled: bool) -> dict:
+    def titan_speed(self, name: str, s: dict, compiled: bool, float8: str = "none") -> dict:
         out = self.out / f"{name}.json"
         cmd = [sys.executable, str(TITAN), "--dim", s["dim"], "--n-layers", s["n_layers"], "--n-heads", s["n_heads"],
                "--n-kv-heads", s["n_kv_heads"], "--ffn-dim", s["ffn_dim"], "--vocab", s["vocab"], "--seq", s["seq"],
                "--micro-batch", 1, "--steps", STEPS, "--warmup", WARMUP, "--ac", s["ac"], "--compile", int(compiled),
-               "--precision", "bf16", "--attn", "sdpa", "--flex-autotune", 0, "--out", out]
+               "--precision", "bf16", "--attn", "sdpa", "--flex-autotune", 0, "--float8", float8, "--out", out]
         r = self.run(name, [str(c) for c in cmd], 420 if compiled else 240)
         return {**r, **(_load(out) or {})}
 
@@ -159,12 +159,14 @@ class Suite:
         rows = []
         for shape, s in self.shapes.items():
             for recipe in ("tensorwise", "rowwise"):
-                name = f"fp8-gridtrain-{shape}-{recipe}"
-                if self.left() < 60 and not self.rehearsal:
-                    rows.append({"name": name, "skipped": "budget"})
-                    continue
-                rows.append({"name": name, "side": "gridtrain", "shape": shape, "compile": False, "float8": recipe,
-                             **s, **self.gridtrain_speed(name, s, False, recipe)})
+                for side in ("gridtrain", "torchtitan"):
+                    name = f"fp8-{side}-{shape}-{recipe}"
+                    if self.left() < 60 and not self.rehearsal:
+                        rows.append({"name": name, "skipped": "budget"})
+                        continue
+                    run = self.gridtrain_speed if side == "gridtrain" else self.titan_speed
+                    rows.append({"name": name, "side": side, "shape": shape, "compile": False, "float8": recipe,
+                                 **s, **run(name, s, False, recipe)})
         self.write("fp8", rows)
 
     def part_parity(self) -> None:

@@ -43,7 +43,7 @@ def speed_table(outs: list[Path], env: dict) -> list[str]:
     rows = [r for out in outs for part in ("speed", "compiled", "fp8") for r in (_load(out / f"{part}.json") or [])]
     done = {r["name"] for r in rows if "skipped" not in r}
     rows = [r for r in rows if "skipped" not in r or r["name"] not in done]  # a later folder ran it
-    by_key = {(r.get("shape"), r.get("compile"), r.get("side")): r for r in rows}
+    by_key = {(r.get("shape"), r.get("compile"), r.get("side"), r.get("float8", "none")): r for r in rows}
     for r in rows:
         if "skipped" in r or "shape" not in r:
             lines.append(f"| {r['name']} | | | | | skipped ({r.get('skipped', '')}) | | | | | |")
@@ -54,9 +54,10 @@ def speed_table(outs: list[Path], env: dict) -> list[str]:
                          f"| failed (rc {r.get('rc')}) | | | | | |")
             continue
         achieved = flops_per_token(shape_of(r), r["seq"]) * tps
-        titan = by_key.get((r["shape"], r["compile"], "torchtitan"), {}).get("tokens_per_s")
-        fp8 = r.get("float8", "none") != "none"
-        ratio = f"{tps / titan:.2f}x" if titan and r["side"] == "gridtrain" and not fp8 else ""
+        recipe = r.get("float8", "none")
+        titan = by_key.get((r["shape"], r["compile"], "torchtitan", recipe), {}).get("tokens_per_s")
+        fp8 = recipe != "none"
+        ratio = f"{tps / titan:.2f}x" if titan and r["side"] == "gridtrain" else ""
         side = f"{r['side']} fp8 {r['float8']}" if fp8 else r["side"]
         mfu = f"{100 * achieved / peak:.1f}%" if peak else "n/a"
         mfu_m = f"{100 * achieved / measured:.1f}%" if measured else "n/a"

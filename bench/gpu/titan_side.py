@@ -91,6 +91,10 @@ def parse_args(argv=None):
                    default="partial_dtensor",
                    help="torchtitan ParallelismConfig.spmd_backend; identical math "
                         "on one device (no TP/CP)")
+    p.add_argument("--float8", choices=["none", "tensorwise", "rowwise"], default="none",
+                   help="torchao's float8 training of the block linears (torchtitan 0.3.0's own converter is "
+                        "rowwise only and goes through its model config; this applies torchao's directly, with "
+                        "torchtitan's filter: block linears with dimensions multiple of 16, not the output head)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="titan_result.json")
     return p.parse_args(argv)
@@ -258,6 +262,18 @@ def run(args, result: dict) -> None:
         ffn_hidden=int(ffn_hidden),
         tied_embeddings=bool(model.enable_weight_tying),
     )
+
+    if args.float8 != "none":
+        import dataclasses as _dc
+
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        fp8_matmul = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+        f8 = _dc.replace(Float8LinearConfig.from_recipe_name(args.float8), emulate=not fp8_matmul)
+        keep = lambda m, fqn: (isinstance(m, torch.nn.Linear) and fqn.startswith("layers.")  # noqa: E731
+                               and m.in_features % 16 == 0 and m.out_features % 16 == 0)
+        convert_to_float8_training(model, config=f8, module_filter_fn=keep)
+        result["float8_mode"] = f"{args.float8} ({'emulated' if f8.emulate else 'float8 matmuls'})"
 
     # ---- AC / compile / mixed precision, as parallelize_llama applies them
     precision_name = "bfloat16" if args.precision == "bf16" else "float32"
