@@ -108,12 +108,20 @@ def cmd_dry_run(cfg, world: int | None, rank: int) -> int:  # noqa: ANN001 - a C
     # A dry run computes on fake CPU tensors: hidden from it, an accelerator's driver is not loaded
     # by torch's availability probes (fake tensors, the device mesh, each optimizer step), which on
     # a GPU host would add its libraries to the resident memory the dry run reports.
-    os.environ["CUDA_VISIBLE_DEVICES"] = os.environ["HIP_VISIBLE_DEVICES"] = ""
+    hidden = {name: os.environ.get(name) for name in ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")}
+    os.environ.update(dict.fromkeys(hidden, ""))
 
     from gridtrain.plan.check_run import check_run, format_check
     from gridtrain.train.dry_run import dry_run
 
-    result = dry_run(cfg, world, rank)
+    try:
+        result = dry_run(cfg, world, rank)
+    finally:  # as they were, for whatever this process runs next (tests call main() in-process)
+        for name, value in hidden.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     rec, coords = result.record, validate(cfg, world).coordinates(rank)
     where = ", ".join(f"{axis} {index}" for axis, index in coords.items())
     print(f"dry run of rank {rank} of {world} (coordinates {where}): one step on fake tensors in "
@@ -225,6 +233,9 @@ def cmd_plan(args: argparse.Namespace, extra: list[str]) -> int:
             print(format_check(check_run(run_dir)))
         except FileNotFoundError as err:
             print(f"memory and collectives: {err}")
+        if record.config.train.float8 != "none":
+            print(f"note: train.float8 = '{record.config.train.float8}': the collectives above are predicted as in "
+                  "bf16; FSDP's float8 gathers (1 byte a block-linear parameter) and scale all-reduces are not yet")
         if record.backend == "fake":
             print("step time: none to check, a dry run computes nothing")
             return 0

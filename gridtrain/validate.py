@@ -294,7 +294,7 @@ FLOAT8_DIM_MULTIPLE = 16
 (gridtrain.parallel.float8 holds the same number; this module imports no torch)."""
 
 
-def _check_float8(cfg: Config, dims: ParallelDims) -> list[str]:
+def _check_float8(cfg: Config, dims: ParallelDims, installed: bool = True) -> list[str]:
     """FP8 (train.float8) where torchao can apply it, in a layout compared with one process."""
     t, recipe = cfg.train, cfg.train.float8
     if recipe == "none" or _choice("train.float8", recipe, FLOAT8):
@@ -303,13 +303,17 @@ def _check_float8(cfg: Config, dims: ParallelDims) -> list[str]:
     if t.precision != "bf16":
         problems.append(f"train.float8 = '{recipe}' runs the block linears in float8 beside bf16 autocast, "
                         f"not beside train.precision = '{t.precision}': set train.precision = 'bf16'")
-    if importlib.util.find_spec("torchao") is None:
+    if installed and importlib.util.find_spec("torchao") is None:
         problems.append(f"train.float8 = '{recipe}' needs torchao (its float8 training), which is not "
                         "installed: pip install 'gridtrain[fp8]', or set train.float8 = 'none'")
     if dims.pp > 1 or dims.cp > 1 or (cfg.parallel.zero_stage == 1 and dims.dp > 1):
-        problems.append(f"train.float8 = '{recipe}' is compared with one process under FSDP, DDP and tensor "
+        problems.append(f"train.float8 = '{recipe}' is compared with one process under DDP, ZeRO-2, FSDP and tensor "
                         f"parallelism only, not with parallel.pp ({dims.pp}), parallel.cp ({dims.cp}) or "
                         f"zero_stage 1: set those to 1 (zero_stage to 0, 2 or 3), or train.float8 = 'none'")
+    elif dims.tp > 1 and dims.dp > 1 or dims.dp_replicate > 1 and dims.dp_shard > 1 and cfg.parallel.zero_stage >= 2:
+        problems.append(f"train.float8 = '{recipe}' is compared with one process over one axis at a time (data "
+                        f"parallelism, or tensor parallelism), not parallel.tp ({dims.tp}) beside data-parallel "
+                        f"degree {dims.dp} or HSDP: use one of them, or train.float8 = 'none'")
     if t.compile:
         problems.append(f"train.float8 = '{recipe}' beside train.compile = true has not been compared with one "
                         "process (torchao's emulated float8 is not compiled here): set train.compile = false, "
@@ -362,12 +366,14 @@ def _check_resilience(cfg: Config, dims: ParallelDims) -> list[str]:
     return problems
 
 
-def validate(cfg: Config, world: int | None = None) -> ParallelDims:
-    """Raise ConfigError listing every broken relation; return the resolved layout."""
+def validate(cfg: Config, world: int | None = None, installed: bool = True) -> ParallelDims:
+    """Raise ConfigError listing every broken relation; return the resolved layout. `installed`:
+    also what this Python must have installed to run it (torchao for FP8); the planner, which may
+    plan on a machine other than the one that trains, leaves it out."""
     dims = parallel_dims(cfg, world)
     problems = _check_model(cfg) + _check_parallel(cfg, dims)
     problems += _check_batch(cfg, max(dims.dp, 1)) + _check_train(cfg) + _check_data(cfg)
-    problems += _check_resilience(cfg, dims) + _check_float8(cfg, dims)
+    problems += _check_resilience(cfg, dims) + _check_float8(cfg, dims, installed)
     problems += _at_least("metrics.log_every", cfg.metrics.log_every, 1)
     if not str(cfg.run_dir).strip():
         problems.append("run_dir is empty (it would write into the current directory): give --run_dir DIR")

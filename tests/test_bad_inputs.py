@@ -146,6 +146,8 @@ TRAIN = [
      "not with parallel.pp (2)"),
     (["train", "--train.float8", "tensorwise", "--train.precision", "bf16", "--train.compile", "true"],
      "beside train.compile = true has not been compared with one process"),
+    (["train", "--dry-run", "--world", "2", "--train.float8", "tensorwise", "--train.precision", "bf16"],
+     "dry-run the layout with train.float8 = 'none'"),
     (["train", "--train.recompute", "some"], "train.recompute = 'some'"),
     (["train", "--train.warmup_steps", "1000"], "train.warmup_steps (1000) must lie in [0, train.steps (250)]"),
     (["train", "--train.beta1", "1.5"], "train.beta1 = 1.5 must lie in [0, 1)"),

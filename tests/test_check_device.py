@@ -76,3 +76,12 @@ def test_the_3b_shapes_peak_is_planned_within_5_percent_of_what_the_allocator_re
         first = check_device_memory(run_dir(run))[0]
         ratio = float(first.rsplit("reserved/planned ", 1)[1])
         assert 0.95 <= ratio <= 1.05, first
+
+
+def test_a_run_without_its_metrics_is_named_not_a_traceback(tmp_path):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(run_dir(RUNS[0]), run)
+    (run / "metrics.jsonl").unlink()
+    assert "metrics.jsonl is missing" in check_device_memory(run)[0]

@@ -88,3 +88,29 @@ def test_a_dry_run_does_not_mix_with_another_job(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "holds the dry run of another job" in proc.stderr
     assert (tmp_path / "run" / "config.json").read_text() == before
+
+
+def test_a_dry_run_hides_the_accelerators_from_itself_and_gives_them_back(tmp_path, monkeypatch, capsys):
+    """A dry run computes on fake CPU tensors: torch's availability probes must not load a GPU
+    driver into it; whatever this process runs after it sees the devices as before."""
+    import os
+
+    from gridtrain.cli import main
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    monkeypatch.delenv("HIP_VISIBLE_DEVICES", raising=False)
+    seen = {}
+    import gridtrain.train.dry_run as dry_run_module
+
+    real = dry_run_module.dry_run
+
+    def spy(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        seen.update({k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")})
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dry_run_module, "dry_run", spy)
+    code = main(["train", "--dry-run", "--world", "2", "--model.preset", "tiny", "--data.seq_len", "32",
+                 "--train.global_batch", "2", "--train.micro_batch", "1", "--run_dir", str(tmp_path / "run")])
+    assert code == 0, capsys.readouterr().err
+    assert seen == {"CUDA_VISIBLE_DEVICES": "", "HIP_VISIBLE_DEVICES": ""}
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1" and "HIP_VISIBLE_DEVICES" not in os.environ

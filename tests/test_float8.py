@@ -5,6 +5,7 @@ from e4m3's unit roundoff (gridtrain/parity/compare.py), in one process and unde
 
 from __future__ import annotations
 
+import io
 import math
 
 import pytest
@@ -64,6 +65,9 @@ def test_the_bound_is_e4m3s_unit_roundoff_in_bf16s_derivation():
      "model.n_kv_heads x head_dim = 32 / parallel.tp (4) = 8 is not: make it a multiple of 64"),
     ({"train.float8": "tensorwise", "parallel.pp": 2}, 2, "not with parallel.pp (2)"),
     ({"train.float8": "tensorwise", "parallel.cp": 2}, 2, "parallel.cp (2)"),
+    ({"train.float8": "tensorwise", "parallel.tp": 2, "parallel.zero_stage": 3}, 4, "beside data-parallel degree 2"),
+    ({"train.float8": "rowwise", "parallel.zero_stage": 3, "parallel.dp_replicate": 2, "parallel.dp_shard": 2}, 4,
+     "or HSDP"),
     ({"train.float8": "rowwise", "parallel.zero_stage": 1, "parallel.dp_replicate": 2, "parallel.dp_shard": 1}, 2,
      "zero_stage 1"),
 ])
@@ -79,6 +83,14 @@ def test_validate_refuses_float8_without_torchao(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a))
     problems = _problems({"train.float8": "tensorwise"})
     assert any("pip install 'gridtrain[fp8]'" in p for p in problems), problems
+    # The planner may plan FP8 on a machine without torchao: it ranks the layouts all the same.
+    from gridtrain.plan.app.command import plan as run_plan
+    from gridtrain.plan.app.options import plan_parser
+
+    args = plan_parser().parse_args(["--model", "llama3-8b", "--gpu", "h100", "--num-gpus", "8",
+                                     "--seq-len", "8192", "--global-batch", "16", "--top", "1", "--float8", "tensorwise"])
+    out = io.StringIO()
+    assert run_plan(args, [], out) == 0 and "--train.float8 tensorwise" in out.getvalue()
 
 
 @pytest.mark.parametrize("overrides, world", [
@@ -141,14 +153,16 @@ def test_the_float8_bound_fails_a_run_on_other_data(tmp_path, corpus_dir):
 
 LAYOUTS = {
     "fsdp": {"parallel.zero_stage": 3, "parallel.dp_shard": 2},
+    "zero2": {"parallel.zero_stage": 2, "parallel.dp_shard": 2},
+    "ddp": {"parallel.zero_stage": 0, "parallel.dp_replicate": 2, "parallel.dp_shard": 1},
     "tp": {"parallel.tp": 2},
 }
 
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory, corpus_dir):
-    """One launch of 2 processes: FP8 (both recipes) under FSDP 2 and TP 2; and the one-process
-    bf16 reference."""
+    """One launch of 2 processes: FP8 (both recipes) under FSDP 2, ZeRO-2 2, DDP 2 and TP 2; and the
+    one-process bf16 reference."""
     from gridtrain.parity.run import launch, load_result, run_reference
 
     work = tmp_path_factory.mktemp("float8")

@@ -73,6 +73,15 @@ def test_fsdp_float8_holds_its_gathered_blocks_in_one_byte_and_counts_the_scales
     assert mem[0].buffers - mem[1].buffers == 2 * block - 4 * 7 * 32
 
 
+def test_zero2_holds_its_gathered_block_linears_at_one_byte_with_tensorwise():
+    """gridtrain's ZeRO-2 (FSDP without resharding after forward) holds every gathered weight from
+    forward to backward: under tensorwise the 32 x 218,103,808 block-linear parameters in float8,
+    1 byte less each than bf16's 2, less the scales it adds."""
+    zero2 = Layout(dp_shard=8, zero_stage=2, seq_len=8192, num_microbatches=1, recompute="selective")
+    mem = [rank_memory(SHAPE, dataclasses.replace(zero2, float8=f), STATE, 2, ranks=(0,))[0] for f in ("none", "tensorwise")]
+    assert mem[0].buffers - mem[1].buffers == 32 * LINEAR * (2 - 1) - 4 * 7 * 32
+
+
 def test_plan_float8_prints_what_it_prices_and_refuses_it_beside_fp32():
     run = lambda *a: subprocess.run([sys.executable, "-m", "gridtrain", "plan", "--model", "llama3-8b", "--gpu", "h100",  # noqa: E731
                                      "--num-gpus", "8", "--seq-len", "8192", "--global-batch", "16", "--top", "1", *a],

@@ -77,9 +77,17 @@ def _math_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
 
 
 def _cuda_kernel(q: torch.Tensor) -> str:
-    """Which of CUDA's fused kernels takes a block: 'flash' (16-bit, heads up to 256 wide) or
-    'efficient' (fp32 too)."""
-    return "flash" if q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] <= 256 else "efficient"
+    """Which of CUDA's fused kernels takes a block: 'flash' (16-bit, heads a multiple of 8 up to
+    256 wide, Ampere or newer: what FlashAttention-2's kernel accepts unpadded) or 'efficient'."""
+    flash_shape = q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] <= 256 and q.shape[-1] % 8 == 0
+    ampere = torch.get_device_module(q.device.type).get_device_capability(q.device) >= (8, 0)
+    return "flash" if flash_shape and ampere else "efficient"
+
+
+def _nvidia(q: torch.Tensor) -> bool:
+    """An NVIDIA GPU (ROCm's devices are 'cuda' too, but their kernels read the log-sum-exp
+    otherwise: they take the written-out path)."""
+    return q.device.type == "cuda" and torch.version.hip is None
 
 
 def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
@@ -89,10 +97,10 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     if q.device.type == "cpu":
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
         return out, lse
-    if q.device.type == "cuda" and _cuda_kernel(q) == "flash":
+    if _nvidia(q) and _cuda_kernel(q) == "flash":
         out, lse = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
         return out, lse
-    if q.device.type == "cuda":  # its log-sum-exp may be padded past the queries (to 32 rows)
+    if _nvidia(q):  # its log-sum-exp may be padded past the queries (to 32 rows)
         out, lse = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)[:2]
         return out, lse[..., : q.shape[-2]]
     return _math_forward(q, k, v, causal, scale)
@@ -105,7 +113,7 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     if q.device.type == "cpu":
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, causal, scale=scale)
-    if q.device.type == "cuda":
+    if _nvidia(q):
         dout, out = dout.contiguous().to(q.dtype), out.to(q.dtype)
         seed = offset = torch.empty((), dtype=torch.int64, device=q.device)  # no dropout: never read
         if _cuda_kernel(q) == "flash":

@@ -39,7 +39,7 @@ FLOAT8_DIM_MULTIPLE = 16
 
 def has_float8_matmul(device: torch.device) -> bool:
     """Whether the device multiplies in float8 itself (NVIDIA compute capability 8.9 or newer)."""
-    if device.type != "cuda":  # XPU and ROCm float8 are not tried here: emulate
+    if device.type != "cuda" or torch.version.hip is not None:  # XPU and ROCm (its fnuz float8) emulate
         return False
     return torch.get_device_module(device.type).get_device_capability(device) >= (8, 9)
 

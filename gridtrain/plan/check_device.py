@@ -53,7 +53,10 @@ def check_device_memory(run_dir: Path) -> list[str]:
     activations that do not all live at once), and the CUDA context, outside both."""
     record = RunRecord.load(run_dir)
     cfg, args = record.config, record.config.model.args()
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return [f"memory peak: {path} is missing: the run recorded no allocator peaks"]
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     last = next((r for r in reversed(records) if "memory/reserved_peak_GiB" in r), None)
     if last is None:
         return ["memory peak: the run recorded no allocator peaks (memory/reserved_peak_GiB)"]

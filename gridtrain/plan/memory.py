@@ -30,7 +30,7 @@ from gridtrain.plan.activations import (block_bytes_per_token, head_bytes_per_to
                                         ring_selective_bytes_per_token)
 from gridtrain.plan.census import peak_dp_index, rank_elements
 from gridtrain.names import PLAN_RECOMPUTE, RECOMPUTE
-from gridtrain.plan.float8 import gathers_float8, scale_bytes
+from gridtrain.plan.float8 import gathered_bytes, gathers_float8, scale_bytes
 from gridtrain.plan.layout import Layout
 from gridtrain.plan.shape import ModelShape, norm_params
 from gridtrain.plan.state import ModelState, StateBytes, model_state_bytes
@@ -279,7 +279,12 @@ def rank_memory(shape: ModelShape, layout: Layout, state: StateBytes = StateByte
     out = []
     for rank, layers, acts in probe_activations(shape, layout, act_bytes, ranks):
         ms = rank_state(shape, layout, rank, state)
-        extra = rank_params(shape, layout, rank, layers) * gathered
+        params = rank_params(shape, layout, rank, layers)
+        extra = params * gathered
+        if gathered and gathers_float8(layout.float8, layout.zero_stage, layout.zero_shard_degree):
+            # ZeRO-2 under FP8's float8 all-gather holds the block linears at 1 byte a parameter.
+            extra = gathered_bytes(shape, params, layers, layout.tp, gathered, layout.float8, layout.zero_stage,
+                                   layout.zero_shard_degree)
         extra += scale_bytes(layers, layout.float8, layout.zero_stage, layout.zero_shard_degree)  # FP8's scales
         out.append(RankMemory(rank, layers, ms.weights, ms.gradients, ms.optimizer, acts, buffers + extra))
     return out

@@ -24,7 +24,7 @@ def refusal(model_keys: tuple[tuple[str, object], ...], global_batch_seqs: int, 
         return f"recompute '{layout.recompute}' is not one of gridtrain's modes ({', '.join(RECOMPUTE)})"
     try:
         cfg = load_config(None, run_keys(model_keys, global_batch_seqs, precision, layout))
-        validate(cfg, world=layout.num_gpus)
+        validate(cfg, world=layout.num_gpus, installed=False)  # the planning machine need not train
     except ConfigError as err:
         return err.problems[0]
     return ""

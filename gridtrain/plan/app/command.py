@@ -98,7 +98,8 @@ def float8_notes(args: argparse.Namespace, cluster: ClusterSpec) -> list[str]:
         return []  # search_float8 says what it chose
     if acc.fp8_tflops <= 0:
         return [f"--float8 {args.float8}: {acc.name} has no FP8 matmul, so the block linears run at its 16-bit "
-                f"peak ({acc.peak_flops / 1e12:,.0f} TFLOP/s): no faster than bf16"]
+                f"peak ({acc.peak_flops / 1e12:,.0f} TFLOP/s): no faster than bf16 (where float8 is emulated, as on "
+                f"CPUs, slower, which the plan does not price)"]
     gather = ("FSDP gathers their weights in float8, 1 byte a parameter, with one fp32 scale each"
               if args.float8 == "tensorwise" else "FSDP gathers in bf16 (rowwise scales each row inside the matmul)")
     return [f"--float8 {args.float8}: the block linears' matmuls at {acc.name}'s FP8 peak ({acc.fp8_tflops:,.0f} "
@@ -111,13 +112,15 @@ def search_float8(problem: Problem, c: Constraints, top: int) -> tuple[Problem, 
     matmul and the run is bf16), and the one whose best layout is faster (bf16 on a tie)."""
     plain = replace(problem, float8="none")
     if problem.precision != "bf16" or problem.cluster.accelerator.fp8_tflops <= 0:
-        why = "the run is not bf16" if problem.precision != "bf16" else f"{problem.cluster.accelerator.name} has no FP8 matmul"
+        why = (f"--precision {problem.precision}: FP8 runs beside bf16 only" if problem.precision != "bf16"
+               else f"{problem.cluster.accelerator.name} has no FP8 matmul")
         return plain, search(plain, c, top=top), f"--float8 auto: bf16 ({why})"
     fp8 = replace(problem, float8="tensorwise")
     results = {p.float8: (p, search(p, c, top=top)) for p in (plain, fp8)}
     best = {k: r.ranked[0].time.total_s if r.ranked else math.inf for k, (_, r) in results.items()}
     pick = "tensorwise" if best["tensorwise"] < best["none"] else "none"
-    shown = {k: f"{v:.3f} s" if math.isfinite(v) else "nothing fits" for k, v in best.items()}
+    shown = {k: f"{v:.3f} s" if math.isfinite(v) else "no layout that fits and gridtrain train accepts"
+             for k, v in best.items()}
     return (*results[pick], f"--float8 auto: {'FP8 tensorwise' if pick != 'none' else 'bf16'} chosen (best step "
             f"with FP8 tensorwise {shown['tensorwise']}, with bf16 {shown['none']})")
 
