@@ -121,9 +121,9 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
             return aten._scaled_dot_product_flash_attention_backward(
                 dout, q, k, v, out, lse.contiguous(), None, None, s_q, s_k, 0.0, causal, seed, offset, scale=scale)
         pad = -q.shape[-2] % 32  # the kernel reads its log-sum-exp padded to 32 rows, as it wrote it
+        padded = torch.nn.functional.pad(lse, (0, pad)).contiguous()
         dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
-            dout, q, k, v, None, out, torch.nn.functional.pad(lse, (0, pad)).contiguous(), seed, offset, 0.0, [True, True, True, False], causal,
-            scale=scale)
+            dout, q, k, v, None, out, padded, seed, offset, 0.0, [True, True, True, False], causal, scale=scale)
         return dq, dk, dv
     return _math_backward(dout, q, k, v, out, lse, causal, scale)
 
