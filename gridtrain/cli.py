@@ -233,9 +233,6 @@ def cmd_plan(args: argparse.Namespace, extra: list[str]) -> int:
             print(format_check(check_run(run_dir)))
         except FileNotFoundError as err:
             print(f"memory and collectives: {err}")
-        if record.config.train.float8 != "none":
-            print(f"note: train.float8 = '{record.config.train.float8}': the collectives above are predicted as in "
-                  "bf16; FSDP's float8 gathers (1 byte a block-linear parameter) and scale all-reduces are not yet")
         if record.backend == "fake":
             print("step time: none to check, a dry run computes nothing")
             return 0
@@ -244,7 +241,7 @@ def cmd_plan(args: argparse.Namespace, extra: list[str]) -> int:
 
             try:
                 row, parts, source = check_device_step_time(run_dir)
-                print(format_step_time(row, parts).replace("on this machine", f"({source})"))
+                print(format_step_time(row, parts, f"({source})"))
             except ValueError as err:
                 print(f"step time: {err}")
             print("\n".join(check_device_memory(run_dir)))

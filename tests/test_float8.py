@@ -14,6 +14,7 @@ from gridtrain.config import ConfigError
 from gridtrain.config_load import load_config
 from gridtrain.parity.compare import UNIT_ROUNDOFF, tolerance
 from gridtrain.parity.matrix import GLOBAL_BATCH, base_overrides
+from gridtrain.parity.run import LEG
 from gridtrain.validate import validate
 
 pytest.importorskip("torchao.float8")
@@ -159,6 +160,11 @@ LAYOUTS = {
 }
 
 
+SECOND_LEGS = [("fsdp", "tp"), ("tp", "zero2")]
+"""FP8 (tensorwise) checkpoints under the first layout, resumed under the second for the last step."""
+LEG_KEYS = {"train.float8": "tensorwise", "train.val_every": STEPS, "train.val_batches": 2}
+
+
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory, corpus_dir):
     """One launch of 2 processes: FP8 (both recipes) under FSDP 2, ZeRO-2 2, DDP 2 and TP 2; and the
@@ -168,10 +174,14 @@ def launched(tmp_path_factory, corpus_dir):
     work = tmp_path_factory.mktemp("float8")
     spec = {f"{layout}.{recipe}": _overrides(work, corpus_dir, **LAYOUTS[layout], **{"train.float8": recipe})
             for layout in LAYOUTS for recipe in ("tensorwise", "rowwise")}
+    for first, second in SECOND_LEGS:  # after the steps: validate, save, resume under another layout
+        spec[f"{first}.leg"] = _overrides(work, corpus_dir, **LAYOUTS[first], **LEG_KEYS,
+                                          **{LEG: LAYOUTS[second]})
     proc = launch(2, spec, work / "runs")
     assert proc.returncode == 0, proc.stderr[-3000:]
     ref = run_reference(_overrides(work / "ref", corpus_dir))
-    return ref, {name: load_result(work / "runs", name) for name in spec}
+    ref_leg = run_reference(_overrides(work / "ref-leg", corpus_dir, **{**LEG_KEYS, "train.float8": "none"}), leg=True)
+    return ref, {name: load_result(work / "runs", name) for name in spec} | {"ref.leg": ref_leg}
 
 
 @pytest.mark.dist
@@ -219,3 +229,17 @@ def test_float8_beside_compile_is_refused_until_compared():
     """torch.compile of float8 blocks (emulated on CPU) has not been compared with one process."""
     problems = _problems({"train.float8": "tensorwise", "train.compile": True})
     assert any("train.compile" in p and "train.float8" in p for p in problems), problems
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("first, second", SECOND_LEGS)
+def test_a_float8_checkpoint_resumes_under_another_layout_and_validates(launched, first, second):
+    """After 19 steps under the first layout: its validation loss, its checkpoint resumed under the
+    second layout for step 20; against the one-process bf16 run's (the same bounds)."""
+    ref, results = launched
+    run, ref_leg = results[f"{first}.leg"], results["ref.leg"]
+    assert run is not None and run.leg is not None and len(run.leg.losses) == STEPS
+    tol = _bound(ref_leg)
+    loss, norm = _deviation(run.leg, ref_leg.leg)
+    assert 0 < loss <= tol.loss_rtol and 0 < norm <= tol.norm_rtol, (loss, norm)
+    assert abs(run.val_loss - ref_leg.val_loss) / ref_leg.val_loss <= tol.loss_rtol

@@ -24,6 +24,7 @@ the query heads block by block (and its key and value gradients summed back over
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -76,12 +77,16 @@ def _math_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
+@functools.lru_cache(maxsize=16)
+def _ampere_or_newer(device: torch.device) -> bool:
+    return torch.get_device_module(device.type).get_device_capability(device) >= (8, 0)
+
+
 def _cuda_kernel(q: torch.Tensor) -> str:
     """Which of CUDA's fused kernels takes a block: 'flash' (16-bit, heads a multiple of 8 up to
     256 wide, Ampere or newer: what FlashAttention-2's kernel accepts unpadded) or 'efficient'."""
     flash_shape = q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] <= 256 and q.shape[-1] % 8 == 0
-    ampere = torch.get_device_module(q.device.type).get_device_capability(q.device) >= (8, 0)
-    return "flash" if flash_shape and ampere else "efficient"
+    return "flash" if flash_shape and _ampere_or_newer(q.device) else "efficient"
 
 
 def _nvidia(q: torch.Tensor) -> bool:

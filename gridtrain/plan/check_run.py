@@ -160,9 +160,9 @@ def check_step_time(run_dir: Path, calibration: dict | None = None) -> tuple[Che
     return CheckRow(0, "step_time_s", slowest.total_s, measured_step_seconds(run_dir)), parts
 
 
-def format_step_time(row: CheckRow, parts: dict[str, float]) -> str:
+def format_step_time(row: CheckRow, parts: dict[str, float], where: str = "on this machine") -> str:
     detail = ", ".join(f"{k[:-2]} not modelled" if math.isnan(v) else f"{k[:-2]} {v:.4f}" for k, v in parts.items())
-    return (f"step time on this machine: predicted {row.predicted:.4f} s ({detail}), measured "
+    return (f"step time {where}: predicted {row.predicted:.4f} s ({detail}), measured "
             f"{row.measured:.4f} s (median of plain steps), measured/predicted {row.ratio:.3f}")
 
 

@@ -16,11 +16,15 @@ scales; the casts' own memory-bound passes are not modelled yet. Imports no torc
 
 from __future__ import annotations
 
+import re
+
 from gridtrain.plan.shape import ModelShape
 from gridtrain.plan.specs import AcceleratorSpec
 
 LINEARS_PER_BLOCK = 7
 """wq, wk, wv, wo, w1, w2, w3."""
+FLOAT8_LINEAR = re.compile(r"^layers\.\d+\.(attention\.w[qkvo]|feed_forward\.w[123])\.weight$")
+"""The parameter names of the block linears FP8 converts (gridtrain.parallel.float8.converts)."""
 SCALE_BYTES = 4
 """One fp32 scale."""
 

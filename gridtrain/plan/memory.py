@@ -279,12 +279,9 @@ def rank_memory(shape: ModelShape, layout: Layout, state: StateBytes = StateByte
     out = []
     for rank, layers, acts in probe_activations(shape, layout, act_bytes, ranks):
         ms = rank_state(shape, layout, rank, state)
-        params = rank_params(shape, layout, rank, layers)
-        extra = params * gathered
-        if gathered and gathers_float8(layout.float8, layout.zero_stage, layout.zero_shard_degree):
-            # ZeRO-2 under FP8's float8 all-gather holds the block linears at 1 byte a parameter.
-            extra = gathered_bytes(shape, params, layers, layout.tp, gathered, layout.float8, layout.zero_stage,
-                                   layout.zero_shard_degree)
+        # ZeRO-2's gathered copies; under FP8's float8 all-gather the block linears at 1 byte each.
+        extra = gathered_bytes(shape, rank_params(shape, layout, rank, layers), layers, layout.tp, gathered,
+                               layout.float8, layout.zero_stage, layout.zero_shard_degree) if gathered else 0.0
         extra += scale_bytes(layers, layout.float8, layout.zero_stage, layout.zero_shard_degree)  # FP8's scales
         out.append(RankMemory(rank, layers, ms.weights, ms.gradients, ms.optimizer, acts, buffers + extra))
     return out

@@ -16,6 +16,7 @@ from gridtrain.model.args import ModelArgs
 from gridtrain.plan.census import fsdp_local, numel, rank_stage_shapes, tp_local
 from gridtrain.plan.layout import Layout
 from gridtrain.plan.comm import ring_attention_payloads
+from gridtrain.plan.float8 import FLOAT8_LINEAR, gathers_float8
 from gridtrain.plan.memory import fsdp_gathers, kv_heads_per_rank
 from gridtrain.plan.shape import from_args
 
@@ -156,9 +157,17 @@ def _predict_collectives(args: ModelArgs, dims: ParallelDims, cfg: Config, pp_ra
         # reduced in fp32. HSDP then all-reduces each micro-batch's gradient shard (FSDP2's padded
         # chunks) over the replicas. Under CP, the ring's traffic besides (on the same group
         # when dp_shard is 1).
-        gathered = (total if p.zero_stage == 2 else 2 * total - once) * gather_bytes(t.precision) / 4
+        # Under FP8's float8 all-gather (tensorwise) the block linears travel at 1 byte an element,
+        # and their scales, one fp32 each, are all-reduced once a step (parallel/float8.py).
+        linear = [n for n in shapes if gathers_float8(t.float8, p.zero_stage, shards) and FLOAT8_LINEAR.match(n)]
+        once_names = {n for names in gathered_once(shapes, args.tie_embeddings) for n in names}
+        in8 = 4 * sum(numel(shapes[n]) for n in linear)
+        in8_once = 4 * sum(numel(shapes[n]) for n in linear if n in once_names)
+        gathered_all, gathered8 = ((x if p.zero_stage == 2 else 2 * x - x_once)
+                                   for x, x_once in ((total, once), (in8, in8_once)))
+        gathered = (gathered_all - gathered8) * gather_bytes(t.precision) / 4 + gathered8 / 4
         out = {f"{axis}/all_gather_bytes": m * gathered,
-               f"{axis}/all_reduce_bytes": m * total + 4 * len(shapes)}
+               f"{axis}/all_reduce_bytes": m * total + 4 * len(shapes) + 4 * len(linear)}
         if dims.dp_replicate > 1:
             shard = 4 * sum(numel(fsdp_local(s, shards, 0)) for s in shapes.values())
             out["dp_replicate/all_reduce_bytes"] = m * shard
