@@ -158,21 +158,38 @@ def cmd_model(args: argparse.Namespace, extra: list[str]) -> int:
         raise BadInput(f"gridtrain model takes --model.KEY VALUE overrides, not --{stray[0]} (see gridtrain train "
                        "--help-config)")
     cfg = load_config(None, overrides | {"model.preset": args.preset})
-    margs = cfg.model.args()
+    try:
+        margs = cfg.model.args()
+    except ValueError as err:  # MoE keys on a dense preset
+        raise ConfigError([str(err)]) from None
     problems = margs.validate()
     if problems:
         raise ConfigError(problems)
     counts = model_parameters(margs)
     seq_len = args.seq_len or margs.max_seq_len
-    print(f"{args.preset}: dim {margs.dim}, {margs.n_layers} layers, {margs.n_heads} heads, "
-          f"{margs.n_kv_heads} KV heads, ffn {margs.hidden_dim}, vocab {margs.vocab_size}")
-    for part in ("embedding", "attention", "mlp", "norms", "output"):
+    moe = margs.moe
+    heads = f" of {margs.head_dim}" if margs.explicit_head_dim else ""
+    dense = not moe or moe.moe_layers(margs.n_layers) < margs.n_layers
+    print(f"{args.preset}: dim {margs.dim}, {margs.n_layers} layers, {margs.n_heads} heads{heads}, "
+          f"{margs.n_kv_heads} KV heads{f', ffn {margs.hidden_dim}' if dense else ''}, vocab {margs.vocab_size}"
+          + (", QK-norm" if margs.qk_norm else ""))
+    parts = ("embedding", "attention", "mlp", "norms", "output") + (("experts",) if moe else ())
+    if moe:
+        print(f"  mixture of experts on {moe.moe_layers(margs.n_layers)} of {margs.n_layers} layers: {moe.num_experts} "
+              f"routed experts of ffn {moe.expert_ffn_dim}, top {moe.top_k}"
+              + (f", {moe.num_shared_experts} shared" if moe.num_shared_experts else "")
+              + f" (mlp holds the routers{' and shared experts' if moe.num_shared_experts else ''})")
+    for part in parts:
         n = getattr(counts, part)
         print(f"  {part:<10} {n:>17,}  {n / 1e9:9.4f}B  {100 * n / counts.total:5.1f}%")
     print(f"  {'total':<10} {counts.total:>17,}  {counts.total / 1e9:9.4f}B")
+    if moe:
+        print(f"  {'active':<10} {counts.active:>17,}  {counts.active / 1e9:9.4f}B  per token: the total less "
+              f"the {moe.num_experts - moe.top_k} of {moe.num_experts} routed experts it does not use")
     fpt = flops_per_token(margs, seq_len, counts)
+    n_is = "N the active parameters without the input embedding" if moe else "N without the input embedding"
     print(f"model FLOPs per token at seq_len {seq_len}: {fpt:,.0f} ({fpt / 1e9:.2f} GFLOP) "
-          "= 6N + 12*L*H*Q*T, N without the input embedding")
+          f"= 6N + 12*L*H*Q*T, {n_is}")
     return 0
 
 

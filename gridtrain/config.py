@@ -14,6 +14,7 @@ from pathlib import Path
 from gridtrain.errors import UserError
 from gridtrain.layout.schedules import DEFAULT_SCHEDULE, RuntimeScheduleName
 from gridtrain.model.args import ModelArgs, model_args
+from gridtrain.model.moe_args import Balance, RouterScore
 from gridtrain.names import Float8, LRSchedule, OnSaveError, Precision, Recompute
 
 
@@ -26,6 +27,45 @@ class ConfigError(UserError, ValueError):
             super().__init__(f"invalid configuration: {problems[0]}")
         else:
             super().__init__("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+@dataclass
+class MoEConfig:
+    """Mixture-of-experts keys: they override a mixture-of-experts preset's (tiny-moe, small-moe,
+    mixtral-8x7b, ...); on a dense preset they are refused."""
+
+    num_experts: int | None = None
+    """Routed experts per MoE layer."""
+    top_k: int | None = None
+    """Routed experts each token goes to."""
+    expert_ffn_dim: int | None = None
+    """Hidden width of each expert's SwiGLU."""
+    num_shared_experts: int | None = None
+    """Experts every token passes through (DeepSeekMoE)."""
+    score: RouterScore | None = None
+    """Router scores: 'softmax' or 'sigmoid' (computed in fp32)."""
+    normalize_top_k: bool | None = None
+    """Renormalise the k chosen scores to sum to 1."""
+    route_scale: float | None = None
+    """Multiply the gate values by this."""
+    balance: Balance | None = None
+    """Load balance: 'aux_loss' (Switch/GShard), 'bias' (DeepSeek-V3's auxiliary-loss-free expert
+    bias, updated once per optimizer step from the step's global counts) or 'none'."""
+    aux_loss_coef: float | None = None
+    """Coefficient of the auxiliary balance loss."""
+    bias_update_rate: float | None = None
+    """Step of the expert bias per optimizer step (DeepSeek-V3: 0.001)."""
+    z_loss_coef: float | None = None
+    """Router z-loss coefficient (ST-MoE); 0 turns it off."""
+    capacity_factor: float | None = None
+    """0: dropless; otherwise the tokens an expert takes per micro-batch, as a multiple of its even
+    share (the rest are dropped and keep their residual)."""
+    every: int | None = None
+    """MoE on every n-th layer (from first_dense on)."""
+    first_dense: int | None = None
+    """Leading layers that stay dense."""
+    grouped_mm: bool | None = None
+    """Experts through torch._grouped_mm (true) or a loop over them (false): the same numbers."""
 
 
 @dataclass
@@ -52,10 +92,18 @@ class ModelConfig:
     """The model's context (RoPE table length); None keeps the preset's."""
     tie_embeddings: bool | None = None
     """Share embedding and output head; None keeps the preset's."""
+    head_dim: int | None = None
+    """Width of each attention head where it is not dim / n_heads; None keeps the preset's."""
+    qk_norm: bool | None = None
+    """RMSNorm on each head's queries and keys (Qwen3); None keeps the preset's."""
+    moe: MoEConfig = field(default_factory=MoEConfig)
 
     def args(self) -> ModelArgs:
-        overrides = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "preset"}
-        return model_args(self.preset, **overrides)
+        """The shape: the preset's, with these keys' values over it (raises ValueError for MoE keys on
+        a dense preset; `validate` reports it first)."""
+        overrides = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("preset", "moe", "head_dim")}
+        moe = {f.name: getattr(self.moe, f.name) for f in fields(self.moe)}
+        return model_args(self.preset, moe=moe, explicit_head_dim=self.head_dim, **overrides)
 
 
 @dataclass

@@ -20,11 +20,10 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from gridtrain.config import Config, ConfigError
+from gridtrain.config import Config, ConfigError, ModelConfig, MoEConfig
 from gridtrain.config_load import config_from_dict
 from gridtrain.errors import BadInput, MissingInput
 from gridtrain.inputs import read_json
-from gridtrain.model.args import model_args
 from gridtrain.layout.dims import ParallelDims
 from gridtrain.validate import model_problems
 
@@ -116,8 +115,9 @@ def differences(saved: dict, cfg: Config) -> list[str]:
     out = []
     model = saved.get("model", {})
     try:
-        before = model_args(model.get("preset", "small"), **{k: v for k, v in model.items() if k != "preset"})
-    except (KeyError, TypeError) as err:
+        saved_model = ModelConfig(**{k: v for k, v in model.items() if k != "moe"}, moe=MoEConfig(**model.get("moe", {})))
+        before = saved_model.args()
+    except (KeyError, TypeError, ValueError) as err:
         return [f"model: the saved configuration does not describe a model gridtrain knows ({err})"]
     now = cfg.model.args()
     for field in dataclasses.fields(now):

@@ -47,10 +47,23 @@ def model_problems(args: ModelArgs, seq_len: int | None = None) -> list[str]:
     return problems
 
 
+def shape_of(cfg: Config) -> ModelArgs | None:
+    """The model's shape, or None where its keys cannot make one (`_check_model` says why)."""
+    if cfg.model.preset not in PRESETS:
+        return None
+    try:
+        return cfg.model.args()
+    except ValueError:  # MoE keys on a dense preset
+        return None
+
+
 def _check_model(cfg: Config) -> list[str]:
     if cfg.model.preset not in PRESETS:
         return [f"model.preset = '{cfg.model.preset}' is unknown; choose one of {', '.join(PRESETS)}"]
-    args = cfg.model.args()
+    try:
+        args = cfg.model.args()
+    except ValueError as err:
+        return [str(err)]
     problems = model_problems(args, cfg.data.seq_len)
     if cfg.data.seq_len > args.max_seq_len:
         problems.append(
@@ -131,7 +144,7 @@ def _check_data(cfg: Config) -> list[str]:
         (vocab, bad), source = tokenizer_vocab(d.tokenizer), f"data.tokenizer '{d.tokenizer}'"
     if vocab is None:
         problems.append(bad)
-    elif cfg.model.preset in PRESETS and vocab > cfg.model.args().vocab_size:
+    elif shape_of(cfg) is not None and vocab > cfg.model.args().vocab_size:
         problems.append(
             f"model.vocab_size ({cfg.model.args().vocab_size}) is smaller than the vocabulary of "
             f"{source} ({vocab}): set model.vocab_size to at least {64 * math.ceil(vocab / 64)}")
@@ -171,7 +184,7 @@ def parallel_dims(cfg: Config, world: int | None = None) -> ParallelDims:
 
 
 def _check_tp(cfg: Config, tp: int) -> list[str]:
-    if tp == 1 or cfg.model.preset not in PRESETS:
+    if tp == 1 or shape_of(cfg) is None:
         if cfg.parallel.sequence_parallel and tp == 1:
             return ["parallel.sequence_parallel needs parallel.tp > 1: raise tp or turn it off"]
         return []
@@ -210,7 +223,7 @@ def _check_pp(cfg: Config, dims: ParallelDims) -> list[str]:
             "recomputed region; use recompute 'full' or 'none', or pp_schedule "
             "'interleaved-1f1b'")
     stages = dims.pp * p.pp_virtual_stages
-    if cfg.model.preset in PRESETS:
+    if shape_of(cfg) is not None:
         n_layers = cfg.model.args().n_layers
         counts = stage_layer_counts(n_layers, stages, p.pp_fewer_edge_layers)
         if min(counts) < 1:
@@ -318,7 +331,7 @@ def _check_float8(cfg: Config, dims: ParallelDims, installed: bool = True) -> li
         problems.append(f"train.float8 = '{recipe}' beside train.compile = true has not been compared with one "
                         "process (torchao's emulated float8 is not compiled here): set train.compile = false, "
                         "or train.float8 = 'none'")
-    if cfg.model.preset in PRESETS and not model_problems(cfg.model.args()):
+    if shape_of(cfg) is not None and not model_problems(cfg.model.args()):
         problems += _float8_shape_problems(cfg.model.args(), dims.tp)
     return problems
 
@@ -333,6 +346,26 @@ def _float8_shape_problems(args: ModelArgs, tp: int) -> list[str]:
             problems.append(f"train.float8 multiplies in float8, which needs every dimension of the block "
                             f"linears a multiple of {m}, and model.{key} = {width}{per_rank} is not: make it "
                             f"a multiple of {m * tp}, or set train.float8 = 'none'")
+    return problems
+
+
+def _check_moe(cfg: Config, dims: ParallelDims) -> list[str]:
+    """A mixture-of-experts model where it has been compared with one process: so far, one process
+    (expert, data, tensor, pipeline and context parallelism of its experts come next)."""
+    args = shape_of(cfg)
+    if args is None or args.moe is None:
+        return []
+    problems = []
+    if dims.world_size > 1:
+        problems.append(f"model.preset '{cfg.model.preset}' is a mixture of experts, which gridtrain trains in one "
+                        f"process so far, not over {dims.world_size}: set parallel.nproc to 1 (its expert, data, "
+                        "tensor, pipeline and context parallelism are not yet compared with one process)")
+    if cfg.train.compile:
+        problems.append(f"model.preset '{cfg.model.preset}' routes tokens to experts in data-dependent groups, "
+                        "which train.compile has not been compared with: set train.compile = false")
+    if cfg.train.float8 != "none":
+        problems.append(f"train.float8 = '{cfg.train.float8}' converts the dense linears only, not the stacked "
+                        f"experts of model.preset '{cfg.model.preset}': set train.float8 = 'none'")
     return problems
 
 
@@ -373,7 +406,7 @@ def validate(cfg: Config, world: int | None = None, installed: bool = True) -> P
     dims = parallel_dims(cfg, world)
     problems = _check_model(cfg) + _check_parallel(cfg, dims)
     problems += _check_batch(cfg, max(dims.dp, 1)) + _check_train(cfg) + _check_data(cfg)
-    problems += _check_resilience(cfg, dims) + _check_float8(cfg, dims, installed)
+    problems += _check_resilience(cfg, dims) + _check_float8(cfg, dims, installed) + _check_moe(cfg, dims)
     problems += _at_least("metrics.log_every", cfg.metrics.log_every, 1)
     if not str(cfg.run_dir).strip():
         problems.append("run_dir is empty (it would write into the current directory): give --run_dir DIR")

@@ -63,6 +63,7 @@ PLAN = [
     (["plan", "--check", "{d}/run"], "{d}/run/config.json is not a gridtrain run record (KeyError: 'dims')"),
     (["plan", "--check", "{d}/badrun"], "{d}/badrun/config.json is not a gridtrain run record (TypeError"),
     (["plan", "--bogus"], "gridtrain plan takes model.* keys beyond its own options, not bogus"),
+    (["plan", "--model", "mixtral-8x7b"], "has a mixture of experts, which the planner does not plan yet"),
 ]
 
 MODEL = [
@@ -76,6 +77,17 @@ MODEL = [
     (["model", "llama3-8b", "--model.dim", "4096000000"], "model.dim (4,096,000,000) makes a weight of"),
     (["model", "llama3-8b", "--model.rope_theta", "-5"], "model.rope_theta = -5.0 must be positive"),
     (["model", "llama3-8b", "--model.nosuch", "1"], "unknown config key 'model.nosuch'"),
+    (["model", "tiny", "--model.moe.top_k", "2"], "model.moe.top_k is set, but model.preset 'tiny' is dense"),
+    (["model", "tiny-moe", "--model.moe.top_k", "9"], "model.moe.top_k (9) is more than model.moe.num_experts (8)"),
+    (["model", "tiny-moe", "--model.moe.num_experts", "0"], "model.moe.num_experts = 0 must be >= 1"),
+    (["model", "tiny-moe", "--model.moe.capacity_factor", "-1"], "model.moe.capacity_factor = -1.0 must be > 0"),
+    (["model", "tiny-moe", "--model.moe.score", "relu"], "model.moe.score = 'relu' is not one of softmax, sigmoid"),
+    (["model", "tiny-moe", "--model.moe.balance", "loss"], "model.moe.balance = 'loss' is not one of aux_loss, bias"),
+    (["model", "tiny-moe", "--model.moe.first_dense", "2"], "model.moe.first_dense (2) leaves no MoE layer"),
+    (["model", "tiny-moe", "--model.moe.expert_ffn_dim", "30"],
+     "model.moe.expert_ffn_dim = 30 is not a multiple of 8, which torch._grouped_mm needs"),
+    (["model", "tiny-moe", "--model.moe.aux_loss_coef", "-0.1"], "model.moe.aux_loss_coef = -0.1 must be >= 0"),
+    (["model", "tiny", "--model.head_dim", "15"], "model.head_dim = 15 must be even for RoPE"),
 ]
 
 TRAIN = [
@@ -87,6 +99,11 @@ TRAIN = [
     (["train", "--dry-run", "--world", "4", "--run_dir", "{d}/run", "--model.preset", "tiny"],
      "holds a training run: give the dry run another --run_dir"),
     (["train", "--dry-run", "--world", "3", "--parallel.tp", "2", "--model.preset", "tiny"], "cannot fill world size 3"),
+    (["train", "--dry-run", "--world", "1", "--model.preset", "tiny-moe"],
+     "model.preset 'tiny-moe' is a mixture of experts, whose all-to-alls"),
+    (["train", "--model.preset", "tiny-moe", "--nproc", "2"], "which gridtrain trains in one process so far"),
+    (["train", "--model.preset", "tiny-moe", "--train.compile"], "which train.compile has not been compared"),
+    (["train", "--model.preset", "tiny-moe", "--parallel.ep", "2"], "parallel.ep = 2: not available yet"),
     (["train", "--max-restarts", "-1"], "--max-restarts: -1 must be >= 0"),
     (["train", "--nproc", "0"], "--nproc: 0 must be >= 1"),
     (["train", "--nproc", "two"], "--nproc: 'two' is not a whole number"),

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from gridtrain.model.args import PRESETS
+from gridtrain.model.args import DENSE_PRESETS, PRESETS
 from gridtrain.layout.schedules import BACKWARD, RUNTIME_SCHEDULES, schedule as row_of
 from gridtrain.names import PLAN_RECOMPUTE
 from gridtrain.plan import pipeline
@@ -55,7 +55,7 @@ def _gpu_names() -> tuple[str, ...]:
 
 
 FIELDS: dict[str, Field] = {
-    "model": Field("choice", choices=tuple(PRESETS), flag="--model"),
+    "model": Field("choice", choices=DENSE_PRESETS, flag="--model"),
     "arch": Field("choice", choices=("llama", "gpt"), flag="--arch"),
     "gpu": Field("choice", choices=_gpu_names(), flag="--gpu"),
     "cluster": Field("choice", choices=tuple(CLUSTERS), flag="--cluster"),
@@ -246,8 +246,8 @@ def options() -> dict[str, object]:
     from gridtrain.plan.shape import from_args, param_counts
 
     models = {}
-    for name, make in PRESETS.items():
-        a = make()
+    for name in DENSE_PRESETS:
+        a = PRESETS[name]()
         models[name] = {"dim": a.dim, "n_layers": a.n_layers, "n_heads": a.n_heads, "n_kv_heads": a.n_kv_heads,
                         "ffn_dim": a.hidden_dim, "vocab_size": a.vocab_size, "max_seq_len": a.max_seq_len,
                         "tie_embeddings": a.tie_embeddings, "params": param_counts(from_args(a)).total}

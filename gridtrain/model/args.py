@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass, fields, replace
 from typing import Callable
 
+from gridtrain.model.moe_args import MoEArgs
+
 
 @dataclass(frozen=True)
 class ModelArgs:
@@ -42,6 +44,13 @@ class ModelArgs:
     """Share the token embedding matrix with the output head."""
     init_std: float = 0.02
     """Standard deviation of the normal initialisation of weight matrices."""
+    explicit_head_dim: int | None = None
+    """Width of each attention head where it is not dim / n_heads (Qwen3: 128 beside dim 2048 and 32
+    heads); None: dim / n_heads."""
+    qk_norm: bool = False
+    """RMSNorm over each head's queries and keys before RoPE (Qwen3; weights of head_dim)."""
+    moe: MoEArgs | None = None
+    """Mixture-of-experts feed-forwards (gridtrain.model.moe_args); None: a dense model."""
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
@@ -49,7 +58,7 @@ class ModelArgs:
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.explicit_head_dim or self.dim // self.n_heads
 
     @property
     def hidden_dim(self) -> int:
@@ -66,7 +75,11 @@ class ModelArgs:
                 errors.append(f"model.{name} = {getattr(self, name)} must be positive")
         if errors:
             return errors
-        if self.dim % self.n_heads:
+        if self.explicit_head_dim is not None and self.explicit_head_dim <= 0:
+            errors.append(f"model.head_dim = {self.explicit_head_dim} must be positive")
+        elif self.explicit_head_dim is not None and self.head_dim % 2:
+            errors.append(f"model.head_dim = {self.head_dim} must be even for RoPE")
+        elif self.explicit_head_dim is None and self.dim % self.n_heads:
             errors.append(
                 f"model.dim ({self.dim}) must be divisible by model.n_heads ({self.n_heads}): "
                 f"pick n_heads among {_divisors(self.dim)[:8]}"
@@ -93,6 +106,8 @@ class ModelArgs:
                           "device holds it; check the shape")
         if not self.rope_theta > 0:
             errors.append(f"model.rope_theta = {self.rope_theta} must be positive (Llama 3: 500000)")
+        if self.moe is not None:
+            errors += self.moe.problems(self.dim, self.n_layers)
         return errors
 
 
@@ -115,10 +130,20 @@ class ParamCounts:
     mlp: int
     norms: int
     output: int
+    experts: int = 0
+    """The routed experts' weights, all of them (MoE; the routers and shared experts count under mlp)."""
+    experts_active: int = 0
+    """The routed experts' weights one token uses: experts x top_k / num_experts."""
 
     @property
     def total(self) -> int:
-        return self.embedding + self.attention + self.mlp + self.norms + self.output
+        return self.embedding + self.attention + self.mlp + self.norms + self.output + self.experts
+
+    @property
+    def active(self) -> int:
+        """Parameters one token passes through: the total less the routed experts it does not use
+        (the total for a dense model)."""
+        return self.total - self.experts + self.experts_active
 
     @property
     def non_embedding(self) -> int:
@@ -184,6 +209,43 @@ def llama3_405b() -> ModelArgs:
                      ffn_dim_multiplier=1.2, multiple_of=4096, max_seq_len=8192)
 
 
+def tiny_moe() -> ModelArgs:
+    """For unit tests: the tiny shape with 8 routed experts of width 32 on both layers, top-2."""
+    return replace(tiny(), moe=MoEArgs(num_experts=8, top_k=2, expert_ffn_dim=32))
+
+
+def small_moe() -> ModelArgs:
+    """The small shape with 8 experts of width 384, top-2: a token passes through 2 x 384 = 768
+    hidden units, `small`'s dense width, so the two compare at the same active size."""
+    return replace(small(), moe=MoEArgs(num_experts=8, top_k=2, expert_ffn_dim=384))
+
+
+def mixtral_8x7b() -> ModelArgs:
+    """Mixtral 8x7B (Jiang et al. 2024): Mistral 7B's attention (32 layers, dim 4096, 32 heads, 8 KV
+    heads, vocabulary 32,000, RoPE theta 1e6), 8 experts of FFN 14336 per layer, top-2, softmax
+    renormalised over the two; 46.7B parameters, 12.9B active."""
+    return ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=32_000, ffn_dim=14_336,
+                     rope_theta=1e6, max_seq_len=32_768,
+                     moe=MoEArgs(num_experts=8, top_k=2, expert_ffn_dim=14_336, aux_loss_coef=0.02))
+
+
+def qwen3_30b_a3b() -> ModelArgs:
+    """Qwen3-30B-A3B (Qwen3 technical report, Yang et al. 2025): 48 layers, dim 2048, 32 query heads
+    of 128 (wider than dim / heads), 4 KV heads, QK-norm, 128 experts of FFN 768, top-8, vocabulary
+    151,936, untied; 30.5B parameters, 3.3B active."""
+    return ModelArgs(dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, explicit_head_dim=128, qk_norm=True,
+                     vocab_size=151_936, ffn_dim=6144, norm_eps=1e-6, rope_theta=1e6, max_seq_len=40_960,
+                     moe=MoEArgs(num_experts=128, top_k=8, expert_ffn_dim=768, aux_loss_coef=0.001))
+
+
+def qwen3_235b_a22b() -> ModelArgs:
+    """Qwen3-235B-A22B (the same report): 94 layers, dim 4096, 64 query heads of 128, 4 KV heads,
+    QK-norm, 128 experts of FFN 1536, top-8; 235B parameters, 22B active."""
+    return ModelArgs(dim=4096, n_layers=94, n_heads=64, n_kv_heads=4, explicit_head_dim=128, qk_norm=True,
+                     vocab_size=151_936, ffn_dim=12_288, norm_eps=1e-6, rope_theta=1e6, max_seq_len=40_960,
+                     moe=MoEArgs(num_experts=128, top_k=8, expert_ffn_dim=1536, aux_loss_coef=0.001))
+
+
 PRESETS: dict[str, Callable[[], ModelArgs]] = {
     "tiny": tiny,
     "small": small,
@@ -192,14 +254,29 @@ PRESETS: dict[str, Callable[[], ModelArgs]] = {
     "llama3-8b": llama3_8b,
     "llama3-70b": llama3_70b,
     "llama3-405b": llama3_405b,
+    "tiny-moe": tiny_moe,
+    "small-moe": small_moe,
+    "mixtral-8x7b": mixtral_8x7b,
+    "qwen3-30b-a3b": qwen3_30b_a3b,
+    "qwen3-235b-a22b": qwen3_235b_a22b,
 }
+
+DENSE_PRESETS = tuple(name for name, make in PRESETS.items() if make().moe is None)
+"""The presets the planner and the explorer take (mixture-of-experts ones are trained, not yet planned)."""
 
 FIELD_NAMES = tuple(f.name for f in fields(ModelArgs))
 
 
-def model_args(preset: str, **overrides: object) -> ModelArgs:
-    """The preset's shape with the given fields replaced (None values are ignored)."""
+def model_args(preset: str, moe: dict[str, object] | None = None, **overrides: object) -> ModelArgs:
+    """The preset's shape with the given fields replaced, and its MoE fields with `moe`'s (None
+    values are ignored; MoE fields on a dense preset raise ValueError)."""
     if preset not in PRESETS:
         raise KeyError(f"unknown model preset {preset!r}; choose one of {sorted(PRESETS)}")
     given = {k: v for k, v in overrides.items() if v is not None}
-    return replace(PRESETS[preset](), **given)
+    args = replace(PRESETS[preset](), **given)
+    moe_given = {k: v for k, v in (moe or {}).items() if v is not None}
+    if moe_given and args.moe is None:
+        raise ValueError(f"model.moe.{next(iter(moe_given))} is set, but model.preset '{preset}' is dense: "
+                         f"start from a mixture-of-experts preset ({', '.join(n for n in PRESETS if n not in DENSE_PRESETS)}) "
+                         "and override its fields")
+    return replace(args, moe=replace(args.moe, **moe_given)) if moe_given else args

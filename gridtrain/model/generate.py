@@ -47,6 +47,8 @@ def _attend(attn: Attention, x: torch.Tensor, freqs: torch.Tensor, k_cache: torc
     q = attn.wq(x).view(B, T, -1, attn.head_dim)
     k = attn.wk(x).view(B, T, -1, attn.head_dim)
     v = attn.wv(x).view(B, T, -1, attn.head_dim)
+    if attn.q_norm is not None:
+        q, k = attn.q_norm(q), attn.k_norm(k)
     angles = freqs[start:start + T]
     q, k = apply_rope(q, angles), apply_rope(k, angles)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
@@ -69,7 +71,7 @@ def forward_cached(model: Transformer, tokens: torch.Tensor, cache: KVCache) -> 
     h = model.tok_embeddings(tokens).float()
     for i, block in enumerate(model.layers.values()):
         h = h + _attend(block.attention, block.attention_norm(h), model.freqs_cis, cache.k[i], cache.v[i], start)
-        h = h + block.feed_forward(block.ffn_norm(h))
+        h = h + block.feed(block.ffn_norm(h))
     cache.length = start + T
     return model.output(model.norm(h))
 

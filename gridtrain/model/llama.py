@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gridtrain.model.args import ModelArgs
+from gridtrain.model.moe import MoE
 
 
 def rope_frequencies(args: ModelArgs) -> torch.Tensor:
@@ -68,6 +69,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
         self.core: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         """Causal attention of (B, heads, T, head_dim) queries, keys and values (keys and values at
         the KV heads); None is torch's SDPA. Context parallelism sets its ring attention here."""
@@ -78,6 +81,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(B, T, -1, self.head_dim)  # (B, T, n_heads, head_dim)
         k = self.wk(x).view(B, T, -1, self.head_dim)  # (B, T, n_kv_heads, head_dim)
         v = self.wv(x).view(B, T, -1, self.head_dim)
+        if self.q_norm is not None:  # QK-norm (Qwen3): each head's queries and keys, before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
         # freqs covers the model's whole context; slice to T here, where the sequence is whole
         # even when sequence parallelism splits it outside attention.
         q, k = apply_rope(q, freqs[:T]), apply_rope(k, freqs[:T])
@@ -104,17 +109,26 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
+    """Attention, then a dense SwiGLU (`feed_forward`) or, on a mixture-of-experts layer, `moe`."""
+
     def __init__(self, layer_id: int, args: ModelArgs) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.hidden_dim)
+        if args.moe is not None and args.moe.is_moe_layer(layer_id):
+            self.moe = MoE(args.dim, args.moe)
+        else:
+            self.feed_forward = FeedForward(args.dim, args.hidden_dim)
 
     def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), freqs)
-        return h + self.feed_forward(self.ffn_norm(h))
+        return h + self.feed(self.ffn_norm(h))
+
+    def feed(self, x: torch.Tensor) -> torch.Tensor:
+        """The block's feed-forward, dense or mixture of experts."""
+        return self.moe(x) if hasattr(self, "moe") else self.feed_forward(x)
 
 
 class Transformer(nn.Module):
@@ -158,6 +172,10 @@ class Transformer(nn.Module):
         if self.args.tie_embeddings and self.output is not None and self.tok_embeddings is not None:
             self.output.weight = self.tok_embeddings.weight
         self.freqs_cis = rope_frequencies(self.args).to(self.freqs_cis.device)
+        for module in self.modules():
+            if isinstance(module, MoE):  # the expert bias starts at 0; the step's counters too
+                for buffer in module.buffers(recurse=False):
+                    buffer.zero_()
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:
@@ -197,12 +215,35 @@ def init_values(args: ModelArgs, seed: int | None = None) -> Iterator[tuple[str,
         for name, rows in (("wq", args.n_heads * head), ("wk", kv), ("wv", kv)):
             yield f"layers.{i}.attention.{name}.weight", normal((rows, dim), std)
         yield f"layers.{i}.attention.wo.weight", normal((dim, args.n_heads * head), out_std)
+        if args.qk_norm:
+            yield f"layers.{i}.attention.q_norm.weight", torch.ones(head)
+            yield f"layers.{i}.attention.k_norm.weight", torch.ones(head)
+        if args.moe is not None and args.moe.is_moe_layer(i):
+            yield from _moe_init(f"layers.{i}.moe.", args, std, out_std, normal)
+            continue
         for name in ("w1", "w3"):
             yield f"layers.{i}.feed_forward.{name}.weight", normal((args.hidden_dim, dim), std)
         yield f"layers.{i}.feed_forward.w2.weight", normal((dim, args.hidden_dim), out_std)
     yield "norm.weight", torch.ones(dim)
     if not args.tie_embeddings:
         yield "output.weight", normal((args.vocab_size, dim), std)
+
+
+def _moe_init(prefix: str, args: ModelArgs, std: float, out_std: float,
+              normal: Callable[[tuple[int, ...], float], torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """A mixture-of-experts layer's initial values: the router's gate and every expert's w1 and w3
+    truncated normal with std init_std, w2 with the depth-scaled std (as the dense MLP's)."""
+    moe, dim = args.moe, args.dim
+    experts, ffn = moe.num_experts, moe.expert_ffn_dim
+    yield prefix + "router.gate.weight", normal((experts, dim), std)
+    yield prefix + "experts.w1", normal((experts, ffn, dim), std)
+    yield prefix + "experts.w3", normal((experts, ffn, dim), std)
+    yield prefix + "experts.w2", normal((experts, dim, ffn), out_std)
+    if moe.num_shared_experts:
+        shared = moe.num_shared_experts * ffn
+        for name in ("w1", "w3"):
+            yield prefix + f"shared.{name}.weight", normal((shared, dim), std)
+        yield prefix + "shared.w2.weight", normal((dim, shared), out_std)
 
 
 def truncated_normal(shape: tuple[int, ...], std: float) -> torch.Tensor:

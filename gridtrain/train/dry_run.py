@@ -103,6 +103,9 @@ def check_dry_run(cfg: Config, dims: ParallelDims, rank: int) -> None:
     if cfg.train.float8 != "none":
         problems.append(f"a dry run of train.float8 = '{cfg.train.float8}' would measure float8 gathers and scale "
                         "all-reduces the planner does not predict yet: dry-run the layout with train.float8 = 'none'")
+    if cfg.model.args().moe is not None:
+        problems.append(f"model.preset '{cfg.model.preset}' is a mixture of experts, whose all-to-alls and expert "
+                        "state the planner does not predict yet: dry-run a dense preset")
     if not 0 <= rank < dims.world_size:
         problems.append(f"--rank {rank} is not a rank of a {dims.world_size}-rank job: give 0 to {dims.world_size - 1}")
     record = saved_record(Path(cfg.run_dir))

@@ -171,6 +171,10 @@ def export_run(run_dir: Path, out: Path, step: int | None = None, max_shard_byte
     require_free(Path(out))
     cfg, root = read_run(Path(run_dir))
     args = cfg.model.args()
+    if args.moe is not None or args.qk_norm:
+        raise InterchangeError(f"{run_dir} trained model.preset '{cfg.model.preset}' ("
+                               f"{'a mixture of experts' if args.moe else 'QK-norm'}), which transformers' Llama "
+                               "layout cannot hold: gridtrain exports Llama models only so far")
     path, reader = open_checkpoint(root, args, step)
     shapes = model_shapes(args)
     shards = plan_shards(shapes, max_shard_bytes)

@@ -36,6 +36,9 @@ def format_line(step: int, total: int, m: dict[str, float]) -> str:
         parts.append(f"mem {m['memory/peak_GiB']:.2f} GiB")
     if "precision/loss_scale" in m:
         parts.append(f"scale {m['precision/loss_scale']:.0f}")
+    if "moe/load_max" in m:  # the busiest expert's tokens over the mean, in the most uneven layer
+        dropped = f", dropped {m['moe/dropped_frac']:.1%}" if m.get("moe/dropped_frac") else ""
+        parts.append(f"expert load {m['moe/load_max']:.2f}{dropped}")
     if "loss/val" in m:
         parts.append(f"val_loss {m['loss/val']:.4f} val_ppl {m['loss/val_ppl']:.2f}")
     return " | ".join(parts)

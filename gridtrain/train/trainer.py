@@ -35,6 +35,7 @@ from gridtrain.parallel.mesh import build_mesh, group
 from gridtrain.parallel.tensor_parallel import loss_context
 from gridtrain.rundir import RunRecord
 from gridtrain.runlock import RunDirInUse, RunLock, job_dirs
+from gridtrain.train.balance import balance_step, set_loss_scale
 from gridtrain.train.build import build_data, loss_fn, scalar
 from gridtrain.train.calibrate import cpu_peak_flops, peak_flops
 from gridtrain.train.checkpoint_state import InvalidCheckpointError
@@ -243,6 +244,7 @@ class Trainer:
             set_lr(opt, lr)
         account = self.accountant.step(self.step)
         self.precision.begin_step()
+        set_loss_scale(self.pmodel.parts, self.precision.step_scale / self.loss_shares)
         with account.forward_backward():
             loss = self.forward_backward()
         settle_partial_grads(self.pmodel.parameters())
@@ -265,11 +267,17 @@ class Trainer:
         accounting = account.finish(self.optimizers)
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
+        balance = balance_step(self.pmodel.parts, self.data_groups(), self.micro_batches, stepped)
         self.step += 1
         self.accountant.write(self.step, accounting)
         return {"loss/train": loss_value, "grad/norm": grad_norm, "lr": lr, **self.speed(time.perf_counter() - start),
                 "optim/skipped_steps": float(not stepped), **self.guard.metrics(), **memory_gib(self.device),
-                **accounting, **self.precision.metrics()}
+                **accounting, **self.precision.metrics(), **balance}
+
+    def data_groups(self) -> list[dist.ProcessGroup]:
+        """The groups over which ranks see different tokens of the same layers: data and context
+        parallelism (tensor-parallel ranks route the same tokens; pipeline stages hold other layers)."""
+        return [g for g in (group(self.mesh, axis) for axis in ("dp", "cp")) if g is not None]
 
     def speed(self, seconds: float) -> dict[str, float]:
         tokens_per_s = self.global_batch * self.cfg.data.seq_len / seconds

@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 from gridtrain import tomlread
 from gridtrain.config import ConfigError
 from gridtrain.config_load import load_config
-from gridtrain.model.args import PRESETS
+from gridtrain.model.args import DENSE_PRESETS, PRESETS
 from gridtrain.layout.schedules import RUNTIME_SCHEDULES
 from gridtrain.plan import local, shape, specs
 from gridtrain.names import PLAN_RECOMPUTE
@@ -144,6 +144,10 @@ def resolve_model(preset: str, overrides: dict[str, str], arch: str = "llama") -
     problems = margs.validate()
     if problems:
         raise PlanError("; ".join(problems))
+    if margs.moe is not None or margs.explicit_head_dim or margs.qk_norm:
+        what = "a mixture of experts" if margs.moe is not None else "heads wider than dim / n_heads or QK-norm"
+        raise PlanError(f"model {preset!r} has {what}, which the planner does not plan yet: plan one of "
+                        f"{', '.join(DENSE_PRESETS)}, or train it and read its metrics")
     if arch == "gpt":
         ffn = margs.ffn_dim or 4 * margs.dim
         s = shape.gpt(margs.dim, margs.n_layers, margs.n_heads, margs.vocab_size, margs.max_seq_len, ffn)
