@@ -350,22 +350,36 @@ def _float8_shape_problems(args: ModelArgs, tp: int) -> list[str]:
 
 
 def _check_moe(cfg: Config, dims: ParallelDims) -> list[str]:
-    """A mixture-of-experts model where it has been compared with one process: so far, one process
-    (expert, data, tensor, pipeline and context parallelism of its experts come next)."""
-    args = shape_of(cfg)
+    """A mixture-of-experts model where it has been compared with one process: one process, data
+    parallelism (DDP, ZeRO-2, FSDP, HSDP), and expert parallelism over all the data-parallel ranks
+    (tests/test_moe_parallel.py); expert parallelism only for a mixture of experts."""
+    args, p = shape_of(cfg), cfg.parallel
     if args is None or args.moe is None:
+        if dims.ep > 1 and args is not None:
+            return [f"parallel.ep ({dims.ep}) shards the routed experts of a mixture of experts, and model.preset "
+                    f"'{cfg.model.preset}' is dense: use a mixture-of-experts preset, or set parallel.ep to 1"]
         return []
-    problems = []
-    if dims.world_size > 1:
-        problems.append(f"model.preset '{cfg.model.preset}' is a mixture of experts, which gridtrain trains in one "
-                        f"process so far, not over {dims.world_size}: set parallel.nproc to 1 (its expert, data, "
-                        "tensor, pipeline and context parallelism are not yet compared with one process)")
+    problems, name = [], f"model.preset '{cfg.model.preset}' (a mixture of experts)"
+    if dims.tp > 1 or dims.pp > 1 or dims.cp > 1:
+        problems.append(f"{name} is compared with one process under data and expert parallelism only, not with "
+                        f"parallel.tp ({dims.tp}), pp ({dims.pp}) or cp ({dims.cp}): set them to 1")
+    if p.zero_stage == 1 and dims.dp > 1:
+        problems.append(f"{name} is not compared under parallel.zero_stage 1: use 0 (DDP), 2 or 3")
+    if dims.ep > 1:
+        if args.moe.num_experts % dims.ep:
+            problems.append(f"parallel.ep ({dims.ep}) must divide model.moe.num_experts ({args.moe.num_experts}), "
+                            f"since each rank holds an equal share of the experts: set parallel.ep to a divisor of "
+                            f"{args.moe.num_experts}")
+        if dims.ep != dims.dp:
+            problems.append(f"parallel.ep ({dims.ep}) must span every data-parallel rank (dp_replicate x dp_shard = "
+                            f"{dims.dp}) so far: set parallel.ep to {dims.dp}, or 1 (experts then replicated or "
+                            "sharded by FSDP like the other weights)")
     if cfg.train.compile:
-        problems.append(f"model.preset '{cfg.model.preset}' routes tokens to experts in data-dependent groups, "
-                        "which train.compile has not been compared with: set train.compile = false")
+        problems.append(f"{name} routes tokens to experts in data-dependent groups, which train.compile has not "
+                        "been compared with: set train.compile = false")
     if cfg.train.float8 != "none":
         problems.append(f"train.float8 = '{cfg.train.float8}' converts the dense linears only, not the stacked "
-                        f"experts of model.preset '{cfg.model.preset}': set train.float8 = 'none'")
+                        f"experts of {name}: set train.float8 = 'none'")
     return problems
 
 

@@ -63,8 +63,6 @@ class ParallelDims:
                            ("cp", self.cp), ("ep", self.ep)):
             if value < 1:
                 errors.append(f"parallel.{key} = {value} must be >= 1")
-        if self.ep > 1:
-            errors.append(f"parallel.ep = {self.ep}: not available yet, set it to 1")
         if errors:
             return errors
         if self.dp_shard < 1:
@@ -74,6 +72,10 @@ class ParallelDims:
                 f"{self.dp_replicate}) * cp({self.cp}) * tp({self.tp}) * pp({self.pp}) = {rest} does not "
                 f"divide it; launch a multiple of {rest} processes or lower the degrees")
             return errors
+        if self.ep > 1 and self.dp % self.ep:
+            errors.append(f"parallel.ep ({self.ep}) borrows its ranks from data parallelism and must divide the "
+                          f"data-parallel degree dp_replicate x dp_shard ({self.dp_replicate} x {self.dp_shard} = "
+                          f"{self.dp}): set parallel.ep to a divisor of {self.dp}")
         product = self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp
         if not errors and product != self.world_size:
             fix = ""

@@ -31,6 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from gridtrain.parallel.expert_parallel import expert_parallel_modules
 from gridtrain.parallel.mesh import Mesh
 
 
@@ -69,6 +70,8 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool,
     stay in the root unit.
     """
     policy = mixed_precision(param_dtype)
+    # Expert-parallel experts are sharded by expert already, and their gradients whole on their rank.
+    ignored = {p for m in expert_parallel_modules(model) for p in m.parameters()} or None
     embedding, head = model.tok_embeddings, [m for m in (model.norm, model.output) if m is not None]
     tied = embedding is not None and model.output is not None and model.output.weight is embedding.weight
     if embedding is not None and not tied:
@@ -78,10 +81,11 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool,
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again at once by backward: keep them gathered.
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward and i < len(blocks) - 1,
-                    mp_policy=policy)
+                    mp_policy=policy, ignored_params=ignored)
     if head and not tied:  # needed again at once by backward, like the last block
         fully_shard(head, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy,
+                ignored_params=ignored)
     for module in model.modules():
         if isinstance(module, FSDPModule):  # sum, do not average: see the module docstring
             module.set_gradient_divide_factor(1.0)
@@ -129,17 +133,20 @@ def sum_gradients(group, bucket):  # noqa: ANN001, ANN201 - DDP compares real an
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
-def uses_ddp(zero_stage: int, tp: int, pp: int) -> bool:
+def uses_ddp(zero_stage: int, tp: int, pp: int, ep: int = 1) -> bool:
     """Whether data parallelism is DDP (applied to real weights: it broadcasts them at start) or
-    FSDP (applied on the meta device, before each rank allocates its shards)."""
-    return zero_stage in (0, 1) and tp == 1 and pp == 1
+    FSDP (applied on the meta device, before each rank allocates its shards). Beside expert
+    parallelism, stage 0 is FSDP2 over (dp_replicate, 1) too: composable DDP turns every DTensor
+    parameter into its local tensor at its first forward, the experts' included (their checkpoint
+    would then lose which experts each rank holds)."""
+    return zero_stage in (0, 1) and tp == 1 and pp == 1 and ep == 1
 
 
 def apply_data_parallel(model: nn.Module, mesh: Mesh, zero_stage: int, dp_replicate: int,
-                        tp: int, pp: int, param_dtype: torch.dtype | None = None) -> None:
+                        tp: int, pp: int, param_dtype: torch.dtype | None = None, ep: int = 1) -> None:
     """DDP, ZeRO-1/2/3 or HSDP over the data-parallel axes; `param_dtype` is the training
     precision's (bf16, fp16) in which FSDP gathers parameters, None for fp32."""
-    if uses_ddp(zero_stage, tp, pp):
+    if uses_ddp(zero_stage, tp, pp, ep):
         apply_ddp(model, mesh["dp_replicate"])
     elif zero_stage == 0:
         apply_fsdp(model, mesh["dp_replicate", "dp_shard"], reshard_after_forward=False, param_dtype=param_dtype)

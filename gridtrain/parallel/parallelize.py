@@ -1,6 +1,6 @@
 """The one ordered composition of everything applied to the single-device model from outside.
 
-Order (torchtitan's): pipeline split, then per stage float8 (the block linears swapped for
+Order (torchtitan's): pipeline split, then per stage expert parallelism, float8 (the block linears swapped for
 torchao's, `train.float8`), tensor parallel, activation checkpointing, compile, and data parallel
 (FSDP/DDP) last, so FSDP shards what TP already split.
 """
@@ -154,15 +154,19 @@ def parallelize(model: Transformer, cfg: Config, dims: ParallelDims | None = Non
     if data_parallel:
         from gridtrain.parallel.data_parallel import apply_data_parallel, uses_ddp
 
-        ddp = uses_ddp(p.zero_stage, dims.tp, dims.pp)
+        ddp = uses_ddp(p.zero_stage, dims.tp, dims.pp, dims.ep)
     for _, part in stages:
+        if dims is not None and dims.ep > 1:
+            from gridtrain.parallel.expert_parallel import apply_expert_parallel
+
+            apply_expert_parallel(part, mesh["dp"])
         _apply_float8_and_tp(part, cfg, dims, mesh, data_parallel and not ddp, device or torch.device("cpu"))
         apply_recompute(part, t.recompute)
         if t.compile:
             apply_compile(part)
         if data_parallel and not ddp:
             apply_data_parallel(part, mesh, p.zero_stage, dims.dp_replicate, dims.tp, dims.pp,
-                                COMPUTE_DTYPES.get(t.precision))
+                                COMPUTE_DTYPES.get(t.precision), dims.ep)
     parts = [m for _, m in stages]
     if is_meta(parts):
         materialize(parts, model.args, t.seed, device or torch.device("cpu"), fake)

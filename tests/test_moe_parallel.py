@@ -1,0 +1,131 @@
+"""The mixture of experts under data and expert parallelism, against one process: the steps (losses,
+clipped gradient norms, gathered weights), the validation loss, and the second leg (a stop-signal
+checkpoint resumed under another layout or in one process for the last step), as the parity
+matrix holds every layout (gridtrain/parity). With the expert bias, the bias of every layer is
+one process's exactly: one differing count would flip a sign."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gridtrain.parity.compare import deviation, problems, tolerance
+from gridtrain.parity.matrix import GLOBAL_BATCH, base_overrides
+from gridtrain.parity.run import LEG, load_result, resume_in_one_process
+from gridtrain.parity.sweep import LEG_OVERRIDES, VAL_BATCHES
+
+pytestmark = pytest.mark.dist
+
+FSDP2 = {"parallel.zero_stage": 3, "parallel.dp_shard": 2, "parallel.dp_replicate": 1}
+DDP2 = {"parallel.zero_stage": 0, "parallel.dp_shard": 1, "parallel.dp_replicate": 2}
+ZERO2 = {"parallel.zero_stage": 2, "parallel.dp_shard": 2, "parallel.dp_replicate": 1}
+FSDP4 = {"parallel.zero_stage": 3, "parallel.dp_shard": 4, "parallel.dp_replicate": 1}
+HSDP4 = {"parallel.zero_stage": 3, "parallel.dp_shard": 2, "parallel.dp_replicate": 2}
+EP2, EP4, EP1 = {"parallel.ep": 2}, {"parallel.ep": 4}, {"parallel.ep": 1}
+BIAS = {"model.moe.balance": "bias", "model.moe.bias_update_rate": 0.01}
+# Two experts, one per rank, top-1, and a bias step of 10: after the first step every token goes to
+# the expert that was less loaded, so the other rank receives no token at all.
+FORCED = {"model.moe.num_experts": 2, "model.moe.top_k": 1, "model.moe.balance": "bias",
+          "model.moe.bias_update_rate": 10.0}
+
+WORLD2: dict[str, tuple[dict, dict | None]] = {
+    # name: (layout and model keys, the layout its checkpoint resumes under; None: one process)
+    "ep2.fsdp": ({**FSDP2, **EP2}, {**DDP2, **EP1}),
+    "ep2.ddp": ({**DDP2, **EP2}, None),
+    "ep2.zero2": ({**ZERO2, **EP2}, {**FSDP2, **EP2}),
+    "ep1.fsdp": ({**FSDP2, **EP1}, {**DDP2, **EP2}),
+    "ep1.ddp": ({**DDP2, **EP1}, None),
+    "ep2.fsdp.bias": ({**FSDP2, **EP2, **BIAS}, {**DDP2, **EP2}),
+    "ep2.fsdp.forced": ({**FSDP2, **EP2, **FORCED}, None),
+    "ep2.fsdp.full.bf16": ({**FSDP2, **EP2, "train.recompute": "full", "train.precision": "bf16"}, None),
+    "ep2.capacity": ({**FSDP2, **EP2, "model.moe.capacity_factor": 1.0}, None),
+    "ep2.ddp.zloss.sigmoid": ({**DDP2, **EP2, "model.moe.z_loss_coef": 1e-3, "model.moe.score": "sigmoid",
+                               "model.moe.num_shared_experts": 1}, {**FSDP2, **EP1}),
+}
+WORLD4: dict[str, tuple[dict, dict | None]] = {
+    "ep4.fsdp": ({**FSDP4, **EP4}, {**HSDP4, **EP4}),
+    "ep4.hsdp.bias": ({**HSDP4, **EP4, **BIAS}, None),
+}
+MODEL_KEYS = ("model.", "train.precision", "train.recompute")
+
+
+def overrides(work, corpus, keys: dict, micro_batch: int) -> dict:
+    return {**base_overrides(), "model.preset": "tiny-moe", "data.corpus": str(corpus),
+            "data.cache_dir": str(work / "data-cache"), "train.micro_batch": micro_batch, **LEG_OVERRIDES, **keys}
+
+
+def launched_world(tmp_path_factory, corpus_dir, world: int, cases: dict) -> dict:
+    from gridtrain.parity.run import launch, run_reference
+
+    work = tmp_path_factory.mktemp(f"moe{world}")
+    micro = GLOBAL_BATCH // world // 2  # two micro-batches per rank: accumulation everywhere
+    spec = {name: {**overrides(work, corpus_dir, keys, micro), LEG: resume} for name, (keys, resume) in cases.items()}
+    proc = launch(world, spec, work / "runs")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = {}
+    for name, (keys, _) in cases.items():
+        one = {k: v for k, v in keys.items() if k.startswith(MODEL_KEYS)}
+        ref = run_reference({**overrides(work / "ref" / name, corpus_dir, one, micro),
+                             "run_dir": str(work / "ref" / name / "run")}, leg=True)
+        run = load_result(work / "runs", name)
+        if run is not None and run.leg is None:
+            run.leg = resume_in_one_process(run, spec[name])
+        results[name] = (run, ref, spec[name])
+    return results
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory, corpus_dir):
+    return launched_world(tmp_path_factory, corpus_dir, 2, WORLD2)
+
+
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory, corpus_dir):
+    return launched_world(tmp_path_factory, corpus_dir, 4, WORLD4)
+
+
+def verdict(run, ref, spec) -> list[str]:
+    """Everything that differs from one process beyond the parity module's bounds."""
+    precision, tokens = spec.get("train.precision", "fp32"), GLOBAL_BATCH * 32
+    found = problems(deviation(run, ref), tolerance(precision, tokens, ref.lrs, 0.9, 0.95))
+    found += [f"resumed: {p}" for p in problems(deviation(run.leg, ref.leg), tolerance(precision, tokens, ref.leg.lrs,
+                                                                                         0.9, 0.95))]
+    val_tol = tolerance(precision, VAL_BATCHES * spec["train.micro_batch"] * 32, ref.lrs, 0.9, 0.95).loss_rtol
+    if not abs(run.val_loss - ref.val_loss) <= val_tol * ref.val_loss:
+        found.append(f"validation loss {run.val_loss} vs {ref.val_loss}")
+    return found
+
+
+@pytest.mark.parametrize("name", list(WORLD2))
+def test_moe_layouts_over_two_ranks_train_resume_and_validate_as_one_process(world2, name):
+    run, ref, spec = world2[name]
+    assert run is not None and len(run.losses) == LEG_OVERRIDES["train.steps"] - 1
+    assert verdict(run, ref, spec) == []
+    _same_biases(run, ref, name)
+
+
+@pytest.mark.parametrize("name", list(WORLD4))
+def test_moe_layouts_over_four_ranks_train_resume_and_validate_as_one_process(world4, name):
+    run, ref, spec = world4[name]
+    assert run is not None
+    assert verdict(run, ref, spec) == []
+    _same_biases(run, ref, name)
+
+
+def _same_biases(run, ref, name: str) -> None:
+    biases = [k for k in ref.weights if k.endswith("expert_bias")]
+    assert biases and all(k in run.weights for k in biases)
+    for key in biases:
+        assert torch.equal(run.weights[key], ref.weights[key]), key
+        assert torch.equal(run.leg.weights[key], ref.leg.weights[key]), key
+    if "bias" in name or "forced" in name:
+        assert any(ref.leg.weights[k].abs().sum() > 0 for k in biases)  # it moved, and alike
+
+
+def test_the_forced_case_left_a_rank_without_tokens(world2):
+    """The second step of the forced case routes every token to one expert: the bias after step 1
+    is +10 on one expert and -10 on the other in every layer."""
+    _, ref, _ = world2["ep2.fsdp.forced"]
+    run, _, _ = world2["ep2.fsdp.forced"]
+    for key in (k for k in run.weights if k.endswith("expert_bias")):
+        assert sorted(run.weights[key].tolist()) in ([-10.0, 10.0], [-20.0, 20.0], [0.0, 0.0]), run.weights[key]
