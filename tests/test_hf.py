@@ -196,7 +196,8 @@ def test_failed_export_leaves_nothing(runs, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("args", [PRESETS["tiny"](), PRESETS["llama3-8b"](),
                                   replace(PRESETS["llama3-8b"](), rope_scaling=True, max_seq_len=131_072),
-                                  model_args("small", tie_embeddings=True, n_kv_heads=8)])
+                                  model_args("small", tie_embeddings=True, n_kv_heads=8),
+                                  model_args("tiny", explicit_head_dim=32)])
 def test_hf_config_round_trips_through_transformers(args):
     """LlamaConfig takes our config.json, and its own serialisation reads back as the same model."""
     config = LlamaConfig(**hf.hf_config(args))
@@ -225,7 +226,7 @@ def test_reads_the_transformers_4_spelling_of_rope():
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "rope_type 'yarn'"),
     ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, **hf.LLAMA31_ROPE, "factor": 32.0}},
      "Llama 3.1's"),
-    ({"head_dim": 32}, "head_dim 32"),
+    ({"head_dim": 15}, "model.head_dim = 15 must be even for RoPE (in config.json, model.head_dim is head_dim)"),
     ({"num_key_value_heads": 3}, "n_kv_heads"),
     ({"num_attention_heads": 0}, "model.n_heads = 0 must be positive (in config.json, model.n_heads is num_attention_heads)"),
     ({"max_position_embeddings": 10**12}, "the rotary table, model.max_seq_len (1,000,000,000,000)"),  # train refuses it
@@ -320,6 +321,7 @@ def test_import_then_resume_continues_the_original(runs, name, tmp_path, corpus_
     toml = tomlread.loads((tmp_path / "imported" / "imported.toml").read_text())
     assert toml["checkpoint"]["resume"] is True and toml["model"]["preset"] == "tiny"
     assert toml["model"]["tie_embeddings"] is (name == "tied")
+    assert "moe" not in toml["model"] and "head_dim" not in toml["model"]  # a dense preset's own head width
 
     resumed = trainer_from_import(tmp_path / "imported", tmp_path, corpus_dir, resume=True)
     assert resumed.step == 0 and resumed.args == run.cfg.model.args()

@@ -1,4 +1,5 @@
-"""The Hugging Face form of gridtrain's model: transformers `LlamaForCausalLM` names, config and weights.
+"""The Hugging Face form of gridtrain's model: transformers `LlamaForCausalLM` names, config and
+weights, and `MixtralForCausalLM`'s for a mixture of experts (its sparse blocks: gridtrain.model.hf_moe).
 
 Two conventions differ between the codebases:
 - RoPE pairs. gridtrain rotates interleaved pairs (x[2i], x[2i+1]) of each head, as Meta's reference
@@ -10,7 +11,8 @@ Two conventions differ between the codebases:
   gate_proj, up_proj, down_proj; the tied output head is not stored (transformers ties it on load).
 
 This module is the mapping (names, shapes, configs); gridtrain.train.hf_run reads and writes
-runs and Hugging Face directories with it.
+runs and Hugging Face directories with it. A gridtrain weight is one transformers weight, except a
+mixture of experts' stacked ones, which Mixtral stores one per expert (hf_moe.Source says where).
 """
 
 from __future__ import annotations
@@ -18,13 +20,17 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Container
+from collections.abc import Container, Iterable
 from typing import Any
 
 import torch
 
 from gridtrain.errors import UserError
 from gridtrain.model.args import ModelArgs
+from gridtrain.model.hf_moe import (EXPORTABLE, MIXTRAL_DEFAULTS, MIXTRAL_KEY_KINDS, MIXTRAL_NULLABLE, SAVED,
+                                    MixtralLayout, Source, layout_of, mixtral_config_problems, mixtral_keys,
+                                    mixtral_problems, moe_from_config, moe_source)
+from gridtrain.model.llama import Transformer
 from gridtrain.validate import model_problems
 
 # The constants of gridtrain.model.llama._llama31_scale (Llama 3.1), in transformers' spelling.
@@ -56,11 +62,32 @@ class InterchangeError(UserError, ValueError):
 # Configs
 
 
+def export_problems(args: ModelArgs) -> list[str]:
+    """What of this shape transformers' Llama (dense) or Mixtral (mixture of experts) layout cannot
+    hold; empty when `hf_config` describes it exactly."""
+    if args.moe is not None:
+        return mixtral_problems(args)
+    return ["QK-norm"] if args.qk_norm else []
+
+
+def export_refusal(args: ModelArgs, what: str) -> InterchangeError:
+    """One line: why `what` (a run) does not export, and which shapes do."""
+    problems = export_problems(args)
+    listed = problems[0] if len(problems) == 1 else f"{', '.join(problems[:-1])} and {problems[-1]}"
+    if args.moe is None:
+        return InterchangeError(f"{what} has {listed}, which transformers' Llama layout cannot hold: gridtrain "
+                                "exports dense models without QK-norm as LlamaForCausalLM")
+    return InterchangeError(f"{what} is a mixture of experts with {listed}, which "
+                            "transformers' Mixtral (Jiang et al. 2024) cannot hold: gridtrain exports as "
+                            f"MixtralForCausalLM those with {EXPORTABLE}")
+
+
 def hf_config(args: ModelArgs, dtype: str = "float32") -> dict[str, Any]:
-    """config.json of the transformers LlamaConfig describing this model exactly."""
+    """config.json of the transformers LlamaConfig describing this model exactly, or for a mixture
+    of experts the MixtralConfig (exact where `export_problems` finds nothing)."""
     rope = {"rope_type": "llama3", "rope_theta": args.rope_theta, **LLAMA31_ROPE} if args.rope_scaling \
         else {"rope_type": "default", "rope_theta": args.rope_theta}
-    return {
+    config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "hidden_size": args.dim, "intermediate_size": args.hidden_dim,
         "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
@@ -76,6 +103,10 @@ def hf_config(args: ModelArgs, dtype: str = "float32") -> dict[str, Any]:
         # gridtrain's tokenizers are not Llama's: no bos/eos ids are claimed.
         "bos_token_id": None, "eos_token_id": None,
     }
+    if args.moe is None:
+        return config
+    del config["attention_bias"], config["mlp_bias"]  # LlamaConfig's, not MixtralConfig's
+    return config | mixtral_keys(args.moe)
 
 
 # config.json's keys gridtrain reads, by the JSON type LlamaConfig gives them. None (null) is
@@ -86,9 +117,12 @@ _KEY_KINDS = {
     "max_position_embeddings": "count", "rms_norm_eps": "number", "rope_theta": "number",
     "partial_rotary_factor": "number", "tie_word_embeddings": "switch", "attention_bias": "switch",
     "mlp_bias": "switch", "model_type": "text", "hidden_act": "text", "rope_parameters": "object",
-    "rope_scaling": "object",
+    "rope_scaling": "object", **MIXTRAL_KEY_KINDS,
 }
-_NULLABLE = {"num_key_value_heads", "head_dim", "rope_theta", "rope_parameters", "rope_scaling"}
+_NULLABLE = {"num_key_value_heads", "head_dim", "rope_theta", "rope_parameters", "rope_scaling", *MIXTRAL_NULLABLE}
+# What LlamaConfig and MixtralConfig assume for a key config.json leaves out (None: the query heads).
+_DEFAULTS = {"llama": {"rope_theta": 10_000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 2048,
+                       "num_key_value_heads": None}, "mixtral": MIXTRAL_DEFAULTS}
 # The keys of a rope_parameters (or rope_scaling) object; each may be null (then absent).
 _ROPE_KINDS = {"rope_type": "text", "type": "text", "rope_theta": "number", "factor": "number",
                "low_freq_factor": "number", "high_freq_factor": "number", "original_max_position_embeddings": "count"}
@@ -97,7 +131,9 @@ _EXPECTED = {"count": 'a JSON integer (a count is written 2, not 2.0 or "2")', "
 # gridtrain's model keys (as ModelArgs.validate names them) and config.json's.
 _HF_KEYS = {"dim": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
             "n_kv_heads": "num_key_value_heads", "vocab_size": "vocab_size", "ffn_dim": "intermediate_size",
-            "max_seq_len": "max_position_embeddings", "rope_theta": "rope_theta"}
+            "max_seq_len": "max_position_embeddings", "rope_theta": "rope_theta", "head_dim": "head_dim",
+            "moe.num_experts": "num_local_experts", "moe.top_k": "num_experts_per_tok",
+            "moe.expert_ffn_dim": "intermediate_size", "moe.aux_loss_coef": "router_aux_loss_coef"}
 
 
 def _is_kind(kind: str, value: object) -> bool:
@@ -128,10 +164,16 @@ def _type_problems(cfg: dict[str, Any], kinds: dict[str, str], nullable: Contain
             if key in cfg and not (cfg[key] is None and key in nullable) and not _is_kind(kind, cfg[key])]
 
 
+def _default(cfg: dict[str, Any], key: str) -> Any:
+    """config.json's `key`, or what its model_type's config class assumes when it is left out."""
+    return cfg.get(key, _DEFAULTS.get(cfg.get("model_type"), _DEFAULTS["llama"])[key])
+
+
 def _read_rope(cfg: dict[str, Any], problems: list[str]) -> tuple[float, bool]:
     """(rope_theta, Llama 3.1 scaling) from either spelling of the RoPE settings (types checked)."""
     params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    theta = next((t for t in (params.get("rope_theta"), cfg.get("rope_theta")) if t is not None), 10_000.0)
+    theta = next((t for t in (params.get("rope_theta"), cfg.get("rope_theta")) if t is not None),
+                 _default({"model_type": cfg.get("model_type")}, "rope_theta"))  # null is the default too
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
         return float(theta), False
@@ -159,9 +201,11 @@ def _config_problems(cfg: dict[str, Any]) -> list[str]:
             problems += _type_problems(cfg[key], _ROPE_KINDS, _ROPE_KINDS, where=f"{key}.")
     if problems:
         return problems
-    if cfg.get("model_type") != "llama":
-        problems.append(f"model_type {cfg.get('model_type')!r}: gridtrain reads 'llama' "
-                        "(LlamaForCausalLM) only")
+    if cfg.get("model_type") not in _DEFAULTS:
+        problems.append(f"model_type {cfg.get('model_type')!r}: gridtrain reads 'llama' (LlamaForCausalLM) "
+                        "and 'mixtral' (MixtralForCausalLM) only")
+    elif cfg["model_type"] == "mixtral":
+        problems += mixtral_config_problems(cfg)
     if cfg.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act {cfg['hidden_act']!r}: gridtrain's MLP is SwiGLU (silu)")
     problems += [f"{key} = true: gridtrain's linear layers have no bias"
@@ -177,7 +221,7 @@ def _config_problems(cfg: dict[str, Any]) -> list[str]:
 
 def _with_hf_keys(problem: str) -> str:
     """A gridtrain model problem with the config.json names of the keys it mentions."""
-    named = [k for k in dict.fromkeys(re.findall(r"\bmodel\.(\w+)", problem)) if k in _HF_KEYS]
+    named = [k for k in dict.fromkeys(re.findall(r"\bmodel\.((?:moe\.)?\w+)", problem)) if k in _HF_KEYS]
     keys = ", ".join(f"model.{k} is {_HF_KEYS[k]}" for k in named)
     return f"{problem} (in config.json, {keys})" if keys else problem
 
@@ -200,30 +244,31 @@ def hf_shape(cfg: Any) -> ModelArgs:
     if problems := _config_problems(cfg):
         raise _unsupported(problems)
     theta, scaling = _read_rope(cfg, [])
-    heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads")
-    # Missing optional keys take LlamaConfig's defaults.
-    return ModelArgs(dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"], n_heads=heads,
+    dim, heads, head_dim = cfg["hidden_size"], cfg["num_attention_heads"], cfg.get("head_dim")
+    kv_heads = _default(cfg, "num_key_value_heads")
+    moe = moe_from_config(cfg, dim) if cfg["model_type"] == "mixtral" else None
+    # intermediate_size is the experts' width in Mixtral; it is also the dense width, which no layer uses.
+    return ModelArgs(dim=dim, n_layers=cfg["num_hidden_layers"], n_heads=heads,
                      n_kv_heads=heads if kv_heads is None else kv_heads, vocab_size=cfg["vocab_size"],
-                     ffn_dim=cfg["intermediate_size"], norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                     rope_theta=theta, rope_scaling=scaling,
-                     max_seq_len=cfg.get("max_position_embeddings", 2048),
-                     tie_embeddings=cfg.get("tie_word_embeddings", False))
+                     ffn_dim=cfg["intermediate_size"], norm_eps=float(_default(cfg, "rms_norm_eps")),
+                     rope_theta=theta, rope_scaling=scaling, max_seq_len=_default(cfg, "max_position_embeddings"),
+                     tie_embeddings=cfg.get("tie_word_embeddings", False),
+                     explicit_head_dim=head_dim if head_dim is not None and head_dim * heads != dim else None,
+                     moe=moe)
 
 
-def check_hf_shape(args: ModelArgs, cfg: dict[str, Any]) -> ModelArgs:
+def check_hf_shape(args: ModelArgs) -> ModelArgs:
     """`args` (from hf_shape(cfg)) once it passes the checks `gridtrain train` applies
-    (validate.model_problems) and its head_dim is config.json's."""
+    (validate.model_problems)."""
     if problems := model_problems(args):
         raise _unsupported([_with_hf_keys(p) for p in problems])
-    if cfg.get("head_dim") not in (None, args.head_dim):
-        raise InterchangeError(f"head_dim {cfg.get('head_dim')} with hidden_size {args.dim} and {args.n_heads} "
-                               "heads: gridtrain needs head_dim = hidden_size / num_attention_heads")
     return args
 
 
 def args_from_hf_config(cfg: Any) -> ModelArgs:
-    """The gridtrain shape of a transformers Llama config.json, checked (hf_shape, check_hf_shape)."""
-    return check_hf_shape(hf_shape(cfg), cfg)
+    """The gridtrain shape of a transformers Llama or Mixtral config.json, checked (hf_shape,
+    check_hf_shape)."""
+    return check_hf_shape(hf_shape(cfg))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -247,7 +292,7 @@ def _rope_heads(suffix: str, args: ModelArgs) -> int | None:
 
 
 def to_hf_name(name: str) -> str:
-    """transformers' name of a gridtrain weight."""
+    """transformers' name of a gridtrain weight of a dense block, or of the embedding, norm or head."""
     if name in _TOP_NAMES:
         return _TOP_NAMES[name]
     match = _GRIDTRAIN_LAYER.match(name)
@@ -256,18 +301,30 @@ def to_hf_name(name: str) -> str:
     return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
 
 
-def from_hf_name(name: str) -> str | None:
-    """gridtrain's name of a transformers weight; None for a buffer gridtrain recomputes."""
-    if name.endswith("rotary_emb.inv_freq"):
-        return None  # a buffer older transformers saved
-    top = {v: k for k, v in _TOP_NAMES.items()}
-    if name in top:
-        return top[name]
-    layer_names = {v: k for k, v in _LAYER_NAMES.items()}
-    match = _HF_LAYER.match(name)
-    if not match or match.group(2) not in layer_names:
-        raise InterchangeError(f"Hugging Face weight {name!r} has no place in gridtrain's Llama")
-    return f"layers.{match.group(1)}.{layer_names[match.group(2)]}"
+def hf_source(name: str, args: ModelArgs, layout: MixtralLayout = SAVED) -> Source:
+    """Where gridtrain weight `name` is in a transformers state dict (an MoE block's: in `layout`)."""
+    match = _GRIDTRAIN_LAYER.match(name)
+    if match and match.group(2).startswith("moe.") and args.moe is not None:
+        source = moe_source(match.group(1), match.group(2), args.moe.num_experts, layout)
+        if source is None:
+            raise InterchangeError(f"no Hugging Face name for gridtrain parameter {name!r}")
+        return source
+    return Source((to_hf_name(name),))
+
+
+def hf_sources(names: Iterable[str], args: ModelArgs, layout: MixtralLayout = SAVED) -> dict[str, Source]:
+    return {name: hf_source(name, args, layout) for name in names}
+
+
+def hf_shapes(shapes: dict[str, torch.Tensor], sources: dict[str, Source]) -> dict[str, tuple[int, ...]]:
+    """transformers' name and shape of each weight stored for gridtrain's `shapes` (meta tensors)."""
+    return {hf_name: sources[name].stored_shape(tuple(meta.shape))
+            for name, meta in shapes.items() for hf_name in sources[name].names}
+
+
+def ignored_hf_name(name: str) -> bool:
+    """A buffer older transformers saved and gridtrain recomputes (RoPE's inverse frequencies)."""
+    return name.endswith("rotary_emb.inv_freq")
 
 
 def hf_layer_of(name: str) -> str | None:
@@ -294,23 +351,45 @@ def from_hf_tensor(name: str, tensor: torch.Tensor, args: ModelArgs) -> torch.Te
     return _rope_rows_from_hf(tensor, heads) if heads else tensor
 
 
+def model_shapes(args: ModelArgs) -> dict[str, torch.Tensor]:
+    """The model's weights and saved buffers (the expert bias) as meta tensors (names, shapes,
+    dtypes; nothing allocated), a tied head left out: a checkpoint holds it under both names, and
+    it is the embedding."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    return {k: v for k, v in model.state_dict().items() if not (args.tie_embeddings and k == "output.weight")}
+
+
 def to_hf_state_dict(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
-    """gridtrain names and RoPE layout -> transformers'; a tied output head is left out."""
-    return {to_hf_name(name): to_hf_tensor(name, tensor, args) for name, tensor in sd.items()
-            if not (name == "output.weight" and args.tie_embeddings)}
+    """gridtrain names and RoPE layout -> transformers' (experts one weight each, as save_pretrained
+    stores Mixtral); a tied output head and the expert bias (zero, or export refuses) are left out."""
+    out = {}
+    for name, tensor in sd.items():
+        if not (name == "output.weight" and args.tie_embeddings):
+            out.update(hf_source(name, args).split(to_hf_tensor(name, tensor, args)))
+    return out
 
 
 def from_hf_state_dict(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
-    """transformers names and RoPE layout -> gridtrain's (the exact inverse of `to_hf_state_dict`)."""
+    """transformers names and RoPE layout -> gridtrain's, the experts in whichever layout `sd` has
+    (the exact inverse of `to_hf_state_dict`; the expert bias is zero)."""
+    shapes = model_shapes(args)
+    sources = hf_sources(shapes, args, layout_of(sd))
+    wanted = hf_shapes(shapes, sources)
+    head = "lm_head.weight" if args.tie_embeddings and "lm_head.weight" in sd else None
+    extra = [name for name in sd if name not in wanted and name != head and not ignored_hf_name(name)]
+    missing = [name for name in wanted if name not in sd]
+    if extra or missing:
+        raise InterchangeError(f"Hugging Face weights with no place in gridtrain's model: {extra}; missing: {missing}")
+    if head and not torch.equal(sd[head], sd["model.embed_tokens.weight"]):
+        raise InterchangeError(TIED_HEAD_DIFFERS)
     out = {}
-    for name, tensor in sd.items():
-        ours = from_hf_name(name)
-        if ours is not None:
-            out[ours] = from_hf_tensor(ours, tensor, args)
-    if args.tie_embeddings and "tok_embeddings.weight" in out:
-        head = out.get("output.weight")
-        if head is not None and not torch.equal(head, out["tok_embeddings.weight"]):
-            raise InterchangeError(TIED_HEAD_DIFFERS)
+    for name, source in sources.items():
+        if source.names:
+            out[name] = from_hf_tensor(name, source.gather(sd.__getitem__, sd[source.names[0]].dtype), args)
+        else:
+            out[name] = torch.zeros(shapes[name].shape, dtype=shapes[name].dtype)
+    if args.tie_embeddings:
         out["output.weight"] = out["tok_embeddings.weight"]
     return out
 

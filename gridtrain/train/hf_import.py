@@ -1,14 +1,17 @@
-"""`gridtrain import`: a transformers Llama directory (config.json and safetensors, one file or
-several with model.safetensors.index.json) becomes a gridtrain run: a step-0 checkpoint (the
-weights, a fresh AdamW's state, a fresh trainer state) and run_dir/imported.toml.
+"""`gridtrain import`: a transformers Llama or Mixtral directory (config.json and safetensors, one
+file or several with model.safetensors.index.json) becomes a gridtrain run: a step-0 checkpoint
+(the weights, a fresh AdamW's state, a fresh trainer state, a zero expert bias) and
+run_dir/imported.toml.
 
 The model is never whole in memory. Only the safetensors headers are read up front (names, shapes,
 dtypes: every weight of config.json's model must be there and nothing else). The checkpoint's state
 dict is then built on the meta device, and DCP's writer asks for its tensors one at a time
-(SavePlanner.resolve_data): a weight is read from its file then, turned into gridtrain's layout
-and fp32, written and dropped; an Adam moment is zeros of its shape. Each tensor goes to a file of
-its own, because DCP's writer keeps every tensor of a file until it closes it. What the process
-holds beyond the interpreter is about two copies of the largest weight (bench/bench_export.py).
+(SavePlanner.resolve_data): a weight is read from its file then (a Mixtral expert stack: from its
+experts' weights, or its half of transformers 5's fused gate_up_proj), turned into gridtrain's
+layout and fp32, written and dropped; an Adam moment or the expert bias is zeros of its shape. Each
+tensor goes to a file of its own, because DCP's writer keeps every tensor of a file until it closes
+it. What the process holds beyond the interpreter is about two copies of the largest weight
+(bench/bench_export.py; an expert stack: the stack and its experts' weights).
 """
 
 from __future__ import annotations
@@ -24,15 +27,17 @@ from safetensors import safe_open
 from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import WriteItem
 
-from gridtrain.config import CheckpointConfig, ModelConfig, TrainConfig
+from gridtrain.config import CheckpointConfig, ModelConfig, MoEConfig, TrainConfig
 from gridtrain.config_load import load_config
 from gridtrain.inputs import MISSING, file_problem, read_json
 from gridtrain.model.args import PRESETS, ModelArgs
-from gridtrain.model.hf import (TIED_HEAD_DIFFERS, InterchangeError, check_hf_shape, from_hf_name, from_hf_tensor,
-                                hf_config, hf_layer_of, hf_shape, json_type, to_hf_name)
+from gridtrain.model.hf import (TIED_HEAD_DIFFERS, InterchangeError, check_hf_shape, export_problems, from_hf_tensor,
+                                hf_config, hf_layer_of, hf_shape, hf_shapes, hf_sources, ignored_hf_name, json_type,
+                                model_shapes)
+from gridtrain.model.hf_moe import Source, layout_of
 from gridtrain.model.llama import Transformer
 from gridtrain.train import checkpoint
-from gridtrain.train.hf_run import atomic_dir, require_free, model_shapes
+from gridtrain.train.hf_run import atomic_dir, require_free
 from gridtrain.train.optim import build_optimizer, set_lr
 from gridtrain.train.precision import Precision
 
@@ -151,40 +156,40 @@ def _read(stored: Stored, hf_name: str) -> torch.Tensor:
         raise _unreadable(stored.file, err) from None
 
 
-def weight_sources(stored: dict[str, Stored], args: ModelArgs, hf_dir: Path) -> dict[str, str]:
-    """gridtrain weight name -> the Hugging Face weight it is read from, once every weight of the
+def weight_sources(stored: dict[str, Stored], args: ModelArgs, hf_dir: Path) -> dict[str, Source]:
+    """gridtrain weight name -> the Hugging Face weights it is read from, once every weight of the
     model is found with its shape and a float dtype (a tied head: the embedding, which lm_head, if
-    stored, must equal). Only headers are compared until then: the tied head's check reads last."""
-    found = {ours: hf_name for hf_name in stored if (ours := from_hf_name(hf_name)) is not None}
+    stored, must equal; Mixtral's experts in whichever layout the names show). Only headers are
+    compared until then: the tied head's check reads last. The expert bias is read from nowhere."""
     shapes = model_shapes(args)
-    head = found.pop("output.weight") if args.tie_embeddings and "output.weight" in found else None
+    sources = hf_sources(shapes, args, layout_of(stored))
+    wanted = hf_shapes(shapes, sources)
+    embedding = "model.embed_tokens.weight"
+    head = "lm_head.weight" if args.tie_embeddings and "lm_head.weight" in stored else None
     if head is not None:
-        shapes = {**shapes, "lm_head": shapes["tok_embeddings.weight"]}  # checked as the embedding is
-        found["lm_head"] = head
-    problems = [f"{to_hf_name(name)} is missing" for name in shapes if name not in found]
-    problems += [f"{found[name]} is not in the model" for name in found if name not in shapes]
-    for name, meta in shapes.items():
-        where = stored.get(found.get(name, ""))
-        if where and where.shape != tuple(meta.shape):
-            problems.append(f"{found[name]} has shape {list(where.shape)}, the model {list(meta.shape)}")
+        wanted[head] = wanted[embedding]  # checked as the embedding is
+    problems = [f"{name} is missing" for name in wanted if name not in stored]
+    problems += [f"{name} is not in the model" for name in stored if name not in wanted and not ignored_hf_name(name)]
+    for name, shape in wanted.items():
+        where = stored.get(name)
+        if where and where.shape != shape:
+            problems.append(f"{name} has shape {list(where.shape)}, the model {list(shape)}")
         if where and where.dtype not in FLOAT_DTYPES:
-            problems.append(f"{found[name]} is stored as {where.dtype}, not a float type")
+            problems.append(f"{name} is stored as {where.dtype}, not a float type")
     if problems:
         raise InterchangeError(f"the weights in {hf_dir} do not fit its config.json: {'; '.join(problems)}")
-    found.pop("lm_head", None)
-    embedding = found["tok_embeddings.weight"]
     if head is not None and not torch.equal(_read(stored[head], head), _read(stored[embedding], embedding)):
         raise InterchangeError(TIED_HEAD_DIFFERS)
     if args.tie_embeddings:
-        found["output.weight"] = embedding
-    return found
+        sources["output.weight"] = sources["tok_embeddings.weight"]
+    return {name: source for name, source in sources.items() if source.names}
 
 
 class StreamingPlanner(DefaultSavePlanner):
     """DCP's planner over a state dict of meta tensors: `model.*` weights are read when DCP writes
-    them, any other meta tensor (Adam's moments) is zeros."""
+    them, any other meta tensor (Adam's moments, the expert bias) is zeros."""
 
-    def __init__(self, stored: dict[str, Stored], sources: dict[str, str], args: ModelArgs) -> None:
+    def __init__(self, stored: dict[str, Stored], sources: dict[str, Source], args: ModelArgs) -> None:
         super().__init__()
         self.stored, self.sources, self.args = stored, sources, args
 
@@ -195,9 +200,8 @@ class StreamingPlanner(DefaultSavePlanner):
         name = write_item.index.fqn.removeprefix("model.")
         if name not in self.sources:
             return torch.zeros(meta.shape, dtype=meta.dtype)
-        hf_name = self.sources[name]
-        tensor = from_hf_tensor(name, _read(self.stored[hf_name], hf_name), self.args)
-        return tensor.to(meta.dtype).contiguous()
+        tensor = self.sources[name].gather(lambda hf_name: _read(self.stored[hf_name], hf_name), meta.dtype)
+        return from_hf_tensor(name, tensor, self.args).contiguous()
 
 
 def fresh_optimizer(model: torch.nn.Module, train: TrainConfig) -> torch.optim.Optimizer:
@@ -234,22 +238,50 @@ def _toml_value(value: object) -> str:
     return json.dumps(str(value))  # a JSON string is a TOML basic string
 
 
+def pick_preset(args: ModelArgs) -> str:
+    """The preset the imported model's keys override: one of the same shape if there is one, else
+    the first of its kind (dense, or mixture of experts: model.moe.* keys need one) with its norm
+    epsilon, which no key sets."""
+    kind = [name for name, make in PRESETS.items() if (make().moe is None) == (args.moe is None)]
+    same_eps = [name for name in kind if PRESETS[name]().norm_eps == args.norm_eps]
+    if not same_eps:
+        used = sorted({PRESETS[name]().norm_eps for name in kind})
+        raise InterchangeError(f"rms_norm_eps {args.norm_eps} cannot be set in a gridtrain config (no model.norm_eps "
+                               f"key; the {'mixture-of-experts' if args.moe else 'dense'} presets use {used})")
+    exact = [name for name in same_eps
+             if not export_problems(PRESETS[name]()) and hf_config(PRESETS[name]()) == hf_config(args)]
+    return (exact or same_eps)[0]
+
+
+def model_keys(args: ModelArgs, preset: str) -> dict[str, object]:
+    """The model.* keys that make `preset` the imported shape. head_dim is written where either has
+    one of its own; the dense width where a layer uses it (every layer of a Mixtral is experts)."""
+    keys: dict[str, object] = {"preset": preset}
+    for f in dataclasses.fields(ModelConfig):
+        if f.name in ("preset", "moe"):
+            continue
+        if f.name == "head_dim":
+            if args.explicit_head_dim is not None or PRESETS[preset]().explicit_head_dim is not None:
+                keys["head_dim"] = args.head_dim
+        elif f.name == "ffn_dim":
+            if args.moe is None or args.moe.moe_layers(args.n_layers) < args.n_layers:
+                keys["ffn_dim"] = args.hidden_dim
+        else:
+            keys[f.name] = getattr(args, f.name)
+    return keys
+
+
 def imported_toml(args: ModelArgs, run_dir: Path, train: TrainConfig) -> str:
     """The TOML config that continues training the imported weights in `run_dir`."""
-    same_eps = [name for name, fn in PRESETS.items() if fn().norm_eps == args.norm_eps]
-    if not same_eps:
-        raise InterchangeError(f"rms_norm_eps {args.norm_eps} cannot be set in a gridtrain config (no "
-                               f"model.norm_eps key; the presets use {PRESETS['small']().norm_eps})")
-    exact = [name for name in same_eps if hf_config(PRESETS[name]()) == hf_config(args)]
-    model = {"preset": (exact or same_eps)[0]}
-    for f in dataclasses.fields(ModelConfig):
-        if f.name != "preset":
-            model[f.name] = args.hidden_dim if f.name == "ffn_dim" else getattr(args, f.name)
+    model = model_keys(args, pick_preset(args))
     optim = {k: getattr(train, k) for k in ("weight_decay", "beta1", "beta2", "eps")}
     lines = ["# Written by `gridtrain import`: continue with",
              f"#   gridtrain train --config {run_dir / 'imported.toml'} --data.corpus ...",
              f"run_dir = {_toml_value(run_dir)}", "", "[model]"]
     lines += [f"{k} = {_toml_value(v)}" for k, v in model.items()]
+    if args.moe is not None:
+        lines += ["", "[model.moe]"]
+        lines += [f"{f.name} = {_toml_value(getattr(args.moe, f.name))}" for f in dataclasses.fields(MoEConfig)]
     lines += ["", "# AdamW's hyperparameters stored in the step-0 checkpoint (a resume restores them).",
               "[train]"]
     lines += [f"{k} = {_toml_value(v)}" for k, v in optim.items()]
@@ -258,7 +290,7 @@ def imported_toml(args: ModelArgs, run_dir: Path, train: TrainConfig) -> str:
 
 
 def import_hf(hf_dir: Path, run_dir: Path, train: TrainConfig | None = None) -> Path:
-    """Turn a transformers Llama directory into a gridtrain run (see the module docstring).
+    """Turn a transformers Llama or Mixtral directory into a gridtrain run (see the module docstring).
     Returns `run_dir`; a failure leaves nothing there."""
     train = train or TrainConfig()
     hf_dir, run_dir = Path(hf_dir), Path(run_dir).resolve()
@@ -266,7 +298,7 @@ def import_hf(hf_dir: Path, run_dir: Path, train: TrainConfig | None = None) -> 
     config, stored = read_hf_dir(hf_dir)
     args = hf_shape(config)  # its JSON types
     check_headers_fit(stored, args, hf_dir)  # before anything is built from the config
-    check_hf_shape(args, config)  # what `gridtrain train` checks
+    check_hf_shape(args)  # what `gridtrain train` checks
     toml = imported_toml(args, run_dir, train)
     sources = weight_sources(stored, args, hf_dir)
     with torch.device("meta"):
@@ -274,7 +306,8 @@ def import_hf(hf_dir: Path, run_dir: Path, train: TrainConfig | None = None) -> 
     state = checkpoint.state_of([model], [fresh_optimizer(model, train)], fresh_trainer_state(train))
     with atomic_dir(run_dir) as tmp:
         (tmp / "imported.toml").write_text(toml)
-        if hf_config(load_config(tmp / "imported.toml").model.args()) != hf_config(args):
+        again = load_config(tmp / "imported.toml").model.args()
+        if hf_config(again) != hf_config(args) or again.moe != args.moe or again.qk_norm:
             raise InterchangeError("internal: imported.toml does not reproduce the model's shape")
         checkpoint.save_state(tmp / "checkpoints", 0, state, keep=CheckpointConfig().keep,
                               planner=StreamingPlanner(stored, sources, args), own_file_from=OWN_FILE_FROM)

@@ -1,6 +1,6 @@
 """Hugging Face interchange of runs: `gridtrain export` writes a run's checkpoint as a transformers
-`LlamaForCausalLM` directory (gridtrain.model.hf maps the names, the RoPE rows and the config;
-gridtrain.train.hf_import is `gridtrain import`).
+`LlamaForCausalLM` directory, or `MixtralForCausalLM` for a mixture of experts (gridtrain.model.hf
+maps the names, the RoPE rows and the config; gridtrain.train.hf_import is `gridtrain import`).
 
 Files are safetensors and DCP checkpoints only: nothing here unpickles but DCP's .metadata,
 through untrusted.SafeReader (DCP's metadata classes and nothing else), and a checkpoint's shapes
@@ -23,8 +23,8 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from gridtrain.config import Config
 from gridtrain.model.args import ModelArgs
-from gridtrain.model.hf import InterchangeError, hf_config, to_hf_state_dict
-from gridtrain.model.llama import Transformer
+from gridtrain.model.hf import (InterchangeError, export_problems, export_refusal, hf_config, hf_source, model_shapes,
+                                to_hf_state_dict)
 from gridtrain.rundir import RunRecord
 from gridtrain.train import checkpoint
 from gridtrain.train.checkpoint_state import read_problem, read_state
@@ -131,14 +131,6 @@ MAX_SHARD_BYTES = 5 * 10**9
 """What transformers' save_pretrained writes per safetensors file by default (5 GB)."""
 
 
-def model_shapes(args: ModelArgs) -> dict[str, torch.Tensor]:
-    """The model's weights as meta tensors (names, shapes, dtypes; nothing allocated), a tied head
-    left out: the checkpoint holds it under both names, and it is the embedding."""
-    with torch.device("meta"):
-        model = Transformer(args)
-    return {k: v for k, v in model.state_dict().items() if not (args.tie_embeddings and k == "output.weight")}
-
-
 def plan_shards(shapes: dict[str, torch.Tensor], max_bytes: int) -> list[list[str]]:
     """Consecutive weights grouped into files of at most `max_bytes` (a larger weight alone)."""
     shards: list[list[str]] = [[]]
@@ -163,20 +155,34 @@ def load_model_weights(reader: SafeReader, args: ModelArgs, shapes: dict[str, to
     return wanted
 
 
+def check_expert_bias(reader: SafeReader, args: ModelArgs, path: Path) -> None:
+    """Refuse a checkpoint whose expert bias (model.moe.balance 'bias', DeepSeek-V3's balance) is
+    nonzero: it takes part in choosing the experts, and Mixtral's router chooses by the softmax alone."""
+    if args.moe is None or args.moe.balance != "bias":
+        return
+    shapes = {k: meta for k, meta in model_shapes(args).items() if k.endswith(".moe.expert_bias")}
+    moved = [k for k, bias in load_model_weights(reader, args, shapes).items() if bias.any()]
+    if moved:
+        raise InterchangeError(f"checkpoint {path} has a nonzero expert bias in {len(moved)} of {len(shapes)} MoE "
+                               "layers (model.moe.balance = 'bias', DeepSeek-V3's): it takes part in choosing the "
+                               "experts, which transformers' Mixtral router (the top k of the softmax alone) cannot "
+                               "hold; runs trained with balance 'aux_loss' or 'none' export")
+
+
 def export_run(run_dir: Path, out: Path, step: int | None = None, max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
-    """Write a run's checkpoint (the newest, or `step`'s) as a transformers Llama directory:
-    config.json and model.safetensors, or model-0000i-of-0000N.safetensors files of at most
-    `max_shard_bytes` with transformers' index file. One file's weights are in memory at a time.
-    Returns `out`."""
+    """Write a run's checkpoint (the newest, or `step`'s) as a transformers Llama directory, or a
+    Mixtral one for a mixture of experts: config.json and model.safetensors, or
+    model-0000i-of-0000N.safetensors files of at most `max_shard_bytes` with transformers' index
+    file. One file's weights are in memory at a time. A shape transformers cannot hold is refused
+    before anything is written. Returns `out`."""
     require_free(Path(out))
     cfg, root = read_run(Path(run_dir))
     args = cfg.model.args()
-    if args.moe is not None or args.qk_norm:
-        raise InterchangeError(f"{run_dir} trained model.preset '{cfg.model.preset}' ("
-                               f"{'a mixture of experts' if args.moe else 'QK-norm'}), which transformers' Llama "
-                               "layout cannot hold: gridtrain exports Llama models only so far")
+    if export_problems(args):
+        raise export_refusal(args, f"{run_dir} (model.preset '{cfg.model.preset}')")
     path, reader = open_checkpoint(root, args, step)
-    shapes = model_shapes(args)
+    check_expert_bias(reader, args, path)
+    shapes = {k: meta for k, meta in model_shapes(args).items() if hf_source(k, args).names}  # no expert bias
     shards = plan_shards(shapes, max_shard_bytes)
     files = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
