@@ -351,8 +351,9 @@ def _float8_shape_problems(args: ModelArgs, tp: int) -> list[str]:
 
 def _check_moe(cfg: Config, dims: ParallelDims) -> list[str]:
     """A mixture-of-experts model where it has been compared with one process: one process, data
-    parallelism (DDP, ZeRO-2, FSDP, HSDP), and expert parallelism over all the data-parallel ranks
-    (tests/test_moe_parallel.py); expert parallelism only for a mixture of experts."""
+    parallelism (DDP, ZeRO-2, FSDP, HSDP), expert parallelism over all the data-parallel ranks, and
+    pipelines beside them (tests/test_moe_parallel.py); expert parallelism only for a mixture of
+    experts."""
     args, p = shape_of(cfg), cfg.parallel
     if args is None or args.moe is None:
         if dims.ep > 1 and args is not None:
@@ -360,9 +361,9 @@ def _check_moe(cfg: Config, dims: ParallelDims) -> list[str]:
                     f"'{cfg.model.preset}' is dense: use a mixture-of-experts preset, or set parallel.ep to 1"]
         return []
     problems, name = [], f"model.preset '{cfg.model.preset}' (a mixture of experts)"
-    if dims.tp > 1 or dims.pp > 1 or dims.cp > 1:
-        problems.append(f"{name} is compared with one process under data and expert parallelism only, not with "
-                        f"parallel.tp ({dims.tp}), pp ({dims.pp}) or cp ({dims.cp}): set them to 1")
+    if dims.tp > 1 or dims.cp > 1:
+        problems.append(f"{name} is compared with one process under data, expert and pipeline parallelism only, "
+                        f"not with parallel.tp ({dims.tp}) or cp ({dims.cp}): set them to 1")
     if p.zero_stage == 1 and dims.dp > 1:
         problems.append(f"{name} is not compared under parallel.zero_stage 1: use 0 (DDP), 2 or 3")
     if dims.ep > 1:

@@ -102,7 +102,7 @@ TRAIN = [
     (["train", "--dry-run", "--world", "1", "--model.preset", "tiny-moe"],
      "model.preset 'tiny-moe' is a mixture of experts, whose all-to-alls"),
     (["train", "--model.preset", "tiny-moe", "--nproc", "4", "--parallel.tp", "2"],
-     "is compared with one process under data and expert parallelism only, not with parallel.tp (2)"),
+     "is compared with one process under data, expert and pipeline parallelism only, not with parallel.tp (2)"),
     (["train", "--model.preset", "tiny-moe", "--nproc", "4", "--parallel.ep", "2"],
      "parallel.ep (2) must span every data-parallel rank (dp_replicate x dp_shard = 4) so far"),
     (["train", "--model.preset", "tiny-moe", "--nproc", "2", "--parallel.ep", "2", "--model.moe.num_experts", "3",

@@ -22,6 +22,8 @@ ZERO2 = {"parallel.zero_stage": 2, "parallel.dp_shard": 2, "parallel.dp_replicat
 FSDP4 = {"parallel.zero_stage": 3, "parallel.dp_shard": 4, "parallel.dp_replicate": 1}
 HSDP4 = {"parallel.zero_stage": 3, "parallel.dp_shard": 2, "parallel.dp_replicate": 2}
 EP2, EP4, EP1 = {"parallel.ep": 2}, {"parallel.ep": 4}, {"parallel.ep": 1}
+PP2 = {s: {"parallel.pp": 2, "parallel.pp_schedule": s, "parallel.pp_virtual_stages": 1 if s in ("gpipe", "1f1b") else 2}
+       for s in ("gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb", "zbv")}
 BIAS = {"model.moe.balance": "bias", "model.moe.bias_update_rate": 0.01}
 # Two experts, one per rank, top-1, and a bias step of 10: after the first step every token goes to
 # the expert that was less loaded, so the other rank receives no token at all.
@@ -41,10 +43,16 @@ WORLD2: dict[str, tuple[dict, dict | None]] = {
     "ep2.capacity": ({**FSDP2, **EP2, "model.moe.capacity_factor": 1.0}, None),
     "ep2.ddp.zloss.sigmoid": ({**DDP2, **EP2, "model.moe.z_loss_coef": 1e-3, "model.moe.score": "sigmoid",
                                "model.moe.num_shared_experts": 1}, {**FSDP2, **EP1}),
+    # A pipeline's first step probes each stage's shapes with a forward, on empty tensors after the
+    # first stage: counted, it moved the bias by a micro-batch that never was (SplitBackwardStage).
+    "pp2.gpipe.bias": ({**PP2["gpipe"], "parallel.dp_shard": 1, **BIAS}, {**PP2["1f1b"], "parallel.dp_shard": 1}),
+    "pp2.zbv.full": ({**PP2["zbv"], "parallel.dp_shard": 1, "train.recompute": "full"}, None),
 }
 WORLD4: dict[str, tuple[dict, dict | None]] = {
     "ep4.fsdp": ({**FSDP4, **EP4}, {**HSDP4, **EP4}),
     "ep4.hsdp.bias": ({**HSDP4, **EP4, **BIAS}, None),
+    "ep2.pp2.1f1b": ({**FSDP2, **EP2, **PP2["1f1b"]}, {**DDP2, **EP2, **PP2["interleaved-1f1b"]}),
+    "ep2.pp2.interleaved-zb.bias": ({**DDP2, **EP2, **PP2["interleaved-zb"], **BIAS}, None),
 }
 MODEL_KEYS = ("model.", "train.precision", "train.recompute")
 

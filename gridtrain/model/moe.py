@@ -20,6 +20,9 @@ under gradient accumulation, recomputation and pipeline schedules alike.
 
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -179,6 +182,9 @@ class MoE(nn.Module):
         """(aux, z) summed over this step's micro-batches, for the log."""
         self.loss_scale = 1.0
         """The factor the trainer multiplies each micro-batch's loss by before backward."""
+        self.counting = True
+        """Whether this forward's routing counts toward the step (off while a pipeline stage runs a
+        forward only to learn its tensors' shapes)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a, (B, T, D) = self.args, x.shape
@@ -194,7 +200,7 @@ class MoE(nn.Module):
         if self.shared is not None:
             out = out + self.shared(tokens)
         out = out.view(B, T, D)
-        if torch.is_grad_enabled():
+        if self.training and torch.is_grad_enabled():
             out = self._balance(out, logits, scores, counts, experts.numel() - order.numel())
         return out
 
@@ -208,7 +214,7 @@ class MoE(nn.Module):
             losses.append(aux_loss(scores, counts, a))
         if a.z_loss_coef > 0:
             losses.append(z_loss(logits, a.z_loss_coef))
-        if not _recomputing():
+        if self.counting and not _recomputing():
             with torch.no_grad():
                 self.tokens_per_expert += counts
                 self.dropped += dropped
@@ -225,3 +231,15 @@ def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
     """(name, module) of every MoE feed-forward in `model`, in order."""
     return [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
 
+
+@contextlib.contextmanager
+def routing_uncounted(model: nn.Module) -> Iterator[None]:
+    """Forwards inside leave the MoE layers' step counters alone (a shape-probing forward)."""
+    layers = [layer for _, layer in moe_layers(model)]
+    for layer in layers:
+        layer.counting = False
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.counting = True

@@ -23,6 +23,7 @@ from torch.distributed.pipelining.schedules import (FORWARD, PipelineScheduleMul
 from gridtrain.layout.dims import stage_layer_counts
 from gridtrain.layout.schedules import SCHEDULES, stage_ranks
 from gridtrain.model.llama import Transformer
+from gridtrain.model.moe import routing_uncounted
 
 
 def stage_layer_ranges(n_layers: int, num_stages: int, fewer_edge_layers: int) -> list[range]:
@@ -74,6 +75,17 @@ class SplitBackwardStage(PipelineStage):
     (torch's stage turns resharding after backward off), and at most one all-gather per block
     where a forward in between resharded it.
     """
+
+    def _forward_metadata_inference(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - torch >= 2.13
+        """torch's forward that learns the stage's tensor shapes, at the first step: with grad on,
+        on the first micro-batch (first stage) or on empty tensors (the others). A mixture of
+        experts must not count its routing there (it moved the expert bias by a ghost micro-batch)."""
+        with routing_uncounted(self.submod):
+            return super()._forward_metadata_inference(*args, **kwargs)
+
+    def _shape_inference(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - torch 2.11 and 2.12
+        with routing_uncounted(self.submod):
+            return super()._shape_inference(*args, **kwargs)
 
     def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False):
         if backward_type in ("input", "weight") and isinstance(self.submod, FSDPModule):
