@@ -351,9 +351,9 @@ def _float8_shape_problems(args: ModelArgs, tp: int) -> list[str]:
 
 def _check_moe(cfg: Config, dims: ParallelDims) -> list[str]:
     """A mixture-of-experts model where it has been compared with one process: one process, data
-    parallelism (DDP, ZeRO-2, FSDP, HSDP), expert parallelism over all the data-parallel ranks, and
-    pipelines beside them (tests/test_moe_parallel.py); expert parallelism only for a mixture of
-    experts."""
+    parallelism (DDP, ZeRO-2, FSDP, HSDP), tensor parallelism (experts replicated over it), pipelines,
+    context parallelism, and expert parallelism over every data- and context-parallel rank
+    (tests/test_moe_parallel.py); expert parallelism only for a mixture of experts."""
     args, p = shape_of(cfg), cfg.parallel
     if args is None or args.moe is None:
         if dims.ep > 1 and args is not None:
@@ -361,20 +361,21 @@ def _check_moe(cfg: Config, dims: ParallelDims) -> list[str]:
                     f"'{cfg.model.preset}' is dense: use a mixture-of-experts preset, or set parallel.ep to 1"]
         return []
     problems, name = [], f"model.preset '{cfg.model.preset}' (a mixture of experts)"
-    if dims.tp > 1 or dims.cp > 1:
-        problems.append(f"{name} is compared with one process under data, expert and pipeline parallelism only, "
-                        f"not with parallel.tp ({dims.tp}) or cp ({dims.cp}): set them to 1")
     if p.zero_stage == 1 and dims.dp > 1:
         problems.append(f"{name} is not compared under parallel.zero_stage 1: use 0 (DDP), 2 or 3")
+    if args.moe.capacity_factor > 0 and dims.cp > 1:
+        problems.append(f"model.moe.capacity_factor ({args.moe.capacity_factor}) keeps each expert's first tokens of "
+                        f"a micro-batch, which parallel.cp ({dims.cp}) splits over its ranks: set capacity_factor to 0 "
+                        "(dropless), or parallel.cp to 1")
     if dims.ep > 1:
         if args.moe.num_experts % dims.ep:
             problems.append(f"parallel.ep ({dims.ep}) must divide model.moe.num_experts ({args.moe.num_experts}), "
                             f"since each rank holds an equal share of the experts: set parallel.ep to a divisor of "
                             f"{args.moe.num_experts}")
-        if dims.ep != dims.dp:
-            problems.append(f"parallel.ep ({dims.ep}) must span every data-parallel rank (dp_replicate x dp_shard = "
-                            f"{dims.dp}) so far: set parallel.ep to {dims.dp}, or 1 (experts then replicated or "
-                            "sharded by FSDP like the other weights)")
+        if dims.ep != dims.dp * dims.cp:
+            problems.append(f"parallel.ep ({dims.ep}) must span every data- and context-parallel rank (dp_replicate x "
+                            f"dp_shard x cp = {dims.dp * dims.cp}) so far: set parallel.ep to {dims.dp * dims.cp}, or 1 "
+                            "(experts then replicated or sharded by FSDP like the other weights)")
     if cfg.train.compile:
         problems.append(f"{name} routes tokens to experts in data-dependent groups, which train.compile has not "
                         "been compared with: set train.compile = false")

@@ -8,7 +8,7 @@ import torch
 
 from gridtrain.model import moe as moe_module
 from gridtrain.model.args import PRESETS, model_args
-from gridtrain.model.moe import MoE, Router, aux_loss, dispatch_order, moe_layers
+from gridtrain.model.moe import Router, aux_loss, dispatch_order, moe_layers, prob_sums
 from gridtrain.model.moe_args import MoEArgs
 from gridtrain.model.stats import build_meta, count_parameters, model_parameters
 from gridtrain.train.balance import balance_step, set_loss_scale
@@ -106,12 +106,16 @@ def test_the_router_scores_in_fp32_under_bf16_autocast():
 
 def test_the_aux_loss_is_alpha_when_balanced_and_follows_switch_by_hand():
     args = MoEArgs(num_experts=2, top_k=1, expert_ffn_dim=8, aux_loss_coef=0.1)
-    balanced = aux_loss(torch.tensor([[0.5, 0.5], [0.5, 0.5]]), torch.tensor([1, 1]), args)
+    balanced = aux_loss(prob_sums(torch.tensor([[0.5, 0.5], [0.5, 0.5]]), args), torch.tensor([1, 1]), 2, args)
     assert balanced.item() == pytest.approx(0.1)
     # Both tokens to expert 0 with scores (0.75, 0.25): f = (1, 0), P = (0.75, 0.25);
     # alpha E sum f P = 0.1 x 2 x 0.75 = 0.15.
-    skewed = aux_loss(torch.tensor([[0.75, 0.25], [0.75, 0.25]]), torch.tensor([2, 0]), args)
+    skewed = aux_loss(prob_sums(torch.tensor([[0.75, 0.25], [0.75, 0.25]]), args), torch.tensor([2, 0]), 2, args)
     assert skewed.item() == pytest.approx(0.15)
+    # Sigmoid scores are normalised per token first: (0.9, 0.3) reads as (0.75, 0.25).
+    sigmoid = dataclasses.replace(args, score="sigmoid")
+    assert aux_loss(prob_sums(torch.tensor([[0.9, 0.3], [0.9, 0.3]]), sigmoid), torch.tensor([2, 0]), 2,
+                    sigmoid).item() == pytest.approx(0.15)
 
 
 def test_capacity_keeps_each_experts_first_assignments_in_token_order():
@@ -173,7 +177,7 @@ def test_the_bias_moves_once_by_the_sum_of_every_micro_batchs_counts():
         loss_fn(model(tokens), tokens).backward()
         for _, layer in moe_layers(model):
             layer._forward_hooks.clear()
-    metrics = balance_step([model], [], micro_batches=4, stepped=True)
+    metrics = balance_step([model], [], shares=4, stepped=True)
     for name, layer in moe_layers(model):
         load = expected[name].double()
         assert torch.equal(layer.expert_bias, (0.01 * torch.sign(load.mean() - load)).float())

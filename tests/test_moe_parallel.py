@@ -22,6 +22,7 @@ ZERO2 = {"parallel.zero_stage": 2, "parallel.dp_shard": 2, "parallel.dp_replicat
 FSDP4 = {"parallel.zero_stage": 3, "parallel.dp_shard": 4, "parallel.dp_replicate": 1}
 HSDP4 = {"parallel.zero_stage": 3, "parallel.dp_shard": 2, "parallel.dp_replicate": 2}
 EP2, EP4, EP1 = {"parallel.ep": 2}, {"parallel.ep": 4}, {"parallel.ep": 1}
+TP2, CP2 = {"parallel.tp": 2}, {"parallel.cp": 2, "parallel.zero_stage": 3}
 PP2 = {s: {"parallel.pp": 2, "parallel.pp_schedule": s, "parallel.pp_virtual_stages": 1 if s in ("gpipe", "1f1b") else 2}
        for s in ("gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb", "zbv")}
 BIAS = {"model.moe.balance": "bias", "model.moe.bias_update_rate": 0.01}
@@ -47,12 +48,19 @@ WORLD2: dict[str, tuple[dict, dict | None]] = {
     # first stage: counted, it moved the bias by a micro-batch that never was (SplitBackwardStage).
     "pp2.gpipe.bias": ({**PP2["gpipe"], "parallel.dp_shard": 1, **BIAS}, {**PP2["1f1b"], "parallel.dp_shard": 1}),
     "pp2.zbv.full": ({**PP2["zbv"], "parallel.dp_shard": 1, "train.recompute": "full"}, None),
+    "tp2": ({**TP2, "parallel.dp_shard": 1, **BIAS}, {**TP2, "parallel.sequence_parallel": True, "parallel.dp_shard": 1}),
+    "tp2.sp.selective": ({**TP2, "parallel.sequence_parallel": True, "parallel.dp_shard": 1,
+                          "train.recompute": "selective"}, None),
+    "cp2": ({**CP2, "parallel.dp_shard": 1}, {**CP2, "parallel.dp_shard": 1, **EP2}),
+    "cp2.ep2.bias": ({**CP2, "parallel.dp_shard": 1, **EP2, **BIAS, "model.moe.z_loss_coef": 1e-3}, None),
 }
 WORLD4: dict[str, tuple[dict, dict | None]] = {
     "ep4.fsdp": ({**FSDP4, **EP4}, {**HSDP4, **EP4}),
     "ep4.hsdp.bias": ({**HSDP4, **EP4, **BIAS}, None),
     "ep2.pp2.1f1b": ({**FSDP2, **EP2, **PP2["1f1b"]}, {**DDP2, **EP2, **PP2["interleaved-1f1b"]}),
     "ep2.pp2.interleaved-zb.bias": ({**DDP2, **EP2, **PP2["interleaved-zb"], **BIAS}, None),
+    "ep2.tp2.sp": ({**FSDP2, **EP2, **TP2, "parallel.sequence_parallel": True}, {**FSDP2, **EP1, **TP2}),
+    "ep4.cp2.fsdp": ({**FSDP2, **CP2, **EP4, "model.moe.z_loss_coef": 1e-3}, None),
 }
 MODEL_KEYS = ("model.", "train.precision", "train.recompute")
 

@@ -72,10 +72,10 @@ class ParallelDims:
                 f"{self.dp_replicate}) * cp({self.cp}) * tp({self.tp}) * pp({self.pp}) = {rest} does not "
                 f"divide it; launch a multiple of {rest} processes or lower the degrees")
             return errors
-        if self.ep > 1 and self.dp % self.ep:
-            errors.append(f"parallel.ep ({self.ep}) borrows its ranks from data parallelism and must divide the "
-                          f"data-parallel degree dp_replicate x dp_shard ({self.dp_replicate} x {self.dp_shard} = "
-                          f"{self.dp}): set parallel.ep to a divisor of {self.dp}")
+        if self.ep > 1 and self.dp * self.cp % self.ep:
+            errors.append(f"parallel.ep ({self.ep}) borrows its ranks from the data- and context-parallel ranks and "
+                          f"must divide dp_replicate x dp_shard x cp ({self.dp_replicate} x {self.dp_shard} x "
+                          f"{self.cp} = {self.dp * self.cp}): set parallel.ep to a divisor of {self.dp * self.cp}")
         product = self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp
         if not errors and product != self.world_size:
             fix = ""

@@ -21,7 +21,7 @@ under gradient accumulation, recomputation and pipeline schedules alike.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -128,14 +128,19 @@ class Router(nn.Module):
         return logits, scores, gates * a.route_scale, experts
 
 
-def aux_loss(scores: torch.Tensor, counts: torch.Tensor, args: MoEArgs) -> torch.Tensor:
-    """The Switch / GShard load-balancing loss, alpha E sum_i f_i P_i: f_i the fraction of the N k
-    assignments that chose expert i (no gradient), P_i the mean over tokens of its score (sigmoid
-    scores normalised per token first). Equal to alpha when routing is uniform."""
-    n = scores.shape[0]
+def aux_loss(prob_sums: torch.Tensor, counts: torch.Tensor, tokens: int | torch.Tensor, args: MoEArgs) -> torch.Tensor:
+    """The Switch / GShard load-balancing loss, alpha E sum_i f_i P_i, over a micro-batch of
+    `tokens`: f_i the fraction of its tokens x k assignments that chose expert i (`counts`, no
+    gradient), P_i the mean over its tokens of expert i's score (`prob_sums`: the scores summed over
+    tokens; sigmoid scores normalised per token first). Equal to alpha when routing is uniform."""
+    f = counts.float() / (tokens * args.top_k)
+    return args.aux_loss_coef * args.num_experts * (f * prob_sums / tokens).sum()
+
+
+def prob_sums(scores: torch.Tensor, args: MoEArgs) -> torch.Tensor:
+    """Each expert's scores summed over the tokens, as the auxiliary loss reads them."""
     probs = scores if args.score == "softmax" else scores / scores.sum(dim=-1, keepdim=True)
-    f = counts.float() / (n * args.top_k)
-    return args.aux_loss_coef * args.num_experts * (f * probs.mean(dim=0)).sum()
+    return probs.sum(dim=0)
 
 
 def z_loss(logits: torch.Tensor, coef: float) -> torch.Tensor:
@@ -182,6 +187,10 @@ class MoE(nn.Module):
         """(aux, z) summed over this step's micro-batches, for the log."""
         self.loss_scale = 1.0
         """The factor the trainer multiplies each micro-batch's loss by before backward."""
+        self.reduce_stats: Callable[[torch.Tensor], torch.Tensor] | None = None
+        """Sums a tensor over the ranks that hold the other tokens of this micro-batch (context
+        parallelism sets it; its backward sums the gradients likewise), so the auxiliary loss is the
+        whole micro-batch's; None: this rank holds all of them."""
         self.counting = True
         """Whether this forward's routing counts toward the step (off while a pipeline stage runs a
         forward only to learn its tensors' shapes)."""
@@ -211,7 +220,11 @@ class MoE(nn.Module):
         a = self.args
         losses = []
         if a.balance == "aux_loss" and a.aux_loss_coef > 0:
-            losses.append(aux_loss(scores, counts, a))
+            sums, all_counts, tokens = prob_sums(scores, a), counts, scores.new_tensor(float(scores.shape[0]))
+            if self.reduce_stats is not None:  # the whole micro-batch's, over the ranks that share it
+                sums, tokens = self.reduce_stats(sums), self.reduce_stats(tokens)
+                all_counts = self.reduce_stats(counts.float()).detach()
+            losses.append(aux_loss(sums, all_counts, tokens, a))
         if a.z_loss_coef > 0:
             losses.append(z_loss(logits, a.z_loss_coef))
         if self.counting and not _recomputing():

@@ -28,10 +28,12 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn.functional as dist_nn
 from torch import nn
 
 from gridtrain.model.blockwise import Block, Merged, attend_blocks, causal_blocks, grad_blocks
 from gridtrain.model.llama import Attention, Transformer
+from gridtrain.model.moe import MoE
 
 ROTATIONS = ("ring", "allgather")
 
@@ -198,4 +200,12 @@ def apply_context_parallel(parts: list[nn.Module], group: dist.ProcessGroup, seq
                 module.core = partial(ring_attention, group=group, rotate=rotate, traffic=traffic)
             if isinstance(module, Transformer):
                 module.rotate_at(positions)
+            if isinstance(module, MoE):  # its auxiliary loss reads the whole micro-batch's routing
+                module.reduce_stats = partial(sum_over, group=group)
     return traffic
+
+
+def sum_over(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The sum of `t` over `group`, in autograd: its gradient is the sum of the ranks' gradients
+    (each rank attaches the same whole-micro-batch loss at 1 / cp of the micro-batch's share)."""
+    return dist_nn.all_reduce(t, op=dist.ReduceOp.SUM, group=group)

@@ -2,12 +2,14 @@
 experts, and tokens travel to their experts' ranks and back by all-to-all (GShard, Lepikhin et
 al. 2021; as torchtitan and Megatron-core dispatch dropless MoE).
 
-The ep ranks are borrowed from the data-parallel ranks (they read different tokens), as in
-torchtitan and Megatron-core: so far ep equals the data-parallel degree, and the experts are
-sharded over the flattened 'dp' mesh by expert (a DTensor Shard(0) of the whole [E, ...] weight,
-so a checkpoint holds each expert once, under its own index, and resumes under any layout), while
-FSDP or DDP handles every other weight and leaves the experts alone. An expert's gradient is
-whole on its rank: the all-to-all's backward brings every rank's share of it home.
+The ep ranks are borrowed from the data- and context-parallel ranks (they hold different tokens),
+as in torchtitan and Megatron-core: so far ep equals dp x cp, and the experts are sharded over the
+flattened 'dp_cp' mesh by expert (a DTensor Shard(0) of the whole [E, ...] weight, so a checkpoint
+holds each expert once, under its own index, and resumes under any layout), while FSDP handles
+every other weight and leaves the experts alone. An expert's gradient is whole on its rank: the
+all-to-all's backward brings every rank's share of it home. Tensor-parallel ranks of one data
+coordinate hold the same experts and route the same tokens (tensor_parallel.moe_plan), each over
+its own 'dp_cp' group.
 
 One MoE layer's forward on one rank (x: its tokens' assignments, sorted by global expert):
 1. the counts per expert are exchanged (an all-to-all of E integers), so each rank knows how many

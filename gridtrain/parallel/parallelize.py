@@ -159,7 +159,7 @@ def parallelize(model: Transformer, cfg: Config, dims: ParallelDims | None = Non
         if dims is not None and dims.ep > 1:
             from gridtrain.parallel.expert_parallel import apply_expert_parallel
 
-            apply_expert_parallel(part, mesh["dp"])
+            apply_expert_parallel(part, mesh["dp_cp"])
         _apply_float8_and_tp(part, cfg, dims, mesh, data_parallel and not ddp, device or torch.device("cpu"))
         apply_recompute(part, t.recompute)
         if t.compile:

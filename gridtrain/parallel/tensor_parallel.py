@@ -16,14 +16,19 @@ from typing import ContextManager
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                               SequenceParallel, loss_parallel, parallelize_module)
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput,
+                                               RowwiseParallel, SequenceParallel, loss_parallel,
+                                               parallelize_module)
 
 
-def block_plan(sequence_parallel: bool, styles: dict[str, type] | None = None) -> dict[str, object]:
+def block_plan(sequence_parallel: bool, styles: dict[str, type] | None = None, moe: bool = False) -> dict[str, object]:
     """Placement of each submodule of a transformer block. `styles` replaces ColwiseParallel,
-    RowwiseParallel and PrepareModuleInput by name (FP8's, which gather in float8)."""
+    RowwiseParallel and PrepareModuleInput by name (FP8's, which gather in float8). `moe`: the
+    block's feed-forward is a mixture of experts (`moe_plan`)."""
     styles = styles or {}
+    if moe:
+        dense = block_plan(sequence_parallel, styles)
+        return {**{k: v for k, v in dense.items() if not k.startswith("feed_forward")}, **moe_plan(sequence_parallel)}
     col, row = styles.get("ColwiseParallel", ColwiseParallel), styles.get("RowwiseParallel", RowwiseParallel)
     prepare = styles.get("PrepareModuleInput", PrepareModuleInput)
     if not sequence_parallel:
@@ -46,6 +51,20 @@ def block_plan(sequence_parallel: bool, styles: dict[str, type] | None = None) -
         "feed_forward.w1": col(), "feed_forward.w3": col(),
         "feed_forward.w2": row(output_layouts=Shard(1)),
     }
+
+
+def moe_plan(sequence_parallel: bool) -> dict[str, object]:
+    """A mixture of experts is replicated over the tensor-parallel ranks (router, experts and shared
+    experts whole on each; torchtitan's expert tensor parallelism of 1): each rank routes the whole
+    sequence and computes every token's experts itself, so the ranks' results and gradients are
+    equal and nothing is summed. Without sequence parallelism its input is already whole (the
+    attention's row-parallel output is all-reduced); with it, the input is gathered along the
+    sequence and the output cut back to the rank's part (the cut needs no communication)."""
+    if not sequence_parallel:
+        return {}
+    return {"moe": PrepareModuleInputOutput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                            use_local_input=True, output_layouts=(Replicate(),),
+                                            desired_output_layouts=(Shard(1),), use_local_output=True)}
 
 
 def outer_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, object]:
@@ -75,9 +94,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool,
     parallelize_module(model, tp_mesh, outer_plan(model, sequence_parallel))
     if tied:
         model.output.weight = model.tok_embeddings.weight
-    plan = block_plan(sequence_parallel, styles)
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, plan)
+        parallelize_module(block, tp_mesh, block_plan(sequence_parallel, styles, moe=hasattr(block, "moe")))
 
 
 def loss_context(tp: int) -> ContextManager:

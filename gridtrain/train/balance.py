@@ -24,13 +24,15 @@ def set_loss_scale(parts: list[nn.Module], scale: float) -> None:
             layer.loss_scale = scale
 
 
-def balance_step(parts: list[nn.Module], groups: list[dist.ProcessGroup], micro_batches: int,
+def balance_step(parts: list[nn.Module], groups: list[dist.ProcessGroup], shares: int,
                  stepped: bool) -> dict[str, float]:
     """Sum the step's routing over `groups` (data and context parallelism), move the expert biases
     if the optimizer stepped, zero the counters; returns the metrics: per MoE layer the load
     (max / mean tokens per expert), and over all, the largest load, the fraction of assignments
-    dropped by capacity and the balance losses (summed over layers, mean over the
-    `micro_batches` of the global batch)."""
+    dropped by capacity and the balance losses (summed over layers, mean over the micro-batches of
+    the global batch: their sum over the ranks divided by `shares`, the micro-batches times the
+    context-parallel degree, since each context-parallel rank holds its micro-batch's whole
+    auxiliary loss and a 1 / cp part of its z-loss)."""
     layers = [(name, layer) for part in parts for name, layer in moe_layers(part)]
     if not layers:
         return {}
@@ -51,8 +53,8 @@ def balance_step(parts: list[nn.Module], groups: list[dist.ProcessGroup], micro_
     assigned = float(loads.sum())
     metrics["moe/load_max"] = max(metrics.values())
     metrics["moe/dropped_frac"] = float(dropped.sum()) / assigned if assigned else 0.0
-    metrics["moe/aux_loss"] = float(losses[:, 0].sum()) / micro_batches
-    metrics["moe/z_loss"] = float(losses[:, 1].sum()) / micro_batches
+    metrics["moe/aux_loss"] = float(losses[:, 0].sum()) / shares
+    metrics["moe/z_loss"] = float(losses[:, 1].sum()) / shares
     return metrics
 
 
