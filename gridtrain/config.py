@@ -58,8 +58,8 @@ class MoEConfig:
     z_loss_coef: float | None = None
     """Router z-loss coefficient (ST-MoE); 0 turns it off."""
     capacity_factor: float | None = None
-    """0: dropless; otherwise the tokens an expert takes per micro-batch, as a multiple of its even
-    share (the rest are dropped and keep their residual)."""
+    """The tokens an expert takes per micro-batch, as a multiple of its even share (the rest are
+    dropped and keep their residual); None keeps the preset's (every preset is dropless)."""
     every: int | None = None
     """MoE on every n-th layer (from first_dense on)."""
     first_dense: int | None = None

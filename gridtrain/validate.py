@@ -363,10 +363,10 @@ def _check_moe(cfg: Config, dims: ParallelDims) -> list[str]:
     problems, name = [], f"model.preset '{cfg.model.preset}' (a mixture of experts)"
     if p.zero_stage == 1 and dims.dp > 1:
         problems.append(f"{name} is not compared under parallel.zero_stage 1: use 0 (DDP), 2 or 3")
-    if args.moe.capacity_factor > 0 and dims.cp > 1:
+    if args.moe.capacity_factor is not None and dims.cp > 1:
         problems.append(f"model.moe.capacity_factor ({args.moe.capacity_factor}) keeps each expert's first tokens of "
-                        f"a micro-batch, which parallel.cp ({dims.cp}) splits over its ranks: set capacity_factor to 0 "
-                        "(dropless), or parallel.cp to 1")
+                        f"a micro-batch, which parallel.cp ({dims.cp}) splits over its ranks: leave capacity_factor "
+                        "unset (dropless), or set parallel.cp to 1")
     if dims.ep > 1:
         if args.moe.num_experts % dims.ep:
             problems.append(f"parallel.ep ({dims.ep}) must divide model.moe.num_experts ({args.moe.num_experts}), "

@@ -81,6 +81,7 @@ MODEL = [
     (["model", "tiny-moe", "--model.moe.top_k", "9"], "model.moe.top_k (9) is more than model.moe.num_experts (8)"),
     (["model", "tiny-moe", "--model.moe.num_experts", "0"], "model.moe.num_experts = 0 must be >= 1"),
     (["model", "tiny-moe", "--model.moe.capacity_factor", "-1"], "model.moe.capacity_factor = -1.0 must be > 0"),
+    (["model", "tiny-moe", "--model.moe.capacity_factor", "0"], "model.moe.capacity_factor = 0.0 must be > 0"),
     (["model", "tiny-moe", "--model.moe.score", "relu"], "model.moe.score = 'relu' is not one of softmax, sigmoid"),
     (["model", "tiny-moe", "--model.moe.balance", "loss"], "model.moe.balance = 'loss' is not one of aux_loss, bias"),
     (["model", "tiny-moe", "--model.moe.first_dense", "2"], "model.moe.first_dense (2) leaves no MoE layer"),

@@ -44,7 +44,7 @@ MIXTRAL_DEFAULTS = {"rope_theta": 1e6, "rms_norm_eps": 1e-5, "max_position_embed
                     "num_key_value_heads": 8, "router_aux_loss_coef": 0.001}
 """What MixtralConfig (transformers 5.23) assumes for a key config.json leaves out."""
 EXPORTABLE = ("a softmax router renormalised over its top k, route_scale 1, no shared experts, experts on every "
-              "layer (model.moe.every 1, first_dense 0), no capacity (capacity_factor 0) and no QK-norm")
+              "layer (model.moe.every 1, first_dense 0), no capacity (capacity_factor unset) and no QK-norm")
 """The mixture-of-experts shapes transformers' Mixtral holds, as a refusal names them."""
 
 
@@ -66,7 +66,7 @@ def mixtral_problems(args: ModelArgs) -> list[str]:
         problems.append(f"{moe.num_shared_experts} shared expert{'s' if moe.num_shared_experts > 1 else ''}")
     if moe.moe_layers(args.n_layers) < args.n_layers:
         problems.append(f"dense layers (every {moe.every}, first_dense {moe.first_dense})")
-    if moe.capacity_factor > 0:
+    if moe.capacity_factor is not None:
         problems.append(f"tokens dropped past capacity_factor {moe.capacity_factor}")
     if args.qk_norm:
         problems.append("QK-norm")

@@ -54,9 +54,9 @@ class MoEArgs:
     z_loss_coef: float = 0.0
     """Router z-loss coefficient (ST-MoE, Zoph et al. 2022): coef * mean over tokens of
     logsumexp(router logits)^2; 0 turns it off."""
-    capacity_factor: float = 0.0
-    """0: dropless. Otherwise each expert takes at most ceil(capacity_factor x tokens x k / E) tokens of
-    a micro-batch, in token order; the rest of its choices are dropped (the token keeps its residual)."""
+    capacity_factor: float | None = None
+    """None: dropless. Otherwise each expert takes at most ceil(capacity_factor x tokens x k / E) tokens
+    of a micro-batch, in token order; the rest of its choices are dropped (the token keeps its residual)."""
     every: int = 1
     """An MoE feed-forward on every n-th layer from first_dense on; the others are dense."""
     first_dense: int = 0
@@ -71,7 +71,7 @@ class MoEArgs:
 
     def capacity(self, tokens: int) -> int | None:
         """Assignments one expert takes from a micro-batch of `tokens` (None: dropless)."""
-        if self.capacity_factor <= 0:
+        if self.capacity_factor is None:
             return None
         share = self.capacity_factor * tokens * self.top_k / self.num_experts
         return math.ceil(share - 1e-9)  # 1.1 x 50 is 55.00000000000001 in floats, and means 55
@@ -95,9 +95,9 @@ class MoEArgs:
             errors.append(f"model.moe.score = '{self.score}' is not one of {', '.join(ROUTER_SCORES)}")
         if self.balance not in BALANCES:
             errors.append(f"model.moe.balance = '{self.balance}' is not one of {', '.join(BALANCES)}")
-        if self.capacity_factor < 0 or self.capacity_factor != self.capacity_factor:
-            errors.append(f"model.moe.capacity_factor = {self.capacity_factor} must be > 0 (tokens an expert "
-                          "takes, per its even share), or 0 for dropless routing")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            errors.append(f"model.moe.capacity_factor = {self.capacity_factor} must be > 0 (the tokens an expert "
+                          "takes, as a multiple of its even share), or left unset for dropless routing")
         for name in ("aux_loss_coef", "bias_update_rate", "z_loss_coef"):
             if not getattr(self, name) >= 0:
                 errors.append(f"model.moe.{name} = {getattr(self, name)} must be >= 0")
