@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import json
 import os
 import sys
 import traceback
@@ -313,7 +314,8 @@ def cmd_export(args: argparse.Namespace, extra: list[str]) -> int:
 
     # InterchangeError: one line, exit 2
     out = export_run(Path(args.run_dir), Path(args.out), args.step, round(args.max_shard_gb * 1e9))
-    print(f"wrote {out} (transformers: LlamaForCausalLM.from_pretrained('{out}'))")
+    architecture = json.loads((out / "config.json").read_text())["architectures"][0]
+    print(f"wrote {out} (transformers: {architecture}.from_pretrained('{out}'))")
     return 0
 
 
@@ -327,9 +329,9 @@ def cmd_import(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def add_interchange_parsers(sub: argparse._SubParsersAction) -> None:
-    """`gridtrain export` and `gridtrain import`: Hugging Face Llama directories."""
-    p = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face Llama directory "
-                       "(config.json, safetensors files)")
+    """`gridtrain export` and `gridtrain import`: Hugging Face Llama and Mixtral directories."""
+    p = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face Llama (or, for a mixture of "
+                       "experts, Mixtral) directory (config.json, safetensors files)")
     p.add_argument("run_dir")
     p.add_argument("out", help="output directory (must not exist, or be empty)")
     p.add_argument("--step", type=number(int, 0), help="the checkpoint of this step (default: the newest)")
@@ -337,7 +339,7 @@ def add_interchange_parsers(sub: argparse._SubParsersAction) -> None:
                    help="largest safetensors file, GB (default 5, as transformers): a larger model is written "
                    "as several files with model.safetensors.index.json, one file in memory at a time")
     p.set_defaults(func=cmd_export)
-    p = sub.add_parser("import", help="turn a Hugging Face Llama directory (safetensors) into a run "
+    p = sub.add_parser("import", help="turn a Hugging Face Llama or Mixtral directory (safetensors) into a run "
                        "with a step-0 checkpoint and imported.toml")
     p.add_argument("hf_dir")
     p.add_argument("run_dir", help="the new run directory (must not exist, or be empty)")
