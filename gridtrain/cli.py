@@ -4,8 +4,8 @@ sample, eval."""
 from __future__ import annotations
 
 import argparse
-import logging
 import json
+import logging
 import os
 import sys
 import traceback
