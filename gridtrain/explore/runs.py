@@ -82,11 +82,12 @@ def run_page(root: Path | None, name: str) -> tuple[int, object]:
                               "precision": record.config.train.precision,
                               "layout": {k: getattr(record.dims, k) for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp")},
                               "world": record.dims.world_size, "curves": _curves(_metrics(run))}
-    from gridtrain.plan.check_run import check_run
+    from gridtrain.plan.check_run import ALL_RANKS, check_run
 
     try:
-        out["check"] = [{"rank": r.rank, "key": r.bucket, "predicted": None if r.missing else r.predicted,
-                         "measured": r.measured, "estimated": r.estimated, "missing": r.missing}
+        out["check"] = [{"rank": "all" if r.rank == ALL_RANKS else r.rank, "key": r.bucket,
+                         "predicted": None if r.missing else r.predicted, "measured": r.measured,
+                         "estimated": r.estimated, "missing": r.missing, "routed": r.routed}
                         for r in check_run(run)]
     except (FileNotFoundError, UserError, ValueError, KeyError) as e:
         out["check"], out["check_note"] = [], f"no accounting to compare: {e}"

@@ -13,6 +13,10 @@ The rules are the runtime's (gridtrain/parallel):
 - ZeRO-1 (torch's ZeroRedundancyOptimizer) gives each whole tensor's optimizer state to one
   data-parallel rank: within each parameter group (decayed matrices, then the rest), largest
   tensor first, to the rank with the fewest elements so far;
+- expert parallelism (ep > 1) splits each MoE layer's routed experts (w1, w2, w3, stacked [E, ...])
+  by expert over the data- and context-parallel ranks ('dp_cp'), E / ep each, and FSDP then
+  leaves them alone; with ep = 1 they are weights like the others (FSDP splits their expert
+  dimension). Tensor parallelism leaves a mixture of experts whole (router, experts, shared);
 - AdamW keeps two moments of each parameter's local size and one step count per tensor.
 Nothing here imports torch.
 """
@@ -32,27 +36,56 @@ COLWISE = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "f
 ROWWISE = ("attention.wo", "feed_forward.w2")
 
 
+def block_shapes(shape: ModelShape, i: int, moe: bool) -> dict[str, Shape]:
+    """Name -> shape of block `i`'s parameters in registration order: attention norm, wq, wk, wv,
+    wo (QK-norm's q_norm and k_norm), MLP norm, then a dense SwiGLU (w1, w2, w3) or, with `moe`,
+    the router's gate [E, h], the routed experts w1, w2, w3 ([E, F, h], [E, h, F], [E, F, h], F
+    the expert width) and the shared experts' SwiGLU of width num_shared x F."""
+    h, f, kv, q = shape.hidden, shape.ffn, shape.kv_width, shape.q_width
+    p = f"layers.{i}."
+    out = {p + "attention_norm.weight": (h,), p + "attention.wq.weight": (q, h), p + "attention.wk.weight": (kv, h),
+           p + "attention.wv.weight": (kv, h), p + "attention.wo.weight": (h, q)}
+    if shape.qk_norm:
+        out.update({p + "attention.q_norm.weight": (shape.head_dim,), p + "attention.k_norm.weight": (shape.head_dim,)})
+    out[p + "ffn_norm.weight"] = (h,)
+    if not moe:
+        out.update({p + "feed_forward.w1.weight": (f, h), p + "feed_forward.w2.weight": (h, f),
+                    p + "feed_forward.w3.weight": (f, h)})
+        return out
+    e, fe, shared = shape.num_experts, shape.expert_ffn, shape.num_shared_experts * shape.expert_ffn
+    out.update({p + "moe.router.gate.weight": (e, h), p + "moe.experts.w1": (e, fe, h),
+                p + "moe.experts.w2": (e, h, fe), p + "moe.experts.w3": (e, fe, h)})
+    if shared:
+        out.update({p + "moe.shared.w1.weight": (shared, h), p + "moe.shared.w2.weight": (h, shared),
+                    p + "moe.shared.w3.weight": (shared, h)})
+    return out
+
+
 def stage_shapes(shape: ModelShape, layers: range, first: bool, last: bool) -> dict[str, Shape]:
     """Name -> shape of the parameters of a stage holding `layers`, in registration order: the
-    embedding (first stage), each block (attention norm, wq, wk, wv, wo, MLP norm, w1, w2, w3),
-    final norm and head (last stage; a tied head is the embedding, not a second tensor)."""
-    h, f, kv = shape.hidden, shape.ffn, shape.kv_width
+    embedding (first stage), each block (block_shapes), final norm and head (last stage; a tied
+    head is the embedding, not a second tensor)."""
+    h = shape.hidden
     out: dict[str, Shape] = {}
     if first:
         out["tok_embeddings.weight"] = (shape.vocab, h)
     for i in layers:
-        p = f"layers.{i}."
-        out.update({
-            p + "attention_norm.weight": (h,), p + "attention.wq.weight": (shape.num_heads * shape.head_dim, h),
-            p + "attention.wk.weight": (kv, h), p + "attention.wv.weight": (kv, h),
-            p + "attention.wo.weight": (h, shape.num_heads * shape.head_dim), p + "ffn_norm.weight": (h,),
-            p + "feed_forward.w1.weight": (f, h), p + "feed_forward.w2.weight": (h, f),
-            p + "feed_forward.w3.weight": (f, h)})
+        out.update(block_shapes(shape, i, shape.is_moe_layer(i)))
     if last:
         out["norm.weight"] = (h,)
         if not (shape.tie_embeddings and first):
             out["output.weight"] = (shape.vocab, h)
     return out
+
+
+def is_routed_expert(name: str) -> bool:
+    """Whether the parameter is an MoE layer's stacked routed experts (w1, w2 or w3)."""
+    return ".moe.experts." in name
+
+
+def ep_local(shape: Shape, ep: int) -> Shape:
+    """One expert-parallel rank's routed experts: E / ep of them (ep divides E: validate)."""
+    return (shape[0] // ep, *shape[1:])
 
 
 def rank_stage_shapes(shape: ModelShape, pp: int, virtual: int, schedule: str, fewer_edge_layers: int,
@@ -119,9 +152,11 @@ class Elements:
 
 @functools.lru_cache(maxsize=4096)
 def rank_elements(shape: ModelShape, tp: int, pp: int, virtual: int, schedule: str, fewer_edge_layers: int,
-                  zero_stage: int, dp_replicate: int, dp_shard: int, pp_rank: int, dp_index: int) -> Elements:
+                  zero_stage: int, dp_replicate: int, dp_shard: int, pp_rank: int, dp_index: int,
+                  ep: int = 1) -> Elements:
     """The elements rank (pp_rank, dp_index) holds; dp_index counts over dp_replicate x dp_shard
-    (its position in dp_shard is dp_index % dp_shard)."""
+    (its position in dp_shard is dp_index % dp_shard). Every expert-parallel rank holds as many
+    routed experts (E / ep), so dp_index does not pick them."""
     dp = dp_replicate * dp_shard
     fsdp = zero_stage in (2, 3) and dp > 1
     shard = (dp_shard, dp_index % dp_shard) if fsdp else None
@@ -141,23 +176,31 @@ def rank_elements(shape: ModelShape, tp: int, pp: int, virtual: int, schedule: s
             grads = sum(_grad(name, part[name], s, tp, False, shape.tie_embeddings) for name, s in local)
             total = _add(total, Elements(n, grads, held, count))
             continue
-        # Every block of a stage has the same tensors: count one block and the edges.
-        block = _local_elements(tuple(stage_shapes(shape, range(1), False, False).items()), tp, shard, False)
+        # The blocks of a kind (dense, MoE) have the same tensors: count one of each and the edges.
+        start = sum(counts[:stage])
+        moe = shape.moe_layers_in(start, start + counts[stage])
+        for kind, n in ((False, counts[stage] - moe), (True, moe)):
+            if n:
+                block = _local_elements(tuple(block_shapes(shape, 0, kind).items()), tp, shard, False, ep)
+                total = _add(total, _scale(block, n))
         edges = _local_elements(tuple(stage_shapes(shape, range(0), stage == 0, stage == num_stages - 1).items()),
                                 tp, shard, shape.tie_embeddings)
-        total = _add(total, _add(_scale(block, counts[stage]), edges))
+        total = _add(total, edges)
     return total
 
 
 @functools.lru_cache(maxsize=1024)
 def _local_elements(part: tuple[tuple[str, Shape], ...], tp: int, shard: tuple[int, int] | None,
-                    tied: bool) -> Elements:
+                    tied: bool, ep: int = 1) -> Elements:
     """Elements of a set of tensors on one rank, every tensor's optimizer state kept there."""
     params = grads = 0
     for name, s in part:
-        local = tp_local(name, s, tp)
-        if shard is not None:
-            local = fsdp_local(local, *shard)
+        if ep > 1 and is_routed_expert(name):
+            local = ep_local(s, ep)
+        elif shard is not None:
+            local = fsdp_local(tp_local(name, s, tp), *shard)
+        else:
+            local = tp_local(name, s, tp)
         params += numel(local)
         grads += _grad(name, s, local, tp, shard is not None, tied)
     return Elements(params, grads, params, len(part))

@@ -8,7 +8,7 @@ the parameters in matmuls and 12 L H Q T is attention's scores and weighted sum 
 
 from __future__ import annotations
 
-from gridtrain.plan.shape import ModelShape, block_params, matmul_params, norm_params
+from gridtrain.plan.shape import ModelShape, block_params, matmul_params, moe_block_active_params, norm_params
 
 
 def flops_per_token(shape: ModelShape, seq_len: int) -> float:
@@ -22,7 +22,8 @@ def hardware_flops_per_token(shape: ModelShape, seq_len: int, recompute: str = "
     """FLOPs the hardware executes per token, recomputation included (HFU's numerator).
 
     full: every block's forward runs again, 2 N_blocks + 4 L H Q T more (the head is not
-    recomputed: Megatron's 96 = 4 x 24 applies to blocks, the logit layer keeps 3 x);
+    recomputed: Megatron's 96 = 4 x 24 applies to blocks, the logit layer keeps 3 x; a mixture of
+    experts recomputes the experts its tokens pass through, its active parameters);
     attention (Korthikanti et al., Megatron-LM's "selective"): only the attention core, 4 L H Q T
     more; gridtrain's selective saves the matmuls' and attention's outputs and recomputes only
     elementwise work, no FLOPs counted here (parallel/parallelize.py). Flash attention's
@@ -31,7 +32,9 @@ def hardware_flops_per_token(shape: ModelShape, seq_len: int, recompute: str = "
     model = flops_per_token(shape, seq_len)
     attention_fwd = 4 * shape.num_layers * shape.num_heads * shape.head_dim * seq_len
     if recompute == "full":
-        blocks = shape.num_layers * (block_params(shape) - norm_params(shape))
+        moe = shape.num_moe_layers
+        blocks = ((shape.num_layers - moe) * block_params(shape) + moe * moe_block_active_params(shape)
+                  - shape.num_layers * norm_params(shape))
         return model + 2 * blocks + attention_fwd
     if recompute == "attention":
         return model + attention_fwd

@@ -205,7 +205,7 @@ def rank_state(shape: ModelShape, layout: Layout, rank: int, state: StateBytes,
         shard = layout.zero_shard_degree if layout.zero_stage >= 2 else layout.dp_shard
         where = (shape, layout.tp, layout.pp, layout.pp_virtual_stages, layout.pp_schedule, layout.fewer_edge_layers,
                  layout.zero_stage, layout.dp_replicate, shard, rank)
-        held = rank_elements(*where, peak_dp_index(*where) if dp_index is None else dp_index)
+        held = rank_elements(*where, peak_dp_index(*where) if dp_index is None else dp_index, layout.ep)
         return ModelState(held.params * state.weights, held.grads * state.gradients,
                           held.optimizer * state.optimizer + held.optimizer_tensors * state.step_count)
     layers = rank_layers(shape, layout)[rank]
@@ -216,11 +216,11 @@ def rank_state(shape: ModelShape, layout: Layout, rank: int, state: StateBytes,
 def fsdp_gathers(layout: Layout) -> bool:
     """Whether gridtrain runs the layout's parameters through FSDP2, which gathers them in the
     compute dtype: ZeRO 2 and 3 over several data-parallel ranks, and ZeRO 0 (replication) once
-    tensor or pipeline parallelism is on (parallel/data_parallel.py). Under context parallelism FSDP
-    shards over dp_shard x cp, so it runs with one data-parallel rank too."""
+    tensor, pipeline or expert parallelism is on (parallel/data_parallel.py). Under context
+    parallelism FSDP shards over dp_shard x cp, so it runs with one data-parallel rank too."""
     if layout.zero_stage in (2, 3):
         return layout.zero_shard_degree * layout.dp_replicate > 1
-    return layout.dp > 1 and layout.zero_stage == 0 and (layout.tp > 1 or layout.pp > 1)
+    return layout.dp > 1 and layout.zero_stage == 0 and (layout.tp > 1 or layout.pp > 1 or layout.ep > 1)
 
 
 def gathered_bytes_per_param(zero_stage: int, shards: int, state: StateBytes) -> float:

@@ -13,11 +13,13 @@ from gridtrain.config import Config
 from gridtrain.layout.dims import ParallelDims
 from gridtrain.layout.schedules import forwards_held, schedule
 from gridtrain.model.args import ModelArgs
-from gridtrain.plan.census import fsdp_local, numel, rank_stage_shapes, tp_local
+from gridtrain.plan.axes import fsdp_axis, world_axis
+from gridtrain.plan.census import fsdp_local, is_routed_expert, numel, rank_stage_shapes, tp_local
 from gridtrain.plan.layout import Layout
 from gridtrain.plan.comm import ring_attention_payloads
 from gridtrain.plan.float8 import FLOAT8_LINEAR, gathers_float8
 from gridtrain.plan.memory import fsdp_gathers, kv_heads_per_rank
+from gridtrain.plan.moe_collectives import moe_step_collectives
 from gridtrain.plan.shape import from_args
 
 
@@ -30,17 +32,7 @@ def run_layout(args: ModelArgs, dims: ParallelDims, cfg: Config) -> Layout:
                   num_microbatches=cfg.microbatches(dims.dp), pp_schedule=p.pp_schedule,
                   pp_virtual_stages=p.pp_virtual_stages if dims.pp > 1 else 1,
                   sequence_parallel=p.sequence_parallel, recompute=t.recompute,
-                  fewer_edge_layers=p.pp_fewer_edge_layers, float8=t.float8)
-
-
-def fsdp_axis(dims: ParallelDims) -> tuple[str, int]:
-    """The mesh axis FSDP shards over and its ranks: 'dp_shard', or under context parallelism
-    dp_shard x cp ('dp_shard_cp'; torch flattens it into a group of its own, except when CP alone
-    spans the world: then it is the CP axis's group, and the accounting names it 'cp')."""
-    if dims.cp == 1:
-        return "dp_shard", dims.dp_shard
-    alone = dims.dp_shard == 1 and dims.cp == dims.world_size
-    return ("cp" if alone else "dp_shard_cp"), dims.dp_shard * dims.cp
+                  fewer_edge_layers=p.pp_fewer_edge_layers, float8=t.float8, ep=dims.ep)
 
 
 def cp_collectives(args: ModelArgs, dims: ParallelDims, cfg: Config, blocks: int) -> dict[str, float]:
@@ -100,15 +92,6 @@ def collectives(args: ModelArgs, dims: ParallelDims, cfg: Config, pp_rank: int,
     return out, bool(exact)
 
 
-def world_axis(dims: ParallelDims) -> str:
-    """The name the accounting gives the world's group (parallel.mesh.Mesh.axis_groups: an axis
-    whose group spans every rank is that group, and the first such axis names it): a mesh axis
-    of the world's size, else the flattened 'dp' or 'dp_shard_cp', else 'world'."""
-    spans = [axis for axis, n in dims.degrees.items() if n == dims.world_size]
-    spans += ["dp"] * (dims.dp == dims.world_size) + ["dp_shard_cp"] * (dims.cp > 1 and dims.dp_shard * dims.cp == dims.world_size)
-    return (spans or ["world"])[0]
-
-
 def reduce_scattered(args: ModelArgs, dims: ParallelDims, cfg: Config, pp_rank: int) -> dict[str, float]:
     """Bytes per axis of the reductions the code issues as reduce-scatters: FSDP's gradients
     (ZeRO 2 and 3, per sync: every micro-batch, or once per step under a pipeline), and under
@@ -120,7 +103,7 @@ def reduce_scattered(args: ModelArgs, dims: ParallelDims, cfg: Config, pp_rank: 
     layout = run_layout(args, dims, cfg)
     m, v = layout.num_microbatches, layout.pp_virtual_stages
     parts = rank_stage_shapes(from_args(args), dims.pp, v, p.pp_schedule, p.pp_fewer_edge_layers, pp_rank)
-    shapes = {name: s for part in parts for name, s in part.items()}
+    shapes = data_parallel_shapes({name: s for part in parts for name, s in part.items()}, dims.ep)
     out: dict[str, float] = {}
     axis, shards = fsdp_axis(dims)
     if p.zero_stage in (2, 3) and shards > 1:
@@ -130,7 +113,8 @@ def reduce_scattered(args: ModelArgs, dims: ParallelDims, cfg: Config, pp_rank: 
         first, last = 0 in stages, dims.pp * v - 1 in stages
         blocks = len({name.split(".")[1] for name in shapes if name.startswith("layers.")})
         again = blocks if cfg.train.recompute != "none" else 0
-        reduced = tp_activation_traffic(blocks, first, last, again, cfg.train.precision, dims.dp * dims.cp > 1)[0]
+        reduced = tp_activation_traffic(blocks, first, last, again, cfg.train.precision, dims.dp * dims.cp > 1,
+                                        moe_blocks(shapes))[0]
         out["tp"] = m * reduced * 4 * layout.micro_batch * layout.seq_len // dims.cp * args.dim
     return out
 
@@ -141,12 +125,18 @@ def _predict_collectives(args: ModelArgs, dims: ParallelDims, cfg: Config, pp_ra
     seq, mb, m = cfg.data.seq_len, t.micro_batch, cfg.microbatches(dims.dp)
     parts = rank_stage_shapes(from_args(args), dims.pp, p.pp_virtual_stages, p.pp_schedule,
                               p.pp_fewer_edge_layers, pp_rank)
-    shapes = {name: s for part in parts for name, s in part.items()}
+    held = {name: s for part in parts for name, s in part.items()}
+    moe = moe_step_collectives(args, dims, cfg, held)
+    shapes = data_parallel_shapes(held, dims.ep)
     total = 4 * sum(numel(s) for s in shapes.values())
     once = 4 * sum(numel(shapes[n]) for names in gathered_once(shapes, args.tie_embeddings) for n in names)
     only = lambda *axes: all(getattr(dims, a) == 1 for a in ("tp", "pp", "dp_replicate", "dp_shard", "cp")
                              if a not in axes)
     activation = 4 * mb * seq * args.dim
+    if p.zero_stage in (0, 1) and only("dp_replicate") and dims.ep > 1:
+        # Beside expert parallelism, replication is FSDP2 over (dp_replicate, 1): every
+        # micro-batch's gradients all-reduced, the experts' not.
+        return _add({"dp_replicate/all_reduce_bytes": m * total}, moe)
     if p.zero_stage in (0, 1) and only("dp_replicate"):
         return {"dp_replicate/all_reduce_bytes": total, **zero1_broadcast(p.zero_stage, total)}
     axis, shards = fsdp_axis(dims)
@@ -171,13 +161,14 @@ def _predict_collectives(args: ModelArgs, dims: ParallelDims, cfg: Config, pp_ra
         if dims.dp_replicate > 1:
             shard = 4 * sum(numel(fsdp_local(s, shards, 0)) for s in shapes.values())
             out["dp_replicate/all_reduce_bytes"] = m * shard
-        return _add(out, cp_collectives(args, dims, cfg, args.n_layers))
+        return _add(_add(out, cp_collectives(args, dims, cfg, args.n_layers)), moe)
     if only("tp") and dims.tp > 1 and t.precision == "fp32":
-        # Then one norm scalar per sharded tensor (7 per block and the head), and with SP the
+        # Then one norm scalar per sharded tensor (tp_sharded_tensors, and the head), and with SP the
         # norms' weight gradients, partial per sequence shard, all-reduced once.
+        moe = moe_blocks(shapes)
         reduced, gathered = tp_activation_traffic(args.n_layers, True, True, args.n_layers if recomputed else 0,
-                                                  t.precision, False)
-        reduced = m * (reduced * activation + 3 * 4 * mb * seq) + 4 * (7 * args.n_layers + 1)
+                                                  t.precision, False, moe)
+        reduced = m * (reduced * activation + 3 * 4 * mb * seq) + 4 * (tp_sharded_tensors(args.n_layers, moe) + 1)
         if not p.sequence_parallel:
             return {"tp/all_reduce_bytes": reduced}
         return {"tp/all_reduce_bytes": reduced + (2 * args.n_layers + 1) * 4 * args.dim,
@@ -188,6 +179,12 @@ def _predict_collectives(args: ModelArgs, dims: ParallelDims, cfg: Config, pp_ra
     return {}
 
 
+def data_parallel_shapes(shapes: dict[str, tuple[int, ...]], ep: int) -> dict[str, tuple[int, ...]]:
+    """The parameters data parallelism (FSDP, DDP) handles: all but the routed experts under expert
+    parallelism, which FSDP leaves alone (their gradients are whole on their rank)."""
+    return shapes if ep == 1 else {name: s for name, s in shapes.items() if not is_routed_expert(name)}
+
+
 def zero1_broadcast(zero_stage: int, params: float) -> dict[str, float]:
     """ZeRO-1 (torch's ZeroRedundancyOptimizer) after its step: each rank broadcasts the
     parameters it updated, tensor by tensor, so every rank takes part in a broadcast of each of
@@ -196,8 +193,19 @@ def zero1_broadcast(zero_stage: int, params: float) -> dict[str, float]:
     return {"dp_replicate/broadcast_bytes": params} if zero_stage == 1 else {}
 
 
+def moe_blocks(shapes: dict[str, tuple[int, ...]]) -> int:
+    """The mixture-of-experts blocks among a rank's parameters."""
+    return sum(name.endswith(".moe.router.gate.weight") for name in shapes)
+
+
+def tp_sharded_tensors(blocks: int, moe_blocks: int = 0) -> int:
+    """Tensors tensor parallelism splits in `blocks` blocks: wq, wk, wv, wo and a dense block's
+    w1, w2, w3 (an MoE block's router and experts are whole on every TP rank)."""
+    return 7 * blocks - 3 * moe_blocks
+
+
 def tp_activation_traffic(blocks: int, first: bool, last: bool, again: int, precision: str,
-                          fsdp: bool) -> tuple[float, float]:
+                          fsdp: bool, moe_blocks: int = 0) -> tuple[float, float]:
     """(reductions, all-gathers) of tensor parallelism's activations per micro-batch over `blocks`
     blocks, in B x T x dim fp32 activations (Megatron's f and g; Korthikanti et al. 2022 for SP).
     Reductions: the outputs of wo and w2 forward, the gradients of their inputs' norms backward,
@@ -210,10 +218,14 @@ def tp_activation_traffic(blocks: int, first: bool, last: bool, again: int, prec
     Under bf16 and fp16 autocast the matmul outputs move in 16 bits: wo's and w2's outputs
     forward (and their recomputation) and their gradients backward, and, when FSDP gathers the
     embedding in 16 bits (`fsdp`, data parallelism beside TP), its output and gradient too; the
-    rest stays fp32 (the residual stream and the norms are fp32)."""
+    rest stays fp32 (the residual stream and the norms are fp32).
+    Of the blocks, `moe_blocks` have a mixture of experts, replicated over the TP ranks
+    (tensor_parallel.moe_plan): it adds no reduction (wo's forward and the attention input's
+    gradient remain), and under SP its input is gathered and its output's gradient gathered in
+    backward, as a dense MLP's are (measured on tiny-moe, fp32 and bf16 with SP: exact)."""
     h = 0.5 if precision in ("bf16", "fp16") else 1.0
     embedding = first * (h if fsdp else 1.0)
-    reductions = 2 * blocks * h + 2 * blocks + embedding + last + again * h
+    reductions = (2 * blocks - moe_blocks) * (h + 1) + embedding + last + again * h
     gathers = 2 * blocks + last + 2 * again + 2 * blocks * h + embedding
     return reductions, gathers
 
@@ -227,7 +239,7 @@ def estimate_collectives(args: ModelArgs, dims: ParallelDims, cfg: Config, pp_ra
     - tp: per micro-batch the activation traffic of the rank's blocks (tp_activation_traffic;
       gloo logs the all-gathers at 1/tp) and loss_parallel's three values per token on the last
       stage; with SP the norms' weight gradients once; one fp32 norm scalar per sharded tensor
-      (7 per block, the head);
+      (tp_sharded_tensors, the head);
     - pp: each stage sends its output forward (unless last) and its input gradient back (unless
       first), 1/tp of the activation under SP; one norm scalar;
     - data parallelism: the rank's own (tensor-parallel) parameters, gradients reduced in fp32;
@@ -253,9 +265,11 @@ def estimate_collectives(args: ModelArgs, dims: ParallelDims, cfg: Config, pp_ra
     again = blocks if t.recompute != "none" else 0
     out: dict[str, float] = {}
     if dims.tp > 1:
-        reduced, gathered = tp_activation_traffic(blocks, first, last, again, t.precision, dims.dp * dims.cp > 1)
+        moe = moe_blocks(shapes)
+        reduced, gathered = tp_activation_traffic(blocks, first, last, again, t.precision, dims.dp * dims.cp > 1, moe)
         norms = 2 * blocks + last
-        out["tp/all_reduce_bytes"] = (m * (reduced * activation + last * 3 * 4 * mb * seq) + 4 * (7 * blocks + last)
+        out["tp/all_reduce_bytes"] = (m * (reduced * activation + last * 3 * 4 * mb * seq)
+                                      + 4 * (tp_sharded_tensors(blocks, moe) + last)
                                       + sp * norms * 4 * args.dim)
         if sp:
             out["tp/all_gather_bytes"] = m * gathered * activation / dims.tp
@@ -264,7 +278,8 @@ def estimate_collectives(args: ModelArgs, dims: ParallelDims, cfg: Config, pp_ra
         out["pp/send_bytes"] = m * sends * activation / (dims.tp if sp else 1)
         out["pp/all_reduce_bytes"] = 4.0
     if dims.dp * dims.cp > 1:  # under CP, FSDP shards over dp_shard x cp
-        out.update(dp_collectives(args, dims, cfg, layout, shapes))
+        out = _add(out, dp_collectives(args, dims, cfg, layout, data_parallel_shapes(shapes, dims.ep)))
+    out = _add(out, moe_step_collectives(args, dims, cfg, shapes))
     return _add(out, cp_collectives(args, dims, cfg, blocks))
 
 

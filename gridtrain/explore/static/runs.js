@@ -81,7 +81,8 @@ function drawCheck(run) {
   rows.forEach((r, i) => {
     const ratio = r.predicted ? r.measured / r.predicted : NaN;
     const tr = el("tr", { "data-rank": r.rank, "data-key": r.key });
-    tr.append(el("td", {}, `${r.rank}`), el("th", {}, r.key + (r.estimated ? " (estimate)" : "")),
+    const note = r.estimated ? " (estimate)" : r.routed && r.rank !== "all" ? " (expected under uniform routing)" : "";
+    tr.append(el("td", {}, `${r.rank}`), el("th", {}, r.key + note),
               el("td", {}, r.missing ? "missing: not predicted" : fmt(r.predicted, 6)), el("td", {}, fmt(r.measured, 6)),
               el("td", {}, fmt(ratio, 5)));
     table.append(tr);

@@ -144,10 +144,18 @@ def resolve_model(preset: str, overrides: dict[str, str], arch: str = "llama") -
     problems = margs.validate()
     if problems:
         raise PlanError("; ".join(problems))
-    if margs.moe is not None or margs.explicit_head_dim or margs.qk_norm:
-        what = "a mixture of experts" if margs.moe is not None else "heads wider than dim / n_heads or QK-norm"
-        raise PlanError(f"model {preset!r} has {what}, which the planner does not plan yet: plan one of "
-                        f"{', '.join(DENSE_PRESETS)}, or train it and read its metrics")
+    if margs.moe is not None:
+        # plan --check predicts an MoE run's state and collectives (census.py, moe_collectives.py), but
+        # the search would rank layouts by a step time without the all-to-alls and by dense activations.
+        raise PlanError(f"model {preset!r} has a mixture of experts, which the planner does not plan yet: its search "
+                        "cannot rank expert-parallel layouts (the step time has no all-to-all, the activation census "
+                        "is the dense block's); plan one of "
+                        f"{', '.join(DENSE_PRESETS)}, or train it with metrics.account_every 1 and compare the run "
+                        "with `gridtrain plan --check RUN_DIR` (state bytes and collectives per rank)")
+    if margs.explicit_head_dim or margs.qk_norm:
+        raise PlanError(f"model {preset!r} has heads wider than dim / n_heads or QK-norm, which the planner does not "
+                        f"plan yet (its activation census assumes neither): plan one of {', '.join(DENSE_PRESETS)}, "
+                        "or train it and read its metrics")
     if arch == "gpt":
         ffn = margs.ffn_dim or 4 * margs.dim
         s = shape.gpt(margs.dim, margs.n_layers, margs.n_heads, margs.vocab_size, margs.max_seq_len, ffn)

@@ -1,0 +1,66 @@
+"""`gridtrain plan --check` on runs of a mixture of experts over 2 ranks (the issue's acceptance:
+"plan --check on an ep 2 x fsdp 2 run predicts the all-to-all bytes and the state bytes per rank
+exactly"): the state bytes of every rank to the byte, every collective that routing does not
+change to the byte, and the expert-parallel all-to-alls summed over the ranks to the byte (a
+rank's own share depends on where its tokens went: predicted at its expectation under uniform
+routing, plan/moe_collectives.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gridtrain.parity.run import launch
+
+pytestmark = pytest.mark.dist  # starts several processes
+
+FSDP2 = {"parallel.zero_stage": 3, "parallel.dp_shard": 2, "parallel.dp_replicate": 1}
+CASES = {
+    "ep2-fsdp": {**FSDP2, "parallel.ep": 2},
+    # DDP beside EP is FSDP2 over (dp_replicate, 1); the combine moves in bf16; recomputation repeats them.
+    "ep2-ddp-bf16-full": {"parallel.zero_stage": 0, "parallel.dp_shard": 1, "parallel.dp_replicate": 2,
+                          "parallel.ep": 2, "train.precision": "bf16", "train.recompute": "full"},
+    # A dense first layer and a shared expert beside the routed ones, under ZeRO-2.
+    "ep2-zero2-mixed": {"parallel.zero_stage": 2, "parallel.dp_shard": 2, "parallel.dp_replicate": 1,
+                        "parallel.ep": 2, "model.moe.first_dense": 1, "model.moe.num_shared_experts": 1},
+    "ep1-fsdp": FSDP2,  # the experts sharded by FSDP on their expert dimension
+    "tp2": {"parallel.tp": 2, "parallel.dp_shard": 1},  # the MoE replicated over TP
+    # Experts over dp x cp; the auxiliary loss's statistics all-reduced over CP.
+    "ep2-cp2": {"parallel.cp": 2, "parallel.dp_shard": 1, "parallel.zero_stage": 3, "parallel.ep": 2},
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory, corpus_dir: Path) -> Path:
+    out = tmp_path_factory.mktemp("plan-check-moe")
+    base = {"model.preset": "tiny-moe", "data.corpus": str(corpus_dir), "data.cache_dir": str(out / "cache"),
+            "data.seq_len": 32, "train.micro_batch": 2, "train.global_batch": 8, "train.steps": 2,
+            "train.warmup_steps": 1, "train.val_every": 0, "metrics.tensorboard": False,
+            "metrics.progress": False, "metrics.account_every": 1, "metrics.log_every": 1}
+    proc = launch(2, {name: {**base, **keys} for name, keys in CASES.items()}, out)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return out
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_check_predicts_a_mixture_of_experts_run(runs, name):
+    from gridtrain.plan.check_run import ALL_RANKS, check_run, format_check
+
+    rows = check_run(runs / name)
+    assert not [r for r in rows if r.missing], format_check(rows)
+    state = [r for r in rows if r.bucket in ("weights", "gradients", "optimizer")]
+    assert len(state) == 6 and all(r.predicted == r.measured for r in state), format_check(rows)
+    comm = [r for r in rows if "/" in r.bucket]
+    for row in comm:
+        if not row.routed or row.rank == ALL_RANKS:  # exact: neither estimated nor off by a byte
+            assert not row.estimated and row.predicted == row.measured, format_check(rows)
+        else:  # one rank's all-to-alls: their expectation, within the routing's imbalance
+            assert 0.8 < row.ratio < 1.25, format_check(rows)
+    routed = [r for r in comm if r.routed]
+    assert len(routed) == (3 if name.startswith("ep2") else 0)
+    if name == "ep2-fsdp":  # the hand-derived bytes of tests/test_plan_moe.py, measured
+        assert [r.predicted for r in routed if r.rank != ALL_RANKS] == [524_544, 524_544]
+        assert [r.measured for r in routed if r.rank == ALL_RANKS] == [2 * 524_544]
+        assert {r.measured for r in state if r.bucket == "weights"} == {330_368}
+        assert " all  dp_shard/all_to_all_bytes" in format_check(rows)
