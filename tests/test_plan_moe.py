@@ -90,11 +90,13 @@ def test_tiny_moe_collectives_under_ep2_fsdp2():
     - FSDP over the other 66,880 elements (267,520 bytes): gathered twice per micro-batch but the
       embedding (81,920), the last block's 12,928 x 4 and the head (82,176) once, 319,232 per
       micro-batch; the gradients reduced once per micro-batch (gloo: all-reduce), and one fp32
-      norm scalar per tensor of the rank, the experts' six included (the same group here)."""
+      norm scalar per tensor of the rank, the experts' six included (the same group here);
+    - the balance step once: 2 layers' counts (9 int64 each: 8 experts and the dropped) and losses
+      (2 fp32 each), 2 x 80 = 160 bytes."""
     cfg, dims, args = tiny_moe(**EP2_FSDP2)
     predicted, exact = collectives(args, dims, cfg, 0)
     assert exact and predicted == {"dp_shard/all_gather_bytes": 2 * 319_232,
-                                   "dp_shard/all_reduce_bytes": 2 * 267_520 + 4 * 23,
+                                   "dp_shard/all_reduce_bytes": 2 * 267_520 + 4 * 23 + 160,
                                    "dp_shard/all_to_all_bytes": 524_544}
 
 

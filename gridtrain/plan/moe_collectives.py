@@ -35,13 +35,6 @@ from gridtrain.layout.dims import ParallelDims
 from gridtrain.model.args import ModelArgs
 from gridtrain.plan.axes import dp_axis, ep_axis
 
-BALANCE_ACCOUNTED = False
-"""Whether the accounting window holds the balance step's all-reduces. The trainer runs them after
-the step's accounting is written (train/trainer.py: `balance_step` after `account.finish`), so a
-run's record has none and `plan --check` does not predict them; balance_collectives says what
-they are."""
-
-
 def assignments(args: ModelArgs, tokens: int) -> float:
     """Rows one rank dispatches per MoE layer and micro-batch of `tokens` tokens: tokens x top_k,
     dropless; under a capacity at most capacity rows per expert, so under uniform routing
@@ -111,12 +104,12 @@ def moe_step_collectives(args: ModelArgs, dims: ParallelDims, cfg: Config,
     """What a mixture of experts adds to the step's accounted collectives on a rank holding the
     parameters `shapes`: the all-to-alls at their expectation, the experts' norm scalars, context
     parallelism's all-reduces of the auxiliary loss's statistics, and the balance step's
-    all-reduces where the accounting holds them (BALANCE_ACCOUNTED)."""
+    all-reduces (the trainer runs it inside the step's accounting)."""
     layers = sum(name.endswith(".moe.router.gate.weight") for name in shapes)
     experts = sum(".moe.experts." in name for name in shapes)
     out = dict(all_to_all_bytes(args, dims, cfg, layers))
-    parts = [expert_norm_bytes(dims, experts), aux_loss_bytes(args, dims, cfg, layers)]
-    parts += [balance_collectives(args, dims, layers)] * BALANCE_ACCOUNTED
+    parts = [expert_norm_bytes(dims, experts), aux_loss_bytes(args, dims, cfg, layers),
+             balance_collectives(args, dims, layers)]
     for part in parts:
         for key, value in part.items():
             out[key] = out.get(key, 0.0) + value

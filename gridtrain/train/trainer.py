@@ -264,10 +264,10 @@ class Trainer:
         else:
             stepped = False
             self.precision.skip()
+        balance = balance_step(self.pmodel.parts, self.data_groups(), self.loss_shares, stepped)
         accounting = account.finish(self.optimizers)
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
-        balance = balance_step(self.pmodel.parts, self.data_groups(), self.loss_shares, stepped)
         self.step += 1
         self.accountant.write(self.step, accounting)
         return {"loss/train": loss_value, "grad/norm": grad_norm, "lr": lr, **self.speed(time.perf_counter() - start),
