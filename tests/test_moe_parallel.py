@@ -42,6 +42,8 @@ WORLD2: dict[str, tuple[dict, dict | None]] = {
     "ep2.fsdp.forced": ({**FSDP2, **EP2, **FORCED}, None),
     "ep2.fsdp.full.bf16": ({**FSDP2, **EP2, "train.recompute": "full", "train.precision": "bf16"}, None),
     "ep2.capacity": ({**FSDP2, **EP2, "model.moe.capacity_factor": 1.0}, None),
+    "ep2.fsdp.fp16.selective": ({**FSDP2, **EP2, "train.precision": "fp16", "train.recompute": "selective"}, None),
+    "ep1.fsdp.fp16": ({**FSDP2, **EP1, "train.precision": "fp16"}, None),
     "ep2.ddp.zloss.sigmoid": ({**DDP2, **EP2, "model.moe.z_loss_coef": 1e-3, "model.moe.score": "sigmoid",
                                "model.moe.num_shared_experts": 1}, {**FSDP2, **EP1}),
     # A pipeline's first step probes each stage's shapes with a forward, on empty tensors after the

@@ -107,7 +107,8 @@ class GroupedExperts(nn.Module):
 
 
 class Router(nn.Module):
-    """Scores, top-k choice and gate values of each token, in fp32 whatever the autocast."""
+    """Scores, top-k choice and gate values of each token, in fp32 whatever the autocast (from the
+    gate's weight rounded to the autocast dtype, which is what FSDP's mixed precision gathers)."""
 
     def __init__(self, dim: int, args: MoEArgs) -> None:
         super().__init__()
@@ -117,8 +118,12 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
         """Returns (logits, scores) of shape (N, E) and (gates, experts) of shape (N, k)."""
         a = self.args
+        # fp32 scores from the weight as the layer's matmuls see it: rounded to the autocast dtype, as
+        # FSDP gathers it under mixed precision (a layout that routed by the fp32 weight here and by
+        # the 16-bit one there would send tokens near a tie to other experts).
+        weight = self.gate.weight.to(compute_dtype(x)).float()
         with torch.autocast(x.device.type, enabled=False):
-            logits = F.linear(x.float(), self.gate.weight.float())
+            logits = F.linear(x.float(), weight)
         scores = torch.softmax(logits, dim=-1) if a.score == "softmax" else torch.sigmoid(logits)
         choose = scores if bias is None else scores + bias
         experts = torch.topk(choose.detach(), a.top_k, dim=-1).indices
