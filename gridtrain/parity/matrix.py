@@ -14,9 +14,11 @@ Axes and choices (degree 2 on each parallel axis, so the world is 1, 2, 4 or 8 p
 | recompute | none, selective, full (train.recompute) |
 | accumulation | one micro-batch per step, or several (4, or 2 with 4-way data parallelism) |
 | cp | none, cp (2: each sequence split over 2 ranks, ring attention) |
+| model | dense (`tiny`), moe (`tiny-moe`: 8 experts of ffn 32, top-2, the auxiliary loss) |
+| ep | none, ep (the experts sharded over every data- and context-parallel rank, ep = dp x cp) |
 
-The model is the `tiny` preset widened to 4 layers, 8 query and 4 KV heads, so every schedule
-gets at least one layer per stage. Everything here is arithmetic on configurations: no torch.
+The model is the `tiny` preset (or `tiny-moe`) widened to 4 layers, 8 query and 4 KV heads, so every
+schedule gets at least one layer per stage. Everything here is arithmetic on configurations: no torch.
 """
 
 from __future__ import annotations
@@ -64,11 +66,19 @@ PRECISION_CHOICES = {p: {"train.precision": p} for p in PRECISIONS}
 RECOMPUTE_CHOICES = {m: {"train.recompute": m} for m in RECOMPUTE}
 ACCUMULATION_CHOICES = ("one", "many")
 CP_CHOICES: dict[str, dict[str, object]] = {"none": {}, "cp": {"parallel.cp": 2}}
+MODEL_CHOICES: dict[str, dict[str, object]] = {"dense": {}, "moe": {"model.preset": "tiny-moe"}}
+EP_CHOICES = ("none", "ep")
+"""ep: the routed experts sharded over every data- and context-parallel rank (ep = dp x cp: EP 2 beside
+DDP, ZeRO-2 or FSDP 2, or beside CP 2; EP 4 beside HSDP 2 x 2 or beside CP)."""
+NEW_AXES_DEFAULT = ("dense", "none")
+"""The model and ep choices of every case before those axes existed: left out of a case's name, so
+the names (and a sweep's verdicts) of the dense cases stay what they were."""
 
 AXES: dict[str, tuple[str, ...]] = {
     "dp": tuple(DP_CHOICES), "tp": tuple(TP_CHOICES), "pp": tuple(PP_CHOICES),
     "embeddings": tuple(EMBEDDING_CHOICES), "precision": tuple(PRECISION_CHOICES),
     "recompute": tuple(RECOMPUTE_CHOICES), "accumulation": ACCUMULATION_CHOICES, "cp": tuple(CP_CHOICES),
+    "model": tuple(MODEL_CHOICES), "ep": EP_CHOICES,
 }
 
 
@@ -95,7 +105,9 @@ class Case:
 
     @property
     def name(self) -> str:
-        return ".".join(choice for _, choice in self.choices)
+        base = [choice for axis, choice in self.choices if axis not in ("model", "ep")]
+        new = tuple(choice for axis, choice in self.choices if axis in ("model", "ep"))
+        return ".".join(base + ([] if new in (NEW_AXES_DEFAULT, ()) else list(new)))
 
     @property
     def accepted(self) -> bool:
@@ -114,9 +126,11 @@ def layout_overrides(choices: dict[str, str]) -> dict[str, object]:
     out: dict[str, object] = {}
     for table, axis in ((DP_CHOICES, "dp"), (TP_CHOICES, "tp"), (PP_CHOICES, "pp"),
                         (EMBEDDING_CHOICES, "embeddings"), (PRECISION_CHOICES, "precision"),
-                        (RECOMPUTE_CHOICES, "recompute"), (CP_CHOICES, "cp")):
-        out.update(table[choices[axis]])
+                        (RECOMPUTE_CHOICES, "recompute"), (CP_CHOICES, "cp"), (MODEL_CHOICES, "model")):
+        out.update(table[choices.get(axis, "dense")])
     dp = out.get("parallel.dp_replicate", 1) * out.get("parallel.dp_shard", 1)
+    if choices.get("ep", "none") == "ep":  # over no data- or context-parallel rank: 2, which validate refuses
+        out["parallel.ep"] = max(2, dp * int(out.get("parallel.cp", 1)))
     if "parallel.dp_shard" not in out:
         out["parallel.dp_shard"] = 1
     # "one": the whole local batch in one micro-batch; "many": up to 4 micro-batches (enough for
@@ -136,6 +150,7 @@ def make_case(choices: dict[str, str], max_world: int = 8) -> Case:
     """The case for one choice per axis, with validate's verdict at its world size."""
     overrides = layout_overrides(choices)
     world = world_of(overrides)
+    choices = {**dict(zip(("model", "ep"), NEW_AXES_DEFAULT)), **choices}  # a dense case may leave them out
     ordered = tuple((axis, choices[axis]) for axis in AXES)
     if world > max_world:
         return Case(ordered, world, overrides, f"needs {world} processes, more than {max_world}")
@@ -174,7 +189,7 @@ def resume_layout(case: Case, max_world: int | None = None) -> Case | None:
     if case.world > (RESUME_MAX_WORLD if max_world is None else max_world):
         return None
     options += sorted((c for c in _accepted() if c.world == case.world and c.name != case.name
-                       and all(c.choice(a) == case.choice(a) for a in ("precision", "embeddings"))
+                       and all(c.choice(a) == case.choice(a) for a in ("precision", "embeddings", "model"))
                        and c.overrides["train.micro_batch"] == case.overrides["train.micro_batch"]),
                       key=lambda c: c.name)
     return options[zlib.crc32(case.name.encode()) % len(options)] if options else None

@@ -26,7 +26,7 @@ from gridtrain.parity.run import LEG, Result, launch, load_result, resume_in_one
 
 
 class References:
-    """The one-process runs the cases are compared with, one per precision, micro-batch size
+    """The one-process runs the cases are compared with, one per model, precision, micro-batch size
     and embedding choice (no recomputation in the reference: recomputation must
     not change the numbers either), each with the second leg's validation and last step."""
 
@@ -36,8 +36,8 @@ class References:
 
     @staticmethod
     def key(overrides: dict[str, object]) -> tuple:
-        return (overrides["train.precision"], overrides["train.micro_batch"], overrides["model.tie_embeddings"],
-                overrides["train.steps"], LEG in overrides)
+        return (overrides["model.preset"], overrides["train.precision"], overrides["train.micro_batch"],
+                overrides["model.tie_embeddings"], overrides["train.steps"], LEG in overrides)
 
     def get(self, overrides: dict[str, object]) -> Result:
         """The reference of a case; with the second leg's validation and last step where the case
