@@ -73,8 +73,11 @@ BARE_FLAG = "\0flag"
 def _convert(key: str, raw: Any, hint: Any) -> Any:
     """Turn a TOML value or command-line string into the field's type."""
     choices = [a for a in typing.get_args(hint) if typing.get_origin(a) is typing.Literal]
-    if choices and raw is not None and not (isinstance(raw, str) and raw.lower() in ("none", "null")):
-        hint = choices[0]  # an optional choice (model.moe.score): a value is one of the choices
+    if choices and raw is not None and (raw in typing.get_args(choices[0])
+                                        or not (isinstance(raw, str) and raw.lower() in ("none", "null"))):
+        # An optional choice (model.moe.balance): a value is one of the choices, 'none' too where it
+        # is one (balance 'none'); unset, the preset's.
+        hint = choices[0]
     if typing.get_origin(hint) is typing.Literal:  # a choice ('none' may be one): validate names the values
         if raw == BARE_FLAG or not isinstance(raw, str):
             raise ConfigError([f"{key} = {raw!r} is not one of {', '.join(typing.get_args(hint))}"

@@ -315,3 +315,12 @@ def test_qk_norm_and_a_wider_head_train_and_count():
     tokens = torch.randint(0, 320, (1, 8))
     loss_fn(model(tokens), tokens).backward()
     assert model_parameters(args) == count_parameters(build_meta(args))
+
+
+def test_a_choice_named_none_is_that_choice_not_the_presets():
+    """`--model.moe.balance none` turns balancing off; it is not the 'keep the preset's' of other keys."""
+    from gridtrain.config_load import load_config
+
+    assert load_config(None, {"model.preset": "tiny-moe", "model.moe.balance": "none"}).model.args().moe.balance == "none"
+    assert load_config(None, {"model.preset": "tiny-moe"}).model.args().moe.balance == "aux_loss"
+    assert load_config(None, {"model.preset": "tiny-moe", "model.moe.score": "sigmoid"}).model.args().moe.score == "sigmoid"
