@@ -73,6 +73,8 @@ BARE_FLAG = "\0flag"
 def _convert(key: str, raw: Any, hint: Any) -> Any:
     """Turn a TOML value or command-line string into the field's type."""
     choices = [a for a in typing.get_args(hint) if typing.get_origin(a) is typing.Literal]
+    if choices and isinstance(raw, str) and raw.lower() in typing.get_args(choices[0]):
+        raw = raw.lower()  # 'None' is the choice 'none' as much as 'none' is
     if choices and raw is not None and (raw in typing.get_args(choices[0])
                                         or not (isinstance(raw, str) and raw.lower() in ("none", "null"))):
         # An optional choice (model.moe.balance): a value is one of the choices, 'none' too where it

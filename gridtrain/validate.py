@@ -189,12 +189,17 @@ def _check_tp(cfg: Config, tp: int) -> list[str]:
             return ["parallel.sequence_parallel needs parallel.tp > 1: raise tp or turn it off"]
         return []
     args, problems = cfg.model.args(), []
-    for key, value in (("n_heads", args.n_heads), ("n_kv_heads", args.n_kv_heads),
-                       ("ffn_dim", args.hidden_dim), ("vocab_size", args.vocab_size)):
+    dense_layers = args.moe is None or args.moe.moe_layers(args.n_layers) < args.n_layers
+    widths = (("n_heads", args.n_heads), ("n_kv_heads", args.n_kv_heads), ("vocab_size", args.vocab_size))
+    for key, value in widths + ((("ffn_dim", args.hidden_dim),) if dense_layers else ()):
         if value % tp:
             fits = [d for d in range(1, tp + 1) if value % d == 0 and d & (d - 1) == 0]
             problems.append(f"parallel.tp ({tp}) must divide model.{key} ({value}), since each "
                             f"tensor-parallel rank takes an equal share: set parallel.tp to {fits[-1]}")
+    if args.qk_norm:
+        problems.append(f"model.qk_norm normalises each head with one weight, which parallel.tp ({tp}) has not been "
+                        "compared with one process beside (each rank would see its heads' share of its gradient): "
+                        "set parallel.tp to 1, or model.qk_norm to false")
     if cfg.parallel.sequence_parallel and cfg.data.seq_len % tp:
         problems.append(f"parallel.sequence_parallel splits data.seq_len ({cfg.data.seq_len}) over "
                         f"parallel.tp ({tp}): make seq_len a multiple of {tp}")
@@ -340,7 +345,7 @@ def _float8_shape_problems(args: ModelArgs, tp: int) -> list[str]:
     """Each block linear's dimensions, per tensor-parallel rank, must be multiples of 16."""
     m, problems = FLOAT8_DIM_MULTIPLE, []
     for key, width in (("dim", args.dim), ("n_kv_heads x head_dim", args.n_kv_heads * args.head_dim),
-                       ("ffn_dim", args.hidden_dim)):
+                       ("n_heads x head_dim", args.n_heads * args.head_dim), ("ffn_dim", args.hidden_dim)):
         if (width // tp) % m:
             per_rank = f" / parallel.tp ({tp}) = {width // tp}" if tp > 1 else ""
             problems.append(f"train.float8 multiplies in float8, which needs every dimension of the block "

@@ -64,6 +64,7 @@ PLAN = [
     (["plan", "--check", "{d}/badrun"], "{d}/badrun/config.json is not a gridtrain run record (TypeError"),
     (["plan", "--bogus"], "gridtrain plan takes model.* keys beyond its own options, not bogus"),
     (["plan", "--model", "mixtral-8x7b"], "has a mixture of experts, which the planner does not plan yet"),
+    (["plan", "--model", "small", "--model.moe.top_k", "2"], "model.moe.top_k is set, but model.preset 'small' is dense"),
 ]
 
 MODEL = [
@@ -89,6 +90,7 @@ MODEL = [
      "model.moe.expert_ffn_dim = 30 is not a multiple of 8, which torch._grouped_mm needs"),
     (["model", "tiny-moe", "--model.moe.aux_loss_coef", "-0.1"], "model.moe.aux_loss_coef = -0.1 must be >= 0"),
     (["model", "tiny", "--model.head_dim", "15"], "model.head_dim = 15 must be even for RoPE"),
+    (["model", "tiny-moe", "--model.moe.top_k", "1"], "makes every gate value route_scale, so the language-model loss"),
 ]
 
 TRAIN = [
@@ -109,6 +111,8 @@ TRAIN = [
     (["train", "--model.preset", "tiny-moe", "--nproc", "2", "--parallel.ep", "2", "--model.moe.num_experts", "3",
       "--model.moe.top_k", "1"], "parallel.ep (2) must divide model.moe.num_experts (3)"),
     (["train", "--model.preset", "tiny-moe", "--train.compile"], "which train.compile has not been compared"),
+    (["train", "--model.preset", "tiny", "--model.qk_norm", "--nproc", "2", "--parallel.tp", "2"],
+     "model.qk_norm normalises each head with one weight, which parallel.tp (2) has not been compared"),
     (["train", "--model.preset", "tiny-moe", "--parallel.ep", "2"], "parallel.ep (2) borrows its ranks from the "
      "data- and context-parallel ranks and must divide dp_replicate x dp_shard x cp (1 x 1 x 1 = 1)"),
     (["train", "--max-restarts", "-1"], "--max-restarts: -1 must be >= 0"),

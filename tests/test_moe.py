@@ -177,7 +177,7 @@ def test_the_bias_moves_once_by_the_sum_of_every_micro_batchs_counts():
         loss_fn(model(tokens), tokens).backward()
         for _, layer in moe_layers(model):
             layer._forward_hooks.clear()
-    metrics = balance_step([model], [], shares=4, stepped=True)
+    metrics = balance_step([model], [], shares=4, stepped=True, n_layers=2)
     for name, layer in moe_layers(model):
         load = expected[name].double()
         assert torch.equal(layer.expert_bias, (0.01 * torch.sign(load.mean() - load)).float())
@@ -324,3 +324,21 @@ def test_a_choice_named_none_is_that_choice_not_the_presets():
     assert load_config(None, {"model.preset": "tiny-moe", "model.moe.balance": "none"}).model.args().moe.balance == "none"
     assert load_config(None, {"model.preset": "tiny-moe"}).model.args().moe.balance == "aux_loss"
     assert load_config(None, {"model.preset": "tiny-moe", "model.moe.score": "sigmoid"}).model.args().moe.score == "sigmoid"
+
+
+def test_a_skipped_step_leaves_the_expert_bias_alone():
+    """The guard or fp16's scaler skipped the update: the bias does not move either, and the step's
+    counts are still zeroed."""
+    model = build_model(tiny_moe(balance="bias"), 0, CPU)
+    tokens = torch.randint(0, 320, (2, 16), generator=torch.Generator().manual_seed(5))
+    loss_fn(model(tokens), tokens).backward()
+    balance_step([model], [], shares=1, stepped=False, n_layers=2)
+    for _, layer in moe_layers(model):
+        assert torch.count_nonzero(layer.expert_bias) == 0 and int(layer.tokens_per_expert.sum()) == 0
+
+
+def test_top_1_renormalised_is_refused_and_capacity_past_every_assignment_is_dropless():
+    assert "never trains the router" in " ".join(MoEArgs(top_k=1).problems(64, 2))
+    assert MoEArgs(top_k=1, normalize_top_k=False).problems(64, 2) == []
+    assert MoEArgs(num_experts=8, top_k=2, capacity_factor=4.0).capacity(32) is None  # 4 x 2 >= 8
+    assert MoEArgs(num_experts=8, top_k=2, capacity_factor=1e300).capacity(32) is None

@@ -28,8 +28,8 @@ PP2 = {s: {"parallel.pp": 2, "parallel.pp_schedule": s, "parallel.pp_virtual_sta
 BIAS = {"model.moe.balance": "bias", "model.moe.bias_update_rate": 0.01}
 # Two experts, one per rank, top-1, and a bias step of 10: after the first step every token goes to
 # the expert that was less loaded, so the other rank receives no token at all.
-FORCED = {"model.moe.num_experts": 2, "model.moe.top_k": 1, "model.moe.balance": "bias",
-          "model.moe.bias_update_rate": 10.0}
+FORCED = {"model.moe.num_experts": 2, "model.moe.top_k": 1, "model.moe.normalize_top_k": False,
+          "model.moe.balance": "bias", "model.moe.bias_update_rate": 10.0}
 
 WORLD2: dict[str, tuple[dict, dict | None]] = {
     # name: (layout and model keys, the layout its checkpoint resumes under; None: one process)
@@ -46,8 +46,8 @@ WORLD2: dict[str, tuple[dict, dict | None]] = {
     "ep1.fsdp.fp16": ({**FSDP2, **EP1, "train.precision": "fp16"}, None),
     "ep2.ddp.zloss.sigmoid": ({**DDP2, **EP2, "model.moe.z_loss_coef": 1e-3, "model.moe.score": "sigmoid",
                                "model.moe.num_shared_experts": 1}, {**FSDP2, **EP1}),
-    # A pipeline's first step probes each stage's shapes with a forward, on empty tensors after the
-    # first stage: counted, it moved the bias by a micro-batch that never was (SplitBackwardStage).
+    # A pipeline's first step probes each stage's shapes with a forward, on uninitialised tensors after
+    # the first stage: counted, it moved the bias by a micro-batch that never was (SplitBackwardStage).
     "pp2.gpipe.bias": ({**PP2["gpipe"], "parallel.dp_shard": 1, **BIAS}, {**PP2["1f1b"], "parallel.dp_shard": 1}),
     "pp2.zbv.full": ({**PP2["zbv"], "parallel.dp_shard": 1, "train.recompute": "full"}, None),
     "tp2": ({**TP2, "parallel.dp_shard": 1, **BIAS}, {**TP2, "parallel.sequence_parallel": True, "parallel.dp_shard": 1}),
@@ -120,6 +120,11 @@ def test_moe_layouts_over_two_ranks_train_resume_and_validate_as_one_process(wor
     assert run is not None and len(run.losses) == LEG_OVERRIDES["train.steps"] - 1
     assert verdict(run, ref, spec) == []
     _same_biases(run, ref, name)
+    if name.startswith("pp2"):  # the metrics are the whole model's on every stage (rank 0 holds the first)
+        import json
+
+        record = json.loads((run.run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+        assert {f"moe/load/layer{i}" for i in range(4)} <= set(record), sorted(record)
 
 
 @pytest.mark.parametrize("name", list(WORLD4))
@@ -140,10 +145,23 @@ def _same_biases(run, ref, name: str) -> None:
         assert any(ref.leg.weights[k].abs().sum() > 0 for k in biases)  # it moved, and alike
 
 
-def test_the_forced_case_left_a_rank_without_tokens(world2):
-    """The second step of the forced case routes every token to one expert: the bias after step 1
-    is +10 on one expert and -10 on the other in every layer."""
-    _, ref, _ = world2["ep2.fsdp.forced"]
-    run, _, _ = world2["ep2.fsdp.forced"]
-    for key in (k for k in run.weights if k.endswith("expert_bias")):
-        assert sorted(run.weights[key].tolist()) in ([-10.0, 10.0], [-20.0, 20.0], [0.0, 0.0]), run.weights[key]
+def test_the_forced_case_leaves_an_expert_and_its_rank_without_tokens(tmp_path, make_config):
+    """In one process, as the forced case's ranks see it: after step 1 every layer's bias is +10 on
+    one expert and -10 on the other, so at step 2 every token goes to one expert, and under EP 2
+    the other expert's rank receives no row."""
+    from gridtrain.model.moe import moe_layers
+    from gridtrain.train.trainer import Trainer
+
+    trainer = Trainer(make_config(tmp_path, **{"model.preset": "tiny-moe", **FORCED}))
+    trainer.train_step()
+    layers = moe_layers(trainer.model)
+    for _, layer in layers:
+        assert sorted(layer.expert_bias.tolist()) == [-10.0, 10.0]
+    seen = []
+    hooks = [layer.experts.register_forward_hook(lambda m, args, out: seen.append(args[1].tolist()))
+             for _, layer in layers]
+    trainer.train_step()
+    for hook in hooks:
+        hook.remove()
+    assert seen and all(0 in counts for counts in seen), seen  # rows per expert, each micro-batch and layer
+    trainer.release()

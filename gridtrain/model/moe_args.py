@@ -71,8 +71,8 @@ class MoEArgs:
 
     def capacity(self, tokens: int) -> int | None:
         """Assignments one expert takes from a micro-batch of `tokens` (None: dropless)."""
-        if self.capacity_factor is None:
-            return None
+        if self.capacity_factor is None or self.capacity_factor * self.top_k >= self.num_experts:
+            return None  # an expert could take every assignment: nothing is ever dropped
         share = self.capacity_factor * tokens * self.top_k / self.num_experts
         return math.ceil(share - 1e-9)  # 1.1 x 50 is 55.00000000000001 in floats, and means 55
 
@@ -91,6 +91,10 @@ class MoEArgs:
             errors.append(f"model.moe.top_k ({self.top_k}) is more than model.moe.num_experts "
                           f"({self.num_experts}): a token cannot go to more experts than there are; "
                           f"set top_k to at most {self.num_experts}")
+        if self.top_k == 1 and self.normalize_top_k:
+            errors.append("model.moe.top_k = 1 with normalize_top_k makes every gate value route_scale, so the "
+                          "language-model loss never trains the router: set model.moe.normalize_top_k = false "
+                          "(Switch's top-1 gates by the probability)")
         if self.score not in ROUTER_SCORES:
             errors.append(f"model.moe.score = '{self.score}' is not one of {', '.join(ROUTER_SCORES)}")
         if self.balance not in BALANCES:

@@ -78,8 +78,9 @@ class SplitBackwardStage(PipelineStage):
 
     def _forward_metadata_inference(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - torch >= 2.13
         """torch's forward that learns the stage's tensor shapes, at the first step: with grad on,
-        on the first micro-batch (first stage) or on empty tensors (the others). A mixture of
-        experts must not count its routing there (it moved the expert bias by a ghost micro-batch)."""
+        on the first micro-batch (first stage) or on uninitialised tensors of the real shape (the
+        others). A mixture of experts must not count its routing there (it moved the expert bias by
+        a ghost micro-batch)."""
         with routing_uncounted(self.submod):
             return super()._forward_metadata_inference(*args, **kwargs)
 

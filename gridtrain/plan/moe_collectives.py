@@ -83,12 +83,18 @@ def aux_loss_bytes(args: ModelArgs, dims: ParallelDims, cfg: Config, moe_layers:
 def balance_collectives(args: ModelArgs, dims: ParallelDims, moe_layers: int) -> dict[str, float]:
     """The balance step's all-reduces, once a step (train/balance.py): over each group whose ranks
     read other tokens (the 'dp' group, and 'cp'), the rank's MoE layers' int64 counts [L, E + 1]
-    (the last column: the dropped assignments) and fp32 losses [L, 2] (aux, z)."""
-    if args.moe is None or not moe_layers:
+    (the last column: the dropped assignments) and fp32 losses [L, 2] (aux, z); under a pipeline,
+    on every rank, the whole model's metrics over 'pp'."""
+    if args.moe is None:
         return {}
-    payload = moe_layers * (8 * (args.moe.num_experts + 1) + 4 * 2)
-    axes = [dp_axis(dims)] * (dims.dp > 1) + ["cp"] * (dims.cp > 1)
-    return {f"{axis}/all_reduce_bytes": float(payload) for axis in axes}
+    out: dict[str, float] = {}
+    if moe_layers:
+        payload = moe_layers * (8 * (args.moe.num_experts + 1) + 4 * 2)
+        axes = [dp_axis(dims)] * (dims.dp > 1) + ["cp"] * (dims.cp > 1)
+        out.update({f"{axis}/all_reduce_bytes": float(payload) for axis in axes})
+    if dims.pp > 1:  # the whole model's metrics, from every stage: 3 float64 per layer and 2
+        out["pp/all_reduce_bytes"] = 8.0 * (3 * args.n_layers + 2)
+    return out
 
 
 def expert_norm_bytes(dims: ParallelDims, expert_tensors: int) -> dict[str, float]:

@@ -24,37 +24,46 @@ def set_loss_scale(parts: list[nn.Module], scale: float) -> None:
             layer.loss_scale = scale
 
 
-def balance_step(parts: list[nn.Module], groups: list[dist.ProcessGroup], shares: int,
-                 stepped: bool) -> dict[str, float]:
+def balance_step(parts: list[nn.Module], groups: list[dist.ProcessGroup], shares: int, stepped: bool,
+                 n_layers: int, pp_group: dist.ProcessGroup | None = None) -> dict[str, float]:
     """Sum the step's routing over `groups` (data and context parallelism), move the expert biases
-    if the optimizer stepped, zero the counters; returns the metrics: per MoE layer the load
-    (max / mean tokens per expert), and over all, the largest load, the fraction of assignments
-    dropped by capacity and the balance losses (summed over layers, mean over the micro-batches of
-    the global batch: their sum over the ranks divided by `shares`, the micro-batches times the
-    context-parallel degree, since each context-parallel rank holds its micro-batch's whole
-    auxiliary loss and a 1 / cp part of its z-loss)."""
+    if the optimizer stepped, zero the counters; returns the metrics of the whole model (gathered
+    over the pipeline stages through `pp_group`, one all-reduce of 3 numbers per layer of the
+    model's `n_layers` and 2): per MoE layer the load (max / mean tokens per expert), and over all,
+    the largest load, the fraction of assignments dropped by capacity and the balance losses (summed
+    over layers, mean over the micro-batches of the global batch: their sum over the ranks divided
+    by `shares`, the micro-batches times the context-parallel degree, since each context-parallel
+    rank holds its micro-batch's whole auxiliary loss and a 1 / cp part of its z-loss)."""
     layers = [(name, layer) for part in parts for name, layer in moe_layers(part)]
-    if not layers:
-        return {}
-    # Exact integers: (layers, experts + 1), the last column the dropped assignments.
-    counts = torch.stack([torch.cat([layer.tokens_per_expert, layer.dropped.view(1)]) for _, layer in layers])
-    losses = torch.stack([layer.balance_losses for _, layer in layers])
-    for group in groups:
-        dist.all_reduce(counts, group=group)
-        dist.all_reduce(losses, group=group)
-    loads, dropped = counts[:, :-1].double(), counts[:, -1]
-    metrics: dict[str, float] = {}
-    for (name, layer), load in zip(layers, loads):
-        if stepped:
-            _move_bias(layer, load)
-        metrics[f"moe/load/{_layer_name(name)}"] = float(load.max() / load.mean()) if load.sum() > 0 else 0.0
-        for buffer in (layer.tokens_per_expert, layer.dropped, layer.balance_losses):
-            buffer.zero_()
-    assigned = float(loads.sum())
-    metrics["moe/load_max"] = max(metrics.values())
-    metrics["moe/dropped_frac"] = float(dropped.sum()) / assigned if assigned else 0.0
-    metrics["moe/aux_loss"] = float(losses[:, 0].sum()) / shares
-    metrics["moe/z_loss"] = float(losses[:, 1].sum()) / shares
+    # Per layer of the model: (load, dropped, assigned); then the two losses. A stage fills its rows.
+    device = next(p for part in parts for p in part.parameters()).device
+    table = torch.zeros(3 * n_layers + 2, dtype=torch.float64, device=device)
+    if layers:
+        # Exact integers: (layers, experts + 1), the last column the dropped assignments.
+        counts = torch.stack([torch.cat([layer.tokens_per_expert, layer.dropped.view(1)]) for _, layer in layers])
+        losses = torch.stack([layer.balance_losses for _, layer in layers])
+        for group in groups:
+            dist.all_reduce(counts, group=group)
+            dist.all_reduce(losses, group=group)
+        for (name, layer), row in zip(layers, counts):
+            load = row[:-1].double()
+            if stepped:
+                _move_bias(layer, load)
+            i = _layer_index(name)
+            table[3 * i:3 * i + 3] = torch.stack([load.max() / load.mean() if load.sum() > 0 else load.sum(),
+                                                  row[-1].double(), load.sum()])
+            for buffer in (layer.tokens_per_expert, layer.dropped, layer.balance_losses):
+                buffer.zero_()
+        table[-2:] = losses.sum(dim=0).double()
+    if pp_group is not None:
+        dist.all_reduce(table, group=pp_group)
+    rows = table[:-2].view(n_layers, 3)
+    metrics = {f"moe/load/layer{i}": float(rows[i, 0]) for i in range(n_layers) if rows[i, 2] > 0}
+    assigned = float(rows[:, 2].sum())
+    metrics["moe/load_max"] = max(metrics.values(), default=0.0)
+    metrics["moe/dropped_frac"] = float(rows[:, 1].sum()) / assigned if assigned else 0.0
+    metrics["moe/aux_loss"] = float(table[-2]) / shares
+    metrics["moe/z_loss"] = float(table[-1]) / shares
     return metrics
 
 
@@ -67,7 +76,7 @@ def _move_bias(layer: MoE, load: torch.Tensor) -> None:
         layer.expert_bias += step.to(layer.expert_bias.dtype)
 
 
-def _layer_name(module_name: str) -> str:
-    """'layers.3.moe' -> 'layer3' (a pipeline stage's module names keep the global index)."""
+def _layer_index(module_name: str) -> int:
+    """'layers.3.moe' -> 3 (a pipeline stage's module names keep the global index)."""
     parts = module_name.split(".")
-    return f"layer{parts[parts.index('layers') + 1]}" if "layers" in parts else module_name
+    return int(parts[parts.index("layers") + 1])

@@ -264,7 +264,8 @@ class Trainer:
         else:
             stepped = False
             self.precision.skip()
-        balance = balance_step(self.pmodel.parts, self.data_groups(), self.loss_shares, stepped)
+        balance = {} if self.args.moe is None else balance_step(
+            self.pmodel.parts, self.data_groups(), self.loss_shares, stepped, self.args.n_layers, group(self.mesh, "pp"))
         accounting = account.finish(self.optimizers)
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)

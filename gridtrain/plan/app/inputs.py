@@ -141,6 +141,8 @@ def resolve_model(preset: str, overrides: dict[str, str], arch: str = "llama") -
         margs = load_config(None, {**keys, "model.preset": preset}).model.args()
     except ConfigError as e:
         raise PlanError("; ".join(e.problems)) from None
+    except ValueError as e:  # MoE keys on a dense preset
+        raise PlanError(str(e)) from None
     problems = margs.validate()
     if problems:
         raise PlanError("; ".join(problems))
