@@ -6,7 +6,6 @@ Mixtral cannot hold refused in one line before anything is written."""
 import json
 import re
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -16,16 +15,15 @@ from transformers import MixtralConfig, MixtralForCausalLM
 
 from gridtrain import tomlread
 from gridtrain.cli import main
-from gridtrain.config import Config
 from gridtrain.config_load import load_config
 from gridtrain.model import hf
 from gridtrain.model.args import PRESETS, model_args
-from gridtrain.model.llama import Transformer
 from gridtrain.train import hf_import, hf_run
 from gridtrain.train.build import build_model, loss_fn
 from gridtrain.train.trainer import Trainer
 
 from conftest import tiny_overrides
+from test_hf import Run  # a trained run: its config and final weights
 
 CPU = torch.device("cpu")
 SEQ = 256  # the tiny preset's whole context
@@ -40,21 +38,6 @@ RUNS = {
     "zero_bias": {"model.moe.balance": "bias", "model.moe.bias_update_rate": 0.0},
     "moved_bias": {"model.moe.balance": "bias"},  # the bias moved 3 times: refused
 }
-
-
-@dataclass
-class Run:
-    cfg: Config
-    weights: dict[str, torch.Tensor]
-
-    @property
-    def run_dir(self) -> Path:
-        return Path(self.cfg.run_dir)
-
-    def model(self) -> Transformer:
-        model = build_model(self.cfg.model.args(), 0, CPU)
-        model.load_state_dict(self.weights)
-        return model.eval()
 
 
 @pytest.fixture(scope="module")
