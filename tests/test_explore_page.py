@@ -5,6 +5,7 @@ inputs, and a run's page. Screenshots go to docs/explorer/ (linked from the READ
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -47,12 +48,17 @@ def fsdp_run(runs_root: Path, corpus_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def base_url(runs_root: Path):
+def explore_server(runs_root: Path):
     server = make_server(runs_dir=runs_root)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}/"
+    yield server
     server.shutdown()
     server.server_close()
+
+
+@pytest.fixture(scope="module")
+def base_url(explore_server) -> str:
+    return f"http://127.0.0.1:{explore_server.server_address[1]}/"
 
 
 @pytest.fixture(scope="module")
@@ -154,6 +160,36 @@ def test_an_invalid_choice_shows_the_planners_reason(page):
     page.select_option("#in-tp", "16")
     page.wait_for_function("() => document.getElementById('verdict').textContent.startsWith('invalid')")
     assert "tp=16 cannot split this model" in page.inner_text("#reason")
+
+
+RECORD_VERDICTS = """() => {
+  window.verdicts = [];
+  const v = document.getElementById('verdict');
+  new MutationObserver(() => window.verdicts.push([v.className, v.dataset.request || '{}', v.textContent]))
+    .observe(v, {childList: true, characterData: true, subtree: true, attributes: true});
+}"""
+
+
+def test_typing_8192_ends_on_the_plan_for_8192_and_never_shows_a_valid_value_invalid(page, explore_server):
+    # 70B on 256 H100s. Each key comes after the page's debounce, so 8, 81 and 819 are all asked:
+    # 81 and 819 search for seconds, and each is dropped (client and server) when the next key comes.
+    page.goto(page.url.split("?")[0] + "?model=llama3-70b&gpu=h100&num_gpus=256&seq_len=4096&global_batch=512")
+    page.wait_for_selector("body[data-ready='1']")
+    settle(page)
+    page.evaluate(RECORD_VERDICTS)
+    cancelled = explore_server.cancelled
+    page.fill("#in-seq_len", "")
+    page.type("#in-seq_len", "8192", delay=450)
+    page.wait_for_function("() => JSON.parse(document.getElementById('verdict').dataset.request).seq_len === 8192")
+    settle(page)
+    assert page.inner_text("#verdict").startswith("fits") and "partial" not in page.inner_text("#verdict")
+    code, plan, _ = cli_plan_json(page.inner_text("#command"))
+    assert code == 0 and "--seq-len 8192" in page.inner_text("#command")
+    expected = {(r["rank"], b): v for r in plan["memory"]["pipeline_ranks"] for b, v in r["buckets_GiB"].items()}
+    assert bars(page) == pytest.approx(expected, rel=1e-12)
+    shown = [(cls, json.loads(request).get("seq_len"), text) for cls, request, text in page.evaluate("window.verdicts")]
+    assert [seq for cls, seq, _ in shown if "invalid" in cls or "unknown" in cls] in ([], [8]), shown  # 8 < 16: truly invalid
+    assert explore_server.cancelled > cancelled  # a superseded search stopped on the server
 
 
 def card_answers(page, card_id: str) -> dict[str, float]:

@@ -1,12 +1,23 @@
-"""Data: corpus -> tokenizer -> prepared binary shards -> deterministic batches."""
+"""Data: corpus -> tokenizer -> prepared binary shards -> deterministic batches.
 
-from gridtrain.data.corpus import default_corpus, iter_documents
-from gridtrain.data.sampler import BatchReader, SampleOrder, ValReader
-from gridtrain.data.shards import TokenStore, ensure_prepared, prepare
-from gridtrain.data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer, build_tokenizer
+The names below load their module on first use, so that a tokenizing worker process (which
+imports gridtrain.data.prepare) does not import torch with the sampler.
+"""
 
-__all__ = [
-    "BPETokenizer", "BatchReader", "ByteTokenizer", "SampleOrder", "TokenStore", "Tokenizer",
-    "ValReader", "build_tokenizer", "default_corpus", "ensure_prepared", "iter_documents",
-    "prepare",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_WHERE = {
+    "default_corpus": "corpus", "iter_documents": "corpus", "BatchReader": "sampler", "SampleOrder": "sampler",
+    "ValReader": "sampler", "TokenStore": "shards", "ensure_prepared": "shards", "prepare": "shards",
+    "BPETokenizer": "tokenizer", "ByteTokenizer": "tokenizer", "Tokenizer": "tokenizer", "build_tokenizer": "tokenizer",
+}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'gridtrain.data' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"gridtrain.data.{_WHERE[name]}"), name)

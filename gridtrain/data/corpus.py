@@ -1,4 +1,5 @@
-"""Where training text comes from: a file, a JSON-lines file, or a directory tree of text files."""
+"""Where training text comes from: a text, parquet, Arrow or JSON-lines file, a saved dataset, or a
+directory tree of them."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+from gridtrain.data.sources import is_saved_dataset, iter_records, json_lines_texts, record_kind, saved_dataset_files
 from gridtrain.errors import BadInput, MissingInput
 from gridtrain.inputs import file_problem
 
@@ -26,25 +28,32 @@ def default_corpus() -> Path:
     return Path(os.__file__).parent.resolve()
 
 
-def iter_documents(source: str | Path) -> Iterator[str]:
-    """Yield the non-empty documents of `source` in a deterministic order.
+def iter_documents(source: str | Path, column: str = "text") -> Iterator[str]:
+    """Yield the non-empty documents of `source` in a deterministic order (iter_texts, empty ones left out)."""
+    return (text for text in iter_texts(source, column) if text)
 
-    A file is one document, except a `.jsonl` file, or a `.json` file whose first line is a JSON
-    object with a "text" field: there each line's "text" is a document. A directory is walked
-    recursively in sorted order, reading files with a suffix in TEXT_SUFFIXES and skipping hidden
-    entries, SKIP_DIRS and files that are not valid UTF-8.
+
+def iter_texts(source: str | Path, column: str = "text") -> Iterator[str]:
+    """Yield every document of `source` in a deterministic order, empty ones included.
+
+    A record file is read in batches (gridtrain.data.sources): parquet and Arrow files give their
+    `column`, JSON lines (plain, .gz, .zst; a `.json` file whose first line is a JSON object with
+    the field too) give each line's `column` field. A folder that `datasets`' save_to_disk wrote
+    gives its Arrow files. Any other file is one document. A directory is walked recursively in
+    sorted order, reading record files and files with a suffix in TEXT_SUFFIXES and skipping hidden
+    entries, SKIP_DIRS and text files that are not valid UTF-8 (a record file that is not is refused).
     """
     path = Path(source)
     if not path.exists():
-        raise MissingInput(f"corpus not found: {path} (give a text file, a .jsonl file "
-                                "with a 'text' field per line, or a directory of text files)")
+        raise MissingInput(f"corpus not found: {path} (give a text file, a parquet file, JSON lines, a folder "
+                           "that datasets' save_to_disk wrote, or a directory of those)")
     if path.is_file():
-        yield from _file_documents(path, strict=True)
+        yield from _file_documents(path, column, strict=True)
         return
     other: list[Path] = []
     undecodable: list[Path] = []
-    for file in _walk_text_files(path, other):
-        yield from _file_documents(file, strict=False, undecodable=undecodable)
+    for file in _walk_files(path, other):
+        yield from _file_documents(file, column, strict=False, undecodable=undecodable)
     if other or undecodable:  # said once, after the walk: nothing is dropped in silence
         logger.info("%s: skipped %s", path, "; ".join(
             f"{len(files):,} {'entry' if len(files) == 1 else 'entries'} {why} "
@@ -53,29 +62,47 @@ def iter_documents(source: str | Path) -> Iterator[str]:
                                ("not valid UTF-8", undecodable)) if files))
 
 
-def _walk_text_files(root: Path, other: list[Path]) -> Iterator[Path]:
-    """Text files under `root` in sorted order; the visible files of other suffixes go to `other`."""
+def source_files(source: str | Path) -> list[Path]:
+    """The files iter_texts reads for `source`, in its order (each Arrow file of a saved dataset)."""
+    path = Path(source)
+    if path.is_file():
+        return [path]
+    return list(_walk_files(path, []))
+
+
+def _walk_files(root: Path, other: list[Path]) -> Iterator[Path]:
+    """Record and text files under `root` in sorted order (a saved dataset's Arrow files in its own
+    order); the visible files of other suffixes go to `other`."""
     for dirpath, dirnames, filenames in os.walk(root):
+        if is_saved_dataset(Path(dirpath)):
+            dirnames[:] = []
+            yield from saved_dataset_files(Path(dirpath))
+            continue
         # Pruning and sorting in place steers os.walk itself: deterministic and never descends.
         dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d not in SKIP_DIRS)
         other.extend(Path(dirpath) / d for d in dirnames if (Path(dirpath) / d).is_symlink())  # not followed
         for name in sorted(filenames):
             if name.startswith("."):
                 continue
-            if Path(name).suffix.lower() in TEXT_SUFFIXES and file_problem(Path(dirpath) / name) is None:
+            readable = Path(name).suffix.lower() in TEXT_SUFFIXES or record_kind(Path(name)) is not None
+            if readable and file_problem(Path(dirpath) / name) is None:
                 yield Path(dirpath) / name  # a regular file: a link to /dev/zero or a fifo is never read
             else:
                 other.append(Path(dirpath) / name)
 
 
-def _file_documents(path: Path, strict: bool, undecodable: list[Path] | None = None) -> Iterator[str]:
-    """Documents of one file; `strict` raises on undecodable text instead of skipping it (and
-    listing it in `undecodable`)."""
+def _file_documents(path: Path, column: str, strict: bool,
+                    undecodable: list[Path] | None = None) -> Iterator[str]:
+    """Documents of one file, empty ones included; `strict` raises on undecodable text instead of
+    skipping it (and listing it in `undecodable`). Record files are always strict."""
+    if record_kind(path) is not None:
+        yield from iter_records(path, column)
+        return
     try:
         text = path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as err:
         if strict and _is_json_lines(path):
-            yield from _json_lines_documents(path)  # names the line that is not UTF-8
+            yield from json_lines_texts(path, column)  # names the line that is not UTF-8
             return
         if strict:
             raise BadInput(f"{path} is not valid UTF-8: {err}") from None
@@ -83,17 +110,14 @@ def _file_documents(path: Path, strict: bool, undecodable: list[Path] | None = N
         if undecodable is not None:
             undecodable.append(path)
         return
-    if _is_json_lines(path):
-        yield from _json_lines_documents(path)
-    elif text:
+    if _is_json_lines(path, column):
+        yield from json_lines_texts(path, column)
+    else:
         yield text
 
 
-def _is_json_lines(path: Path) -> bool:
-    suffix = path.suffix.lower()
-    if suffix == ".jsonl":
-        return True
-    if suffix != ".json":
+def _is_json_lines(path: Path, column: str = "text") -> bool:
+    if path.suffix.lower() != ".json":
         return False
     # A .json file may be ordinary JSON (config, test data) or JSON lines: peek at line one.
     try:
@@ -102,24 +126,4 @@ def _is_json_lines(path: Path) -> bool:
         obj = json.loads(first)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         return False
-    return isinstance(obj, dict) and "text" in obj
-
-
-def _json_lines_documents(path: Path) -> Iterator[str]:
-    with path.open("rb") as f:
-        for line_no, raw in enumerate(f, start=1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as err:
-                raise BadInput(f"{path}:{line_no} is not valid UTF-8 ({err})") from None
-            if not line.strip():
-                continue
-            try:
-                text = json.loads(line)["text"]
-                if not isinstance(text, str):
-                    raise TypeError(f"'text' is a {type(text).__name__}, not a string")
-            except (json.JSONDecodeError, KeyError, TypeError, RecursionError) as err:
-                raise BadInput(f"{path}:{line_no}: expected a JSON object with a 'text' field "
-                                 f"({type(err).__name__}: {err})") from None
-            if text:
-                yield text
+    return isinstance(obj, dict) and column in obj

@@ -20,15 +20,19 @@ from gridtrain.model.args import DENSE_PRESETS, PRESETS
 from gridtrain.layout.schedules import BACKWARD, RUNTIME_SCHEDULES, schedule as row_of
 from gridtrain.names import PLAN_RECOMPUTE
 from gridtrain.plan import pipeline
-from gridtrain.plan.search import DEADLINE, PlanError
+from gridtrain.plan import stop
+from gridtrain.plan.search import PlanError
 from gridtrain.plan.specs import ACCELERATOR_ALIASES, ACCELERATORS, CLUSTERS
 
 MAX_GPUS = 131_072
 """The largest cluster the explorer plans (8x the 16,384 GPUs of Llama 3 405B); `gridtrain plan`
 takes more from the command line."""
+SEARCH_SECONDS = 2.5
+"""How long one request searches before it answers with the best layouts found so far, marked
+partial (plan/stop.py); a search that has found none by then goes on to REQUEST_SECONDS."""
 REQUEST_SECONDS = 10.0
-"""How long one request may search: past it the planner answers with PlanError (a 422 naming the
-fix) rather than keep a thread busy for minutes."""
+"""How long one request may search at most: past it with nothing found the answer is a 503 saying
+so and naming the fix, rather than a thread kept busy for minutes (never "invalid": the inputs are)."""
 MAX_TIMELINE_OPS = 4096
 """Pipeline timelines with more forward and backward ops than this are not drawn."""
 
@@ -189,32 +193,37 @@ def timeline(layout: dict) -> dict[str, object]:
             "bubble": pipeline.simulated_bubble_fraction(ops, pp), "makespan": pipeline.makespan(ops)}
 
 
-def plan(body: object) -> tuple[int, dict]:
-    """POST /api/plan: 200 with the plan (fitting or not), 400 for a malformed request, 422 for
-    inputs the planner refuses (its reason and fix)."""
+def plan(body: object, cancelled: Callable[[], bool] = lambda: False) -> tuple[int, dict]:
+    """POST /api/plan: 200 with the plan (fitting or not; "partial" when the search stopped at its
+    time budget with the best found so far), 400 for a malformed request, 422 for inputs the planner
+    refuses (its reason and fix), 503 when the search found nothing in REQUEST_SECONDS, 499 when
+    `cancelled()` said nobody awaits the answer (the page typed on)."""
     start = time.perf_counter()
     try:
         args = plan_args(body)
     except BadRequest as e:
         return 400, {"error": str(e)}
-    deadline = DEADLINE.set(time.monotonic() + REQUEST_SECONDS)
+    command = "gridtrain plan " + shlex.join(args[:-1])
     try:
-        report, error = run_plan_json(args)
+        with stop.budget(SEARCH_SECONDS, REQUEST_SECONDS, cancelled) as budget:
+            report, error = run_plan_json(args)
     except BadRequest as e:
         return 400, {"error": str(e)}
     except PlanError as e:
         report, error = None, str(e)
-    finally:
-        DEADLINE.reset(deadline)
-    command = "gridtrain plan " + shlex.join(args[:-1])
+    except stop.SearchTimeout as e:
+        return 503, {"error": str(e), "timed_out": True, "command": command}
+    except stop.SearchCancelled:
+        return 499, {"error": "cancelled: a newer request took this one's place", "cancelled": True}
     if report is None:
         return 422, {"error": error or "the planner took no plan from these inputs", "command": command}
     layout = report["chosen" if report["fits"] else "leanest"]["layout"] if "memory" in report else None
     return 200, {"plan": report, "command": command, "timeline": timeline(layout) if layout else None,
-                 "elapsed_ms": (time.perf_counter() - start) * 1e3}
+                 "partial": budget.partial, "elapsed_ms": (time.perf_counter() - start) * 1e3}
 
 
-ROUTES: dict[str, Callable[[object], tuple[int, dict]]] = {"/api/plan": plan}
+ROUTES: dict[str, Callable[..., tuple[int, dict]]] = {"/api/plan": plan}
+"""The POST routes that search: each takes the body and `cancelled`, and runs in a plan slot."""
 
 
 LLAMA2_7B = {"n_kv_heads": 32, "ffn_dim": 11008, "vocab_size": 32000}

@@ -17,7 +17,9 @@ another machine, start it with --host set to the address or name that machine wi
 
 Plan searches are CPU-bound Python and share one interpreter lock: at most PLAN_SLOTS run at once,
 the other requests sleep in line (their 10 s search budget starts when their search does), so a
-burst of them neither starves the page's GETs nor runs every search out of time. A client that
+burst of them neither starves the page's GETs nor runs every search out of time. A search whose
+client has hung up (the page aborts a request that newer input superseded) stops at its next core,
+or before it starts if it was still in line (plan/stop.py), and answers nothing. A client that
 hangs up is no error; another error is one line on stderr.
 """
 
@@ -26,6 +28,8 @@ from __future__ import annotations
 import contextlib
 import json
 import mimetypes
+import select
+import socket
 import sys
 import threading
 import time
@@ -99,6 +103,10 @@ class Handler(BaseHTTPRequestHandler):
         try:
             with slots or contextlib.nullcontext():
                 status, data = answer()
+            if status == 499:  # nobody awaits it (api.plan): no answer to send
+                self.close_connection = True
+                self.server.cancelled += 1
+                return
         except Exception as e:  # a bug of ours: one line to the client, the server goes on
             status, data = 500, {"error": f"internal error: {type(e).__name__}: {e}"[:500]}
         try:
@@ -168,7 +176,19 @@ class Handler(BaseHTTPRequestHandler):
         except (ValueError, UnicodeDecodeError, RecursionError) as e:
             self._json(400, {"error": f"the body is not JSON this server reads: {type(e).__name__}"})
             return
-        self._guarded(lambda: route(body), self.server.plan_slots if path in api.ROUTES else None)
+        if path in api.ROUTES:
+            self._guarded(lambda: route(body, cancelled=self._client_gone), self.server.plan_slots)
+        else:
+            self._guarded(lambda: route(body))
+
+    def _client_gone(self) -> bool:
+        """True once the client has closed its end: nothing awaits the answer (a request body has
+        been read whole, so the socket is readable only at its end or with a pipelined request)."""
+        try:
+            readable, _, _ = select.select([self.connection], [], [], 0)
+            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+        except (OSError, ValueError):
+            return True
 
     def _refuse(self) -> None:
         self._json(405, {"error": f"{self.command} is not served: use GET or POST"})
@@ -201,6 +221,8 @@ class ExploreServer(ThreadingHTTPServer):
         self.allowed_origins = frozenset(f"http://{name}" for name in self.allowed_hosts
                                          if name.endswith(f":{port}") or port == 80)
         self.plan_slots = threading.BoundedSemaphore(PLAN_SLOTS)
+        self.cancelled = 0
+        """Plan requests dropped because their client had hung up."""
         # Two searches run in Python beside the threads that accept and answer: each of those waits
         # for the interpreter lock at every step, up to the switch interval (5 ms by default) a time,
         # and a burst of 50 connections took a GET past a second. 1 ms keeps them in pace; the

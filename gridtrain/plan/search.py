@@ -21,9 +21,7 @@ import math
 
 import functools
 import heapq
-import contextvars
 import itertools
-import time
 from dataclasses import dataclass, field, replace
 
 from gridtrain.layout.schedules import DEFAULT_SCHEDULE, SCHEDULES
@@ -35,6 +33,7 @@ from gridtrain.plan.runnable import refusal
 from gridtrain.plan.state import StateBytes, state_bytes_per_param
 from gridtrain.plan.shape import ModelShape, tp_heads
 from gridtrain.plan.specs import ClusterSpec
+from gridtrain.plan.stop import check_stop, out_of_time
 from gridtrain.plan.steptime import CALIBRATED, Efficiency, PipelineTime, StepTime, pipeline_time, step_time
 
 
@@ -348,7 +347,7 @@ def _bounded_cores(problem: Problem, c: Constraints, fams: list[Family]) -> tupl
             zeros = tuple(z for z in zeros if z[0] != 1)
         if problem.filters_runnable and fam.cp > 1:  # CP's gradients are summed by FSDP (ZeRO 2, 3)
             zeros = tuple(z for z in zeros if z[0] >= 2)
-        check_deadline()
+        check_stop()
         for b in fam.micro_batches if zeros else ():
             layout = fam.layout(problem, b)
             core = _make_core(problem, len(out), layout, zeros)
@@ -365,18 +364,6 @@ def _bounded_cores(problem: Problem, c: Constraints, fams: list[Family]) -> tupl
     return out, leanest
 
 
-DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar("plan_deadline", default=None)
-"""A time.monotonic() past which a search gives up with PlanError (None: no limit). The explorer
-sets one per request; the command line plans without."""
-
-
-def check_deadline() -> None:
-    deadline = DEADLINE.get()
-    if deadline is not None and time.monotonic() > deadline:
-        raise PlanError("the search ran out of its time: fix more of the layout (tp, pp, cp, ZeRO) so fewer "
-                        "layouts are left to try, or ask `gridtrain plan`, which has no time limit")
-
-
 def search(problem: Problem, constraints: Constraints = Constraints(), top: int = 10) -> SearchResult:
     """The `top` fastest layouts that fit, by branch and bound over the cores (module docstring)."""
     fams = families(problem, constraints)
@@ -387,7 +374,9 @@ def search(problem: Problem, constraints: Constraints = Constraints(), top: int 
     for core in bounded:
         if len(best) == top and core.bound_s >= -best[0][0]:
             break
-        check_deadline()
+        check_stop()
+        if best and out_of_time():  # the explorer's time budget: the best found so far (stop.py)
+            break
         for zero in core.zeros:
             if core.memory_floor(problem, zero) > problem.memory_limit:
                 continue

@@ -26,6 +26,9 @@ let OPTIONS = null;
 let state = {};
 let sequence = 0;
 let timer = null;
+const planRequest = latest();
+const rankRequest = latest();
+const DEBOUNCE_MS = 300;  // typing "8192" sends one request, not four
 
 function layoutLabel(l) {
   const parts = [`tp ${l.tp}`, `pp ${l.pp}`, `cp ${l.cp}`, `dp ${l.dp_replicate * l.dp_shard}`];
@@ -86,6 +89,7 @@ function onInput(event) {
   }
   if (k === "model") { for (const s of SHAPE_KEYS) delete state[s]; fillForm(); }
   clear($("best"));  // ranked for other inputs
+  rankRequest.abort();
   $("search-note").textContent = "";
   writeURL();
   schedule();
@@ -93,8 +97,9 @@ function onInput(event) {
 
 function schedule() {
   document.body.dataset.pending = "1";
+  $("outputs").classList.add("stale");
   clearTimeout(timer);
-  timer = setTimeout(update, 60);
+  timer = setTimeout(update, DEBOUNCE_MS);
 }
 
 // ---- the request ----
@@ -146,14 +151,23 @@ function requestBody(withLayout = true) {
 async function update() {
   // data-pending is 1 from an input's change until its answer is drawn (tests wait on it).
   document.body.dataset.pending = "1";
+  clearTimeout(timer);
   const mine = ++sequence;
-  const [status, data] = await call("POST", "/api/plan", requestBody());
-  if (mine !== sequence) return;
+  const body = requestBody();
+  const [status, data] = await call("POST", "/api/plan", body, planRequest.next());
+  if (mine !== sequence || data.aborted) return;
   renderPlan(status, data);
+  $("verdict").dataset.request = JSON.stringify(body);  // what this verdict answers (tests read it)
+  $("outputs").classList.remove("stale");
   document.body.dataset.pending = "0";
 }
 
 // ---- drawing the plan ----
+
+function partialNote(data) {
+  return data.partial ? " (partial: the best of the layouts the search costed in its time; fix more of the " +
+    "layout, or run the command, for the best of all)" : "";
+}
 
 function renderPlan(status, data) {
   const verdict = $("verdict");
@@ -161,8 +175,11 @@ function renderPlan(status, data) {
   $("command").textContent = data.command || "";
   $("elapsed").textContent = data.elapsed_ms !== undefined ? `(answered in ${fmt(data.elapsed_ms, 3)} ms)` : "";
   if (status !== 200) {
-    verdict.className = "verdict invalid";
-    verdict.textContent = "invalid: the planner cannot take these inputs";
+    // Only 400 and 422 say the inputs are wrong; a timeout (503) or a lost server says nothing of them.
+    const refused = status === 400 || status === 422;
+    verdict.className = refused ? "verdict invalid" : "verdict unknown";
+    verdict.textContent = refused ? "invalid: the planner cannot take these inputs"
+      : status === 503 ? "not known yet: the search found no layout in its time" : "no answer from the server";
     reason.hidden = false;
     reason.textContent = data.error || `HTTP ${status}`;
     for (const id of ["memory", "steptime", "timeline"]) clear($(id)).setAttribute("height", 20);
@@ -178,7 +195,7 @@ function renderPlan(status, data) {
   if (plan.fits) {
     verdict.className = "verdict fits";
     verdict.textContent = `fits: ${fmt(mem.total_GiB, 3)} GiB at the peak (pipeline rank ${mem.rank}) of ` +
-      `${fmt(mem.limit_GiB, 3)} GiB usable; ${layoutLabel(cand.layout)}`;
+      `${fmt(mem.limit_GiB, 3)} GiB usable; ${layoutLabel(cand.layout)}` + partialNote(data);
   } else {
     verdict.className = "verdict nofit";
     const fix = (plan.reason.split("\n").find((line) => line.trim().startsWith("try:")) || "").trim();
@@ -320,7 +337,8 @@ function drawTimeline(t) {
 
 async function rankLayouts() {
   $("search-note").textContent = "searching...";
-  const [status, data] = await call("POST", "/api/plan", requestBody(false));
+  const [status, data] = await call("POST", "/api/plan", requestBody(false), rankRequest.next());
+  if (data.aborted) return;
   const table = clear($("best"));
   if (status !== 200 || !data.plan.fits) {
     $("search-note").textContent = status === 200 ? data.plan.reason : data.error;
@@ -328,7 +346,7 @@ async function rankLayouts() {
   }
   const s = data.plan.search;
   $("search-note").textContent = `${s.evaluated.toLocaleString()} of ${s.enumerated.toLocaleString()} layouts costed ` +
-    `(${data.command}); click a row to apply it`;
+    `(${data.command}); click a row to apply it` + partialNote(data);
   const head = el("tr");
   for (const h of ["#", "layout", "MFU", "tokens/s", "step", "peak GiB", ""]) head.append(el("th", {}, h));
   table.appendChild(el("thead")).append(head);

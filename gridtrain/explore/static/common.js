@@ -24,13 +24,25 @@ function el(tag, attrs = {}, text = "") {
 
 function clear(node) { while (node.firstChild) node.removeChild(node.firstChild); return node; }
 
-async function call(method, url, body) {
-  const init = { method, headers: { "Content-Type": "application/json" } };
+// A request whose `signal` is aborted (newer input superseded it) answers [0, {aborted: true}]; the
+// server then sees the connection close and stops its search.
+async function call(method, url, body, signal) {
+  const init = { method, headers: { "Content-Type": "application/json" }, signal };
   if (body !== undefined) init.body = JSON.stringify(body);
   try {
     const response = await fetch(url, init);
     return [response.status, await response.json()];
   } catch (e) {
+    if (e.name === "AbortError") return [0, { aborted: true, error: "superseded by newer input" }];
     return [0, { error: `no answer from the server: ${e}` }];
   }
+}
+
+// One request at a time per purpose: `next()` aborts the one before and gives the new one's signal.
+function latest() {
+  let controller = null;
+  return {
+    next() { if (controller) controller.abort(); controller = new AbortController(); return controller.signal; },
+    abort() { if (controller) controller.abort(); controller = null; },
+  };
 }
