@@ -60,7 +60,8 @@ BUDGET: contextvars.ContextVar[SearchBudget | None] = contextvars.ContextVar("se
 
 
 @contextlib.contextmanager
-def budget(seconds: float, hard_seconds: float, cancelled: Callable[[], bool] = lambda: False) -> Iterator[SearchBudget]:
+def budget(seconds: float, hard_seconds: float,
+           cancelled: Callable[[], bool] = lambda: False) -> Iterator[SearchBudget]:
     """The searches inside run under this budget (seconds soft, hard_seconds hard, from now)."""
     now = time.monotonic()
     b = SearchBudget(now + seconds, now + max(seconds, hard_seconds), cancelled)

@@ -20,12 +20,13 @@ from gridtrain.plan.app import explain, ranking, render
 from gridtrain.plan.app.inputs import (LAYOUT_LABELS, batch_sequences, check_constraints, constraints_label,
                                        parse_count, parse_layout, parse_whole, resolve_cluster, resolve_local,
                                        resolve_model)
+from gridtrain.plan.app.refusals import no_layout_reason
 from gridtrain.plan.app.report import Assumptions, build_report, layout_dict, no_fit_report
 from gridtrain.plan.memory import BUCKETS, GiB
 from gridtrain.plan.state import CONVENTIONS
+from gridtrain.plan.app.experts import ep_note
 from gridtrain.plan.runnable import refusal, train_command
-from gridtrain.plan.search import (Candidate, Constraints, PlanError, Problem, SearchResult, cp_options, degree_options,
-                                   search, tp_options)
+from gridtrain.plan.search import Candidate, Constraints, PlanError, Problem, SearchResult, search
 from gridtrain.plan.shape import param_counts
 from gridtrain.plan.specs import ClusterSpec
 from gridtrain.plan.steptime import IMPLEMENTATIONS
@@ -161,25 +162,8 @@ def no_fit_message(problem: Problem, c: Constraints, result: SearchResult) -> st
     """Why nothing fits, and what would."""
     what = f"with {constraints_label(c)} " if c.given() else ""
     head = f"no layout {what}of this model fits on {problem.num_gpus:,} x {problem.cluster.accelerator.name}"
-    most = problem.global_batch_seqs * max(tp_options(problem, c) or [1]) * max(cp_options(problem, c) or [1]) \
-        * problem.shape.num_layers
-    if result.leanest is None and problem.num_gpus > most:
-        return (f"{head}: that is more GPUs than this model and batch can keep busy, at most {most:,} = "
-                f"{problem.global_batch_seqs:,} sequences (dp) x the largest tp x cp x one pipeline stage per "
-                f"layer ({problem.shape.num_layers}): use fewer GPUs or a larger --global-batch")
-    if result.leanest is None and not degree_options(problem, c):
-        return (f"{head}: no tp x cp x pp x dp = {problem.num_gpus:,} leaves a dp that divides the global "
-                f"batch of {problem.global_batch_seqs:,} sequences: make the batch a multiple of a power of "
-                "two" + (", or loosen --layout" if c.given() else ""))
-    if result.leanest is None and c.dp_shard is not None:
-        return (f"{head}: dp_shard={c.dp_shard} divides none of the data-parallel degrees left by the "
-                f"{problem.num_gpus:,} GPUs (dp = GPUs / (tp x cp x pp)): choose a dp_shard that divides dp, or "
-                "fix tp, cp and pp too")
     if result.leanest is None:
-        return (f"{head}: no tp x cp x pp x dp = {problem.num_gpus:,} leaves a valid micro-batch and schedule "
-                f"for {problem.global_batch_seqs:,} sequences per step (1F1B needs m >= pp micro-batches per data-"
-                "parallel rank, ZB-V m >= 2 pp, interleaved schedules v >= 2 and micro-batches in rounds of pp): "
-                + ("loosen --layout" if c.given() else "use fewer GPUs or a larger --global-batch"))
+        return no_layout_reason(problem, c, head)[1]
     if result.refused:
         lean = result.leanest
         why = refusal(problem.model_keys, problem.global_batch_seqs, problem.precision, lean.layout) if lean else ""
@@ -227,6 +211,8 @@ def plan(args: argparse.Namespace, extra: list[str], out: TextIO) -> int:
                               electricity_per_kwh=args.electricity_price, mtbf_gpu_hours=args.mtbf_hours)
     report = build_report(problem, result, rows, name, tokens, assumptions, seconds)
     report["notes"] = notes + [fit_line(problem, constraints, chosen)]
+    if problem.shape.num_experts:
+        report["notes"].append(ep_note(problem, constraints, chosen))
     if problem.model_keys is not None:
         report["train_command"] = train_command(problem.model_keys, problem.global_batch_seqs, problem.precision,
                                                 chosen.layout, problem.cluster.gpus_per_node)

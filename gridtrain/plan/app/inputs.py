@@ -17,7 +17,8 @@ from gridtrain.model.args import DENSE_PRESETS, PRESETS
 from gridtrain.layout.schedules import RUNTIME_SCHEDULES
 from gridtrain.plan import local, shape, specs
 from gridtrain.names import PLAN_RECOMPUTE
-from gridtrain.plan.search import Constraints, PlanError, Problem, cp_options, tp_options
+from gridtrain.plan.app.refusals import layout_refusal
+from gridtrain.plan.search import Constraints, PlanError, Problem
 
 SUFFIXES = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
 
@@ -197,50 +198,9 @@ def resolve_cluster(gpu: str, cluster_name: str | None, hardware: str | None) ->
 
 
 def check_constraints(problem: Problem, c: Constraints) -> list[str]:
-    """The relations a `--layout` breaks before any search, each with numbers and a fix."""
-    out = []
-    s = problem.shape
-    free = Constraints()
-    if c.tp is not None and c.tp not in tp_options(problem, free):
-        g = problem.cluster.gpus_per_node
-        out.append(f"tp={c.tp} cannot split this model on {g}-GPU nodes: tp must divide the node ({g}), "
-                   f"the {s.num_heads} query heads and the MLP width {s.ffn}, and divide or be divided by "
-                   f"the {s.num_kv_heads} KV heads; choose tp among {tp_options(problem, free)}")
-    if c.cp is not None and not cp_options(problem, c):
-        out.append(f"cp={c.cp} must cut the {problem.seq_len:,}-token sequence into 2 x cp equal chunks: "
-                   f"choose cp dividing {problem.seq_len // 2:,} (the search tries {cp_options(problem, free)})")
-    if c.pp is not None and c.pp > s.num_layers:
-        out.append(f"pp={c.pp} exceeds the model's {s.num_layers} layers: choose pp <= {s.num_layers}")
-    out += _product_problems(problem, c)
-    if c.dp is not None and problem.global_batch_seqs % c.dp:
-        out.append(f"the global batch of {problem.global_batch_seqs:,} sequences does not split over "
-                   f"dp={c.dp}: make the batch a multiple of {c.dp} sequences or choose dp dividing "
-                   f"{problem.global_batch_seqs:,}")
-    dp = c.dp
-    if dp is None and None not in (c.tp, c.pp, c.cp) and problem.num_gpus % (c.tp * c.pp * c.cp) == 0:
-        dp = problem.num_gpus // (c.tp * c.pp * c.cp)  # type: ignore[operator]
-    if dp is not None and c.dp_shard is not None and dp % c.dp_shard:
-        out.append(f"dp_shard={c.dp_shard} must divide dp={dp}: choose dp_shard among "
-                   f"{[d for d in range(1, dp + 1) if dp % d == 0]}")
-    if c.dp_shard is not None and c.dp_shard > 1 and c.zero_stage in (0, 1):
-        out.append(f"dp_shard={c.dp_shard} shards ZeRO-2/3 (FSDP) state over that many ranks; zero={c.zero_stage} "
-                   "replicates the model over all of dp: drop dp_shard, or choose zero=2 or 3")
-    return out
-
-
-def _product_problems(problem: Problem, c: Constraints) -> list[str]:
-    n = problem.num_gpus
-    given = {k: getattr(c, k) for k in ("tp", "cp", "pp", "dp") if getattr(c, k) is not None}
-    if not given:
-        return []
-    product = math.prod(given.values())
-    relation = " x ".join(f"{k}({v})" for k, v in given.items()) + f" = {product:,}"
-    if len(given) == 4 and product != n:
-        fix = f"set dp to {n // (product // c.dp)}, or " if n % (product // c.dp) == 0 else ""  # type: ignore[operator]
-        return [f"{relation} != {n:,} GPUs: {fix}plan for {product:,} GPUs (--num-gpus {product})"]
-    if n % product:
-        return [f"{relation} does not divide {n:,} GPUs: choose degrees whose product divides {n:,}"]
-    return []
+    """The root relation a `--layout` breaks before any search (refusals.py), with numbers and a fix."""
+    found = layout_refusal(problem, c)
+    return [found[1]] if found else []
 
 
 LAYOUT_LABELS = {f.name: f.name for f in fields(Constraints)} | {"zero_stage": "zero", "micro_batch": "mb",
