@@ -16,12 +16,13 @@ from gridtrain.config import ConfigError
 from gridtrain.config_load import all_keys, load_config, parse_overrides
 from gridtrain.errors import BadInput, UserError, one_line
 from gridtrain.argtypes import number
+from gridtrain.cli_data import add_data_parser
 from gridtrain.cli_inference import add_inference_parsers
 from gridtrain.launch import launch
 from gridtrain.rundir import check_run_dir, unwritable
 from gridtrain.runlock import job_dirs, refuse_if_held
 from gridtrain.plan.app.options import add_plan_parser
-from gridtrain.validate import tokenizer_vocab, validate
+from gridtrain.validate import validate
 
 log = logging.getLogger("gridtrain")
 
@@ -194,36 +195,6 @@ def cmd_model(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
-def cmd_data(args: argparse.Namespace, extra: list[str]) -> int:
-    from gridtrain.data.shards import TokenStore, check_output, ensure_prepared, prepare
-    from gridtrain.data.tokenizer import build_tokenizer
-
-    bad = tokenizer_vocab(args.tokenizer, "--tokenizer")[1]
-    if args.source and not Path(args.source).exists():
-        bad = f"corpus {args.source} not found: give a text file, a .jsonl file or a directory of text files"
-    cache_used = not args.out or args.tokenizer.startswith("bpe:")  # a trained BPE is cached
-    for flag, path in (("--out", args.out), ("--cache-dir", args.cache_dir if cache_used else None)):
-        why = path and unwritable(Path(path).expanduser())
-        bad = bad or (why and f"{flag} {path}: {why}")
-    if bad:
-        raise BadInput(bad)
-    if args.out:
-        check_output(Path(args.out), args.overwrite)
-        tokenizer = build_tokenizer(args.tokenizer, args.source, Path(args.cache_dir).expanduser())
-        from gridtrain.data.corpus import default_corpus
-
-        out = prepare(args.source or default_corpus(), tokenizer, Path(args.out), args.val_fraction, args.seed,
-                      overwrite=args.overwrite)
-    else:
-        out = ensure_prepared(args.source, args.tokenizer, Path(args.cache_dir).expanduser(),
-                              args.val_fraction, args.seed)
-    for split in ("train", "val"):
-        store = TokenStore(out, split)
-        print(f"{split}: {store.num_tokens:,} tokens in {len(store.doc_starts):,} documents")
-    print(f"prepared: {out}  (train with --data.corpus {out})")
-    return 0
-
-
 def cmd_calibrate(args: argparse.Namespace, extra: list[str]) -> int:
     from gridtrain.plan.machine import calibration_path
     from gridtrain.train.calibrate import calibrate
@@ -377,18 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--list", action="store_true", help="list the presets")
     p.add_argument("--seq-len", type=number(int, 1), help="sequence length for the FLOPs (default: the context)")
     p.set_defaults(func=cmd_model)
-    p = sub.add_parser("data", help="prepare token shards from text")
-    dsub = p.add_subparsers(dest="data_command", required=True)
-    d = dsub.add_parser("prepare", help="tokenize a file, directory or JSON lines into shards")
-    d.add_argument("source", nargs="?", help="default: the Python standard library's source")
-    d.add_argument("--tokenizer", default="byte", help="'byte', 'bpe:N' or a tokenizer.json")
-    d.add_argument("--out", help="output directory (default: the cache, as training uses it)")
-    d.add_argument("--overwrite", action="store_true",
-                   help="replace a dataset already prepared in --out (never other files there)")
-    d.add_argument("--val-fraction", type=number(float, 0, 0.5, low_open=True), default=0.005)
-    d.add_argument("--seed", type=number(int, 0), default=0)
-    d.add_argument("--cache-dir", default="~/.cache/gridtrain")
-    d.set_defaults(func=cmd_data)
+    add_data_parser(sub)
     p = sub.add_parser("calibrate", help="measure this CPU's peak matmul FLOP/s (for MFU)")
     p.add_argument("--threads", type=number(int, 1, os.cpu_count() or 1))
     p.add_argument("--seconds", type=number(float, 0, 600, low_open=True), default=2.0, help="time per precision")

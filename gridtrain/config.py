@@ -109,7 +109,10 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     corpus: str | None = None
-    """Text file, directory, JSON-lines file or prepared token directory; None: the Python stdlib."""
+    """Text, parquet or JSON-lines (.gz, .zst) file, a datasets save_to_disk folder, a directory of those, or a
+    prepared token directory; None: the Python stdlib."""
+    text_column: str = "text"
+    """The column (parquet, Arrow) or field (JSON lines) that holds the text."""
     tokenizer: str = "byte"
     """'byte' (no files), a path to a tokenizer.json, or 'bpe:N' to train a BPE of vocabulary N."""
     seq_len: int = 256

@@ -134,6 +134,11 @@ def _check_data(cfg: Config) -> list[str]:
         problems.append(f"data.corpus = '{d.corpus}' does not exist: give a file or directory, "
                         "or leave it unset for the Python standard library")
     index = Path(d.corpus).expanduser() / "index.json" if d.corpus is not None else None
+    if index is not None and index.parent.exists() and not index.is_file():
+        from gridtrain.data.corpus import source_problem  # a corpus to prepare: its files' schemas, read now
+
+        bad = source_problem(index.parent, d.text_column)
+        problems += [f"data.corpus: {bad}"] if bad else []
     if index is not None and index.is_file():  # a prepared corpus: its own tokens decide, not data.tokenizer
         try:
             vocab, source = int(read_json(index, str(index))["vocab_size"]), f"the prepared corpus {d.corpus}"

@@ -9,7 +9,8 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from gridtrain.data.sources import is_saved_dataset, iter_records, json_lines_texts, record_kind, saved_dataset_files
+from gridtrain.data.sources import (check_record_file, is_saved_dataset, iter_records, json_lines_texts, record_kind,
+                                    saved_dataset_files)
 from gridtrain.errors import BadInput, MissingInput
 from gridtrain.inputs import file_problem
 
@@ -34,7 +35,12 @@ def iter_documents(source: str | Path, column: str = "text") -> Iterator[str]:
 
 
 def iter_texts(source: str | Path, column: str = "text") -> Iterator[str]:
-    """Yield every document of `source` in a deterministic order, empty ones included.
+    """Every document of `source` in a deterministic order, empty ones included (iter_file_texts)."""
+    return (text for _, text in iter_file_texts(source, column))
+
+
+def iter_file_texts(source: str | Path, column: str = "text") -> Iterator[tuple[Path, str]]:
+    """Yield (file, text) for every document of `source` in a deterministic order, empty ones included.
 
     A record file is read in batches (gridtrain.data.sources): parquet and Arrow files give their
     `column`, JSON lines (plain, .gz, .zst; a `.json` file whose first line is a JSON object with
@@ -48,12 +54,12 @@ def iter_texts(source: str | Path, column: str = "text") -> Iterator[str]:
         raise MissingInput(f"corpus not found: {path} (give a text file, a parquet file, JSON lines, a folder "
                            "that datasets' save_to_disk wrote, or a directory of those)")
     if path.is_file():
-        yield from _file_documents(path, column, strict=True)
+        yield from ((path, text) for text in _file_documents(path, column, strict=True))
         return
     other: list[Path] = []
     undecodable: list[Path] = []
     for file in _walk_files(path, other):
-        yield from _file_documents(file, column, strict=False, undecodable=undecodable)
+        yield from ((file, text) for text in _file_documents(file, column, strict=False, undecodable=undecodable))
     if other or undecodable:  # said once, after the walk: nothing is dropped in silence
         logger.info("%s: skipped %s", path, "; ".join(
             f"{len(files):,} {'entry' if len(files) == 1 else 'entries'} {why} "
@@ -127,3 +133,23 @@ def _is_json_lines(path: Path, column: str = "text") -> bool:
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         return False
     return isinstance(obj, dict) and column in obj
+
+
+def source_problem(source: str | Path, column: str = "text") -> str | None:
+    """Why `source` cannot be read, found before anything is written (a missing path; a parquet or
+    Arrow file whose footer or schema is broken or lacks `column`; a JSON-lines file whose first
+    record lacks it), or None. Reads schemas and first lines only: bytes further in are checked
+    as they are read."""
+    path = Path(source)
+    if not path.exists():
+        return (f"corpus {source} not found: give a text file, a parquet file, JSON lines (.jsonl, .gz, .zst), a folder "
+                "that datasets' save_to_disk wrote, or a directory of those")
+    try:
+        for file in source_files(path):
+            if record_kind(file) in ("parquet", "arrow"):
+                check_record_file(file, column)
+            elif record_kind(file) == "jsonl":
+                next(iter(json_lines_texts(file, column)), None)
+    except BadInput as err:
+        return str(err)
+    return None

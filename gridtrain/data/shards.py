@@ -2,8 +2,10 @@
 
 A prepared directory holds, per split ("train", "val"), raw token shards `<split>-00000.bin`
 (uint16, or uint32 for vocabularies over 65535), the shard-local start offset of every document
-that begins in each shard (`<split>-00000.docs.npy`, int64), and `index.json` describing it all.
-Every document is followed by the tokenizer's eos id; a document may continue into the next shard.
+that begins in each shard (`<split>-00000.docs.npy`, int64), and `index.json` describing it all:
+the manifest (source, tokenizer, documents, empty documents skipped and tokens per source file,
+each shard's sha256). Every document is followed by the tokenizer's eos id; a document may
+continue into the next shard. gridtrain.data.prepare writes it.
 """
 
 from __future__ import annotations
@@ -17,14 +19,13 @@ import shutil
 import socket
 import tempfile
 import time
-from collections.abc import Iterator
 from functools import cached_property
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import numpy as np
 
-from gridtrain.data.corpus import default_corpus, iter_documents
+from gridtrain.data.corpus import default_corpus
 from gridtrain.data.tokenizer import Tokenizer, build_tokenizer, encode_batch
 from gridtrain.errors import BadInput, ExistingOutput, MissingInput
 from gridtrain.inputs import read_json
@@ -33,128 +34,13 @@ logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 INDEX_FILE = "index.json"
+LENGTHS_PNG = "lengths.png"
+"""`gridtrain data stats` draws the document lengths here: a file of the prepared directory too."""
 SPLITS = ("train", "val")
-_BATCH_CHARS = 4_000_000
-
-
-class _ShardWriter:
-    """Appends documents of one split to fixed-size shards, recording where each document starts."""
-
-    def __init__(self, out_dir: Path, split: str, shard_tokens: int) -> None:
-        self.out_dir, self.split, self.shard_tokens = out_dir, split, shard_tokens
-        self.shards: list[dict[str, Any]] = []
-        self.num_docs = 0
-        self._file: BinaryIO | None = None
-        self._fill = 0
-        self._starts: list[int] = []
-
-    def add_document(self, tokens: np.ndarray) -> None:
-        self.num_docs += 1
-        pos = 0
-        while pos < len(tokens):
-            if self._file is None or self._fill == self.shard_tokens:
-                self._next_shard()
-            if pos == 0:
-                self._starts.append(self._fill)
-            take = min(len(tokens) - pos, self.shard_tokens - self._fill)
-            tokens[pos:pos + take].tofile(self._file)
-            self._fill += take
-            pos += take
-
-    def close(self) -> list[dict[str, Any]]:
-        self._finish_shard()
-        return self.shards
-
-    def _next_shard(self) -> None:
-        self._finish_shard()
-        stem = f"{self.split}-{len(self.shards):05d}"
-        self._file = open(self.out_dir / f"{stem}.bin", "wb")
-        self.shards.append({"file": f"{stem}.bin", "docs_file": f"{stem}.docs.npy"})
-
-    def _finish_shard(self) -> None:
-        if self._file is None:
-            return
-        self._file.close()
-        self._file = None
-        np.save(self.out_dir / self.shards[-1]["docs_file"], np.asarray(self._starts, np.int64))
-        self.shards[-1].update(num_tokens=self._fill, num_docs=len(self._starts))
-        self._fill, self._starts = 0, []
-
-
-def prepare(source: str | Path, tokenizer: Tokenizer, out_dir: Path, val_fraction: float = 0.005,
-            seed: int = 0, shard_tokens: int = 2**26, overwrite: bool = False) -> Path:
-    """Tokenize every document of `source` into train/val shards under `out_dir`.
-
-    Document i goes to val when a hash of (seed, i) falls below `val_fraction`, so about that
-    fraction of documents (and tokens) is held out; each split gets at least one document (a
-    corpus of one document is cut in two instead). The directory is built under a temporary
-    name beside `out_dir` (`.<name>.tmp-HOST-PID-*`) and renamed into place, so an interrupted
-    prepare leaves no index; the folders a killed prepare left there are removed first.
-    An existing prepared directory is replaced only with `overwrite`, and only when it holds
-    nothing but a prepared dataset (a file gridtrain did not write there is never deleted).
-    """
-    if not 0.0 < val_fraction < 1.0:
-        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
-    if shard_tokens <= 0:
-        raise ValueError(f"shard_tokens must be positive, got {shard_tokens}")
-    out_dir = Path(out_dir)
-    check_output(out_dir, overwrite)
-    source_path = Path(source).resolve()
-    dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 65535 else np.uint32)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_folders(out_dir.parent)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-{_owner()}-"))
-    try:
-        splits = _write_splits(source_path, tokenizer, tmp, dtype, val_fraction, seed, shard_tokens)
-        index = _build_index(source_path, tokenizer, dtype, splits)
-        (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-        _publish(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
-
-
-def _write_splits(source: Path, tokenizer: Tokenizer, out_dir: Path, dtype: np.dtype,
-                  val_fraction: float, seed: int,
-                  shard_tokens: int) -> dict[str, list[dict[str, Any]]]:
-    writers = {split: _ShardWriter(out_dir, split, shard_tokens) for split in SPLITS}
-    # The last document is held back so that it can go to a split that would otherwise be empty.
-    pending: tuple[int, np.ndarray] | None = None
-    for i, tokens in enumerate(_iter_encoded(source, tokenizer, dtype)):
-        if pending is not None:
-            writers[_assign_split(pending[0], seed, val_fraction)].add_document(pending[1])
-        pending = (i, tokens)
-    if pending is None:
-        raise BadInput(f"no documents found in {source} (empty files and files with other "
-                         "suffixes are skipped; see gridtrain.data.corpus.TEXT_SUFFIXES)")
-    last, tokens = pending
-    if last == 0:
-        _split_single_document(tokens, writers, val_fraction)
-    elif writers["val"].num_docs == 0:
-        writers["val"].add_document(tokens)
-    elif writers["train"].num_docs == 0:
-        writers["train"].add_document(tokens)
-    else:
-        writers[_assign_split(last, seed, val_fraction)].add_document(tokens)
-    return {split: writer.close() for split, writer in writers.items()}
-
-
-def _iter_encoded(source: Path, tokenizer: Tokenizer, dtype: np.dtype) -> Iterator[np.ndarray]:
-    """Each document's tokens followed by eos, as `dtype`; documents are encoded in batches."""
-    batch: list[str] = []
-    num_chars = 0
-    for doc in iter_documents(source):
-        batch.append(doc)
-        num_chars += len(doc)
-        if num_chars >= _BATCH_CHARS:
-            yield from encode_with_eos(batch, tokenizer, dtype)
-            batch, num_chars = [], 0
-    if batch:
-        yield from encode_with_eos(batch, tokenizer, dtype)
 
 
 def encode_with_eos(texts: list[str], tokenizer: Tokenizer, dtype: np.dtype) -> list[np.ndarray]:
+    """Each text's tokens followed by eos, as `dtype`; ValueError for an id past the vocabulary."""
     out = []
     for ids in encode_batch(tokenizer, texts):
         ids = np.asarray(ids)
@@ -168,45 +54,20 @@ def encode_with_eos(texts: list[str], tokenizer: Tokenizer, dtype: np.dtype) -> 
     return out
 
 
-def _assign_split(doc_index: int, seed: int, val_fraction: float) -> str:
+def prepare(source: str | Path, tokenizer: Tokenizer, out_dir: Path, val_fraction: float = 0.005,
+            seed: int = 0, shard_tokens: int = 2**26, overwrite: bool = False, column: str = "text",
+            workers: int = 1) -> Path:
+    """Tokenize `source` into shards under `out_dir`: gridtrain.data.prepare.prepare."""
+    from gridtrain.data.prepare import prepare as run
+
+    return run(source, tokenizer, out_dir, val_fraction, seed, shard_tokens, overwrite, column, workers)
+
+
+def assign_split(doc_index: int, seed: int, val_fraction: float) -> str:
+    """The split of the `doc_index`-th non-empty document: val when a hash of (seed, index) falls
+    below `val_fraction`."""
     digest = hashlib.blake2b(f"{seed}:{doc_index}".encode(), digest_size=8).digest()
     return "val" if int.from_bytes(digest, "little") / 2**64 < val_fraction else "train"
-
-
-def _split_single_document(tokens: np.ndarray, writers: dict[str, _ShardWriter],
-                           val_fraction: float) -> None:
-    body, eos = tokens[:-1], tokens[-1:]
-    if len(body) < 2:
-        raise BadInput(f"the corpus is one document of {len(body)} token(s): too short to "
-                         "split into train and val")
-    num_val = min(max(1, int(len(body) * val_fraction)), len(body) - 1)
-    logger.warning("the corpus is a single document: its last %d of %d tokens become the "
-                   "validation split", num_val, len(body))
-    writers["train"].add_document(np.concatenate([body[:-num_val], eos]))
-    writers["val"].add_document(np.concatenate([body[-num_val:], eos]))
-
-
-def _build_index(source: Path, tokenizer: Tokenizer, dtype: np.dtype,
-                 splits: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
-    split_info = {
-        split: {
-            "num_tokens": sum(s["num_tokens"] for s in shards),
-            "num_docs": sum(s["num_docs"] for s in shards),
-            "shards": shards,
-        }
-        for split, shards in splits.items()
-    }
-    return {
-        "format_version": FORMAT_VERSION,
-        "tokenizer": tokenizer.name,
-        "vocab_size": tokenizer.vocab_size,
-        "eos_id": tokenizer.eos_id,
-        "dtype": dtype.name,
-        "source": str(source),
-        "splits": split_info,
-        "num_tokens": sum(info["num_tokens"] for info in split_info.values()),
-        "num_docs": sum(info["num_docs"] for info in split_info.values()),
-    }
 
 
 def check_output(out_dir: Path, overwrite: bool) -> None:
@@ -226,10 +87,10 @@ def _check_replaceable(out_dir: Path, overwrite: bool) -> None:
                               "or choose a new --out")
     try:
         shards = load_index(out_dir)["splits"]
-        owned = {INDEX_FILE} | {name for split in shards.values() for shard in split["shards"]
+        owned = {INDEX_FILE, LENGTHS_PNG} | {name for split in shards.values() for shard in split["shards"]
                                 for name in (shard["file"], shard["docs_file"])}
     except (OSError, ValueError, KeyError, TypeError):
-        owned = {INDEX_FILE}
+        owned = {INDEX_FILE, LENGTHS_PNG}
     foreign = sorted(str(p.relative_to(out_dir)) for p in out_dir.rglob("*") if p.is_file()
                      and str(p.relative_to(out_dir)) not in owned)
     if foreign:
@@ -285,27 +146,27 @@ def remove_stale_folders(parent: Path) -> list[Path]:
 
 
 def ensure_prepared(source: str | Path | None, tokenizer_spec: str, cache_dir: Path,
-                    val_fraction: float = 0.005, seed: int = 0) -> Path:
+                    val_fraction: float = 0.005, seed: int = 0, column: str = "text", workers: int = 1) -> Path:
     """Return a prepared directory for `source`, preparing it under `cache_dir` if needed.
 
     `source` None means the Python stdlib (`default_corpus()`); a `source` that is already a
     prepared directory is returned as is. The cache key covers the absolute source path, the
     tokenizer spec (and the tokenizer file's content when the spec is a path), val_fraction,
-    seed and the format version; a change to the corpus's files is not detected.
-    Call it on one process and let the others wait (a barrier): concurrent prepares of the same
-    key are safe but wasteful.
+    seed, the text column and the format version; a change to the corpus's files is not detected.
+    Call it on one process and let the others wait (a barrier): a second prepare of the same key
+    while one runs is refused (an interrupted one is continued).
     """
     src = Path(source).resolve() if source is not None else default_corpus()
     if (src / INDEX_FILE).is_file():
         return src
     if not src.exists():
         raise MissingInput(f"corpus not found: {src}")
-    out_dir = Path(cache_dir) / _cache_name(src, tokenizer_spec, val_fraction, seed)
+    out_dir = Path(cache_dir) / _cache_name(src, tokenizer_spec, val_fraction, seed, column)
     if (out_dir / INDEX_FILE).is_file():
         return out_dir
     tokenizer = build_tokenizer(tokenizer_spec, corpus=src, cache_dir=Path(cache_dir))
     start = time.perf_counter()
-    prepare(src, tokenizer, out_dir, val_fraction=val_fraction, seed=seed)
+    prepare(src, tokenizer, out_dir, val_fraction=val_fraction, seed=seed, column=column, workers=workers)
     index = load_index(out_dir)
     train, val = index["splits"]["train"], index["splits"]["val"]
     logger.info("prepared %s with %s in %.1fs: %d train tokens (%d docs), %d val tokens "
@@ -315,12 +176,13 @@ def ensure_prepared(source: str | Path | None, tokenizer_spec: str, cache_dir: P
     return out_dir
 
 
-def _cache_name(source: Path, tokenizer_spec: str, val_fraction: float, seed: int) -> str:
+def _cache_name(source: Path, tokenizer_spec: str, val_fraction: float, seed: int, column: str = "text") -> str:
     spec_id = tokenizer_spec
     is_builtin = tokenizer_spec == "byte" or tokenizer_spec.startswith("bpe:")
     if not is_builtin and Path(tokenizer_spec).is_file():
         spec_id += ":" + hashlib.sha256(Path(tokenizer_spec).read_bytes()).hexdigest()
-    key_text = json.dumps([str(source), spec_id, val_fraction, seed, FORMAT_VERSION])
+    key = [str(source), spec_id, val_fraction, seed, FORMAT_VERSION] + ([column] if column != "text" else [])
+    key_text = json.dumps(key)
     key = hashlib.sha256(key_text.encode()).hexdigest()[:12]
     spec_slug = re.sub(r"[^A-Za-z0-9]+", "", Path(tokenizer_spec).stem)[:24] or "tok"
     return f"{source.name}-{spec_slug}-{key}"

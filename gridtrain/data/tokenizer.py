@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import tempfile
@@ -20,6 +21,9 @@ from gridtrain.inputs import read_input
 logger = logging.getLogger(__name__)
 
 EOS_TOKEN = "<eos>"
+EOS_CANDIDATES = (EOS_TOKEN, "<|end_of_text|>", "<|endoftext|>", "</s>", "<|im_end|>")
+"""The token that ends a document, when the tokenizer_config.json beside a tokenizer.json names none:
+the first of these the vocabulary holds (gridtrain's own, Llama 3's, GPT-2's, Llama 2's, Qwen's)."""
 TOKENIZER_FILE_BYTES = 256 * 2**20
 """The largest tokenizer.json read (256 MiB; Llama 3's is 9 MB, the largest vocabularies' some tens)."""
 
@@ -61,11 +65,13 @@ class ByteTokenizer:
 class BPETokenizer:
     """Byte-level BPE (GPT-2 style pre-tokenization) backed by `tokenizers.Tokenizer`."""
 
-    def __init__(self, hf_tokenizer: HFTokenizer) -> None:
-        eos_id = hf_tokenizer.token_to_id(EOS_TOKEN)
+    def __init__(self, hf_tokenizer: HFTokenizer, eos_token: str | None = None) -> None:
+        names = (eos_token,) if eos_token else EOS_CANDIDATES
+        eos_id = next((i for i in map(hf_tokenizer.token_to_id, names) if i is not None), None)
         if eos_id is None:
-            raise BadInput(f"tokenizer has no {EOS_TOKEN!r} token; gridtrain needs it to "
-                             "separate documents (add it as a special token)")
+            raise BadInput(f"tokenizer has no end-of-document token ({' or '.join(map(repr, names))}); gridtrain "
+                           "needs one to separate documents (add it as a special token, or name it as eos_token "
+                           "in a tokenizer_config.json beside the tokenizer.json)")
         self._tok = hf_tokenizer
         self.vocab_size: int = hf_tokenizer.get_vocab_size(with_added_tokens=True)
         self.eos_id: int = eos_id
@@ -74,7 +80,10 @@ class BPETokenizer:
 
     @classmethod
     def load(cls, path: str | Path) -> BPETokenizer:
-        return cls(read_tokenizer_json(Path(path).expanduser(), f"tokenizer file {path}"))
+        """A tokenizer.json; its end-of-document token is the eos_token of the tokenizer_config.json
+        that transformers' save_pretrained writes beside it, when there is one."""
+        path = Path(path).expanduser()
+        return cls(read_tokenizer_json(path, f"tokenizer file {path}"), configured_eos(path))
 
     @classmethod
     def train(cls, documents: Iterable[str], vocab_size: int,
@@ -120,6 +129,19 @@ class BPETokenizer:
 
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def configured_eos(tokenizer_json: Path) -> str | None:
+    """The eos_token named by the tokenizer_config.json beside a tokenizer.json, if any."""
+    config = tokenizer_json.parent / "tokenizer_config.json"
+    if not config.is_file():
+        return None
+    try:
+        eos = json.loads(read_input(config, str(config), 2**24).decode("utf-8")).get("eos_token")
+    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        return None
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    return eos if isinstance(eos, str) else None
 
 
 def read_tokenizer_json(path: Path, label: str) -> HFTokenizer:

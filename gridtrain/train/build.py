@@ -43,7 +43,7 @@ class Data:
 def prepared_data(cfg: Config) -> Path:
     """The run's token shards, prepared first if they are not (ensure_prepared)."""
     return ensure_prepared(cfg.data.corpus, cfg.data.tokenizer, Path(cfg.data.cache_dir).expanduser(),
-                           cfg.data.val_fraction, cfg.train.seed)
+                           cfg.data.val_fraction, cfg.train.seed, column=cfg.data.text_column)
 
 
 def val_reader(cfg: Config, prepared: Path) -> ValReader:
