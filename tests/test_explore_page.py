@@ -133,6 +133,25 @@ def test_405b_on_8_gpus_fits_no_layout_and_says_why(page):
     page.screenshot(path=str(SHOTS / "preset-405b-8gpu.png"), full_page=True)
 
 
+def test_a_layout_that_does_not_fit_shows_its_best_fix_first_and_no_mfu(page):
+    assert preset(page, "70b-256gpu").startswith("does not fit")
+    first = page.inner_text("#fix-table tbody tr:nth-child(1) th")
+    assert first.startswith("zero 0 -> 3") and "FSDP" in first
+    assert "pp 1 -> 32" in page.inner_text("#fix-table tbody tr:nth-child(2) th")
+    assert "best fix: zero 0 -> 3" in page.inner_text("#verdict")
+    metrics = page.eval_on_selector_all("#metrics tr", "trs => trs.map(tr => tr.dataset.metric)")
+    assert "MFU" not in metrics and "step time" not in metrics and "tokens/s" not in metrics
+    assert page.eval_on_selector_all("#steptime rect", "rs => rs.length") == 0
+    page.screenshot(path=str(SHOTS / "no-fit-70b-256gpu.png"), full_page=True)
+    page.click("#fix-table tbody tr:nth-child(1)")
+    settle(page)
+    assert page.inner_text("#verdict").startswith("fits") and page.input_value("#in-zero") == "3"
+    assert page.is_hidden("#fixes") and "MFU" in page.inner_text("#metrics")
+    # Llama 2 7B on 8 GPUs: the lecture's fix, FSDP over the 8 ranks, leads.
+    preset(page, "7b-8gpu")
+    assert "FSDP" in page.inner_text("#fix-table tbody tr:nth-child(1) th")
+
+
 def test_a_ranked_layout_applies_on_click_and_the_url_keeps_the_state(page, browser):
     preset(page, "7b-8gpu")
     page.click("#search")

@@ -82,7 +82,7 @@ def test_gpt_blocks(capsys):
     (["--layout", "tp=3"], ["choose tp among [1, 2, 4, 8]"]),
     (["--layout", "tpp=8"], ["did you mean 'tp'"]),
     (["--num-gpus", "64", "--global-batch-tokens", "4M"], ["no layout of this model fits on 64", "try: plan for"]),
-    (["--layout", "tp=8,pp=16,cp=1,recompute=none"], ["no layout with", "try: without"]),
+    (["--layout", "tp=8,pp=16,cp=1,recompute=none"], ["no layout with", "try: recompute none -> "]),
     (["--num-gpus", "lots"], ["is not a count"]),
     (["--model.dimm", "1024"], ["did you mean 'model.dim'"]),
 ])

@@ -236,6 +236,12 @@ PRESETS_TRY = [
              "shards it 8 ways and it fits.",
      "state": {"model": "llama3-8b", "shape": LLAMA2_7B, "gpu": "h100", "num_gpus": 8, "seq_len": 4096,
                "global_batch": 512, "layout": {"tp": 1, "pp": 1, "cp": 1, "zero": 0, "mb": 1, "recompute": "none"}}},
+    {"name": "70b-256gpu", "title": "70B on 256 GPUs, pure DP",
+     "text": "Every GPU holds 70B parameters' state, over a terabyte: nothing fits until something shards it. "
+             "The fixes are ranked by the MFU they reach: ZeRO-3 over the 256 ranks first, a 32-stage pipeline far "
+             "behind.",
+     "state": {"model": "llama3-70b", "gpu": "h100", "num_gpus": 256, "seq_len": 8192, "global_batch": 512,
+               "layout": {"tp": 1, "pp": 1, "cp": 1, "zero": 0}}},
     {"name": "405b-128gpu", "title": "405B on 128 GPUs: TP 8 + PP 4 + FSDP",
      "text": "Each axis divides the memory and adds its own traffic: TP all-reduces inside the node, PP sends "
              "between nodes and a bubble, FSDP all-gathers and reduce-scatters over the replicas.",

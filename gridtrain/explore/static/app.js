@@ -185,6 +185,7 @@ function renderPlan(status, data) {
     for (const id of ["memory", "steptime", "timeline"]) clear($(id)).setAttribute("height", 20);
     for (const id of ["metrics", "bytes"]) clear($(id));
     $("timeline-note").textContent = "";
+    drawFixes([]);
     return;
   }
   const plan = data.plan;
@@ -198,17 +199,44 @@ function renderPlan(status, data) {
       `${fmt(mem.limit_GiB, 3)} GiB usable; ${layoutLabel(cand.layout)}` + partialNote(data);
   } else {
     verdict.className = "verdict nofit";
-    const fix = (plan.reason.split("\n").find((line) => line.trim().startsWith("try:")) || "").trim();
+    const fix = (plan.fixes || [])[0];
     verdict.textContent = (cand ? `does not fit: the leanest layout needs ${fmt(mem.total_GiB, 3)} GiB of ` +
-      `${fmt(mem.limit_GiB, 3)} GiB usable` : "does not fit: no layout can run these inputs") + (fix ? `; ${fix}` : "");
+      `${fmt(mem.limit_GiB, 3)} GiB usable` : "does not fit: no layout can run these inputs") +
+      (fix ? `; best fix: ${fix.change}` : "");
   }
+  drawFixes(plan.fits ? [] : plan.fixes || []);
   $("model-params").textContent = `${fmt(plan.problem.params / 1e9, 4)}B parameters (${plan.problem.model}` +
     `${Object.keys(requestBody(false).shape || {}).length ? ", custom shape" : ""})`;
   drawMemory(mem);
-  drawStepTime(cand);
-  drawMetrics(plan, cand);
+  // A layout that does not fit has no step time and no MFU: it cannot run.
+  drawStepTime(plan.fits ? cand : null);
+  drawMetrics(plan, plan.fits ? cand : null);
   drawBytes(plan.bytes_per_axis);
   drawTimeline(data.timeline);
+}
+
+function drawFixes(fixes) {
+  $("fixes").hidden = !fixes.length;
+  const table = clear($("fix-table"));
+  if (!fixes.length) return;
+  const head = el("tr");
+  for (const h of ["#", "change", "layout", "MFU", "step", "peak GiB"]) head.append(el("th", {}, h));
+  table.appendChild(el("thead")).append(head);
+  const body = table.appendChild(el("tbody"));
+  fixes.forEach((f, i) => {
+    const behind = f.mfu_behind_best > 0 ? ` (${fmt(f.mfu_behind_best * 100, 2)} points behind the first)` : "";
+    const tr = el("tr", { "data-fix": i, title: "apply this fix" });
+    tr.append(el("td", {}, `${i + 1}`), el("th", {}, f.change), el("td", {}, layoutLabel(f.layout)),
+              el("td", {}, `${fmt(f.mfu * 100, 3)}%${behind}`), el("td", {}, `${fmt(f.step_s, 3)} s`),
+              el("td", {}, fmt(f.peak_GiB, 3)));
+    tr.addEventListener("click", () => applyFix(f));
+    body.append(tr);
+  });
+}
+
+function applyFix(f) {
+  for (const [k, v] of Object.entries(f.set || {})) state[k] = String(v);
+  applyLayout(f.layout);
 }
 
 function drawMemory(mem) {
@@ -282,6 +310,7 @@ function drawMetrics(plan, cand) {
     for (const [name, s] of Object.entries(cand.parts_s)) rows.push([PART_LABELS[name] || name, `${fmt(s * 1e3)} ms`]);
     rows.push(["EP communication", "0 ms (dense model)"]);
   }
+  if (!cand) rows.push(["step time, MFU", "none: the layout does not fit, so it cannot run"]);
   const b = plan.budget;
   if (b) {
     rows.push(["training tokens", fmt(b.tokens)], ["days", fmt(b.days)], ["GPU-hours", fmt(b.gpu_hours)],

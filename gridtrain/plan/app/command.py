@@ -17,14 +17,13 @@ from gridtrain.config import ConfigError
 from gridtrain.config_load import BARE_FLAG, parse_overrides
 from gridtrain.plan import budget
 from gridtrain.plan.app import explain, ranking, render
-from gridtrain.plan.app.inputs import (LAYOUT_LABELS, batch_sequences, check_constraints, constraints_label,
-                                       parse_count, parse_layout, parse_whole, resolve_cluster, resolve_local,
-                                       resolve_model)
-from gridtrain.plan.app.refusals import no_layout_reason
-from gridtrain.plan.app.report import Assumptions, build_report, layout_dict, no_fit_report
+from gridtrain.plan.app.fixes import fix_dict, no_fit
+from gridtrain.plan.app.inputs import (batch_sequences, check_constraints, constraints_label, parse_count, parse_layout,
+                                       parse_whole, resolve_cluster, resolve_local, resolve_model)
+from gridtrain.plan.app.report import Assumptions, build_report, no_fit_report
 from gridtrain.plan.memory import BUCKETS, GiB
 from gridtrain.plan.state import CONVENTIONS
-from gridtrain.plan.runnable import refusal, train_command
+from gridtrain.plan.runnable import train_command
 from gridtrain.plan.search import Candidate, Constraints, PlanError, Problem, SearchResult, search
 from gridtrain.plan.shape import param_counts
 from gridtrain.plan.specs import ClusterSpec
@@ -125,55 +124,6 @@ def search_float8(problem: Problem, c: Constraints, top: int) -> tuple[Problem, 
             f"with FP8 tensorwise {shown['tensorwise']}, with bf16 {shown['none']})")
 
 
-def _leanest_text(problem: Problem, cand: Candidate) -> str:
-    m = cand.memory
-    buckets = ", ".join(f"{b} {getattr(m, b) / GiB:.1f}" for b in BUCKETS)
-    return (f"the leanest, {render.layout_label(layout_dict(cand.layout))}, needs {m.total / GiB:.1f} GiB on "
-            f"pipeline rank {m.rank} ({buckets} GiB) against {problem.memory_limit / GiB:.1f} GiB usable "
-            f"({problem.hbm_usable:.0%} of {problem.cluster.accelerator.hbm_gb:g} GB)")
-
-
-def _relaxations(problem: Problem, c: Constraints) -> list[str]:
-    """Each fixed choice dropped in turn: which leave a layout that fits."""
-    out = []
-    for key in c.given():
-        found = search(problem, replace(c, **{key: None}), top=1)
-        if found.ranked:
-            best = found.ranked[0]
-            out.append(f"without {LAYOUT_LABELS[key]}: {render.layout_label(layout_dict(best.layout))} fits "
-                       f"({best.memory.total / GiB:.1f} GiB, MFU {best.time.mfu:.1%})")
-    return out
-
-
-def _more_gpus(problem: Problem) -> str:
-    """The smallest multiple (x2 ... x64) of the GPU count at which some layout fits."""
-    for factor in (2, 4, 8, 16, 32, 64):
-        bigger = replace(problem, num_gpus=problem.num_gpus * factor)
-        found = search(bigger, top=1)
-        if found.ranked:
-            return (f"plan for {bigger.num_gpus:,} GPUs (--num-gpus {bigger.num_gpus}): "
-                    f"{render.layout_label(layout_dict(found.ranked[0].layout))} fits")
-    state = param_counts(problem.shape).total * problem.state.total
-    return f"the model state alone is {state / 1e12:.1f} TB: use GPUs with more memory"
-
-
-def no_fit_message(problem: Problem, c: Constraints, result: SearchResult) -> str:
-    """Why nothing fits, and what would."""
-    what = f"with {constraints_label(c)} " if c.given() else ""
-    head = f"no layout {what}of this model fits on {problem.num_gpus:,} x {problem.cluster.accelerator.name}"
-    if result.leanest is None:
-        return no_layout_reason(problem, c, head)[1]
-    if result.refused:
-        lean = result.leanest
-        why = refusal(problem.model_keys, problem.global_batch_seqs, problem.precision, lean.layout) if lean else ""
-        example = f" (the leanest, {render.layout_label(layout_dict(lean.layout))}: {why})" if why else ""
-        return (f"{head}: every layout that fits in memory is one gridtrain train refuses, {result.refused:,} of "
-                f"them{example}; --any-layout ranks them, labelled")
-    fixes = _relaxations(problem, c) if c.given() else [_more_gpus(problem)]
-    return f"{head}: {_leanest_text(problem, result.leanest)}.\n  try: " + "\n  try: ".join(
-        fixes or ["more GPUs, or --hbm-usable closer to 1"])
-
-
 def fit_line(problem: Problem, c: Constraints, chosen: Candidate) -> str:
     """Why the chosen layout fits: its peak against the limit, and the largest bucket."""
     m = chosen.memory
@@ -199,9 +149,11 @@ def plan(args: argparse.Namespace, extra: list[str], out: TextIO) -> int:
         result = search(problem, constraints, top=5 * args.top)  # rows that collapse leave room for more
     seconds = time.perf_counter() - start
     if not result.ranked:
-        reason = no_fit_message(problem, constraints, result)
+        reason, fixes = no_fit(problem, constraints, result)
         if args.json:
-            json.dump(no_fit_report(problem, result, name, reason), out, indent=2)
+            report = no_fit_report(problem, result, name, reason)
+            report["fixes"] = [fix_dict(f, fixes[0].candidate.time.mfu) for f in fixes]
+            json.dump(report, out, indent=2)
             out.write("\n")
         raise PlanError(reason)
     rows = ranking.collapse(ranking.order(result.ranked))[:args.top]
