@@ -113,6 +113,9 @@ class DataConfig:
     prepared token directory; None: the Python stdlib."""
     text_column: str = "text"
     """The column (parquet, Arrow) or field (JSON lines) that holds the text."""
+    mix: str | None = None
+    """A weighted mixture instead of data.corpus: 'PATH=WEIGHT,PATH=WEIGHT,...' (any corpus or prepared
+    directory per PATH; weights relative, each > 0). Batches interleave the sources in proportion."""
     tokenizer: str = "byte"
     """'byte' (no files), a path to a tokenizer.json, or 'bpe:N' to train a BPE of vocabulary N."""
     seq_len: int = 256

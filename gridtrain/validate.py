@@ -130,30 +130,50 @@ def _check_data(cfg: Config) -> list[str]:
     problems = []
     if not 0 < d.val_fraction < 0.5:
         problems.append(f"data.val_fraction = {d.val_fraction} must lie in (0, 0.5)")
-    if d.corpus is not None and not Path(d.corpus).expanduser().exists():
-        problems.append(f"data.corpus = '{d.corpus}' does not exist: give a file or directory, "
-                        "or leave it unset for the Python standard library")
-    index = Path(d.corpus).expanduser() / "index.json" if d.corpus is not None else None
-    if index is not None and index.parent.exists() and not index.is_file():
-        from gridtrain.data.corpus import source_problem  # a corpus to prepare: its files' schemas, read now
+    sources = [("data.corpus", d.corpus)]
+    if d.mix is not None:
+        from gridtrain.data.mix_spec import parse_mix
 
-        bad = source_problem(index.parent, d.text_column)
-        problems += [f"data.corpus: {bad}"] if bad else []
+        if d.corpus is not None:
+            problems.append(f"data.mix and data.corpus ('{d.corpus}') are both set: a mixture names its sources; "
+                            "unset data.corpus or data.mix")
+        try:
+            sources = [(f"data.mix source '{s.path}'", s.path) for s in parse_mix(d.mix)]
+        except UserError as err:
+            return problems + [str(err)]
+    for key, corpus in sources:
+        problems += _check_source(cfg, key, corpus)
+    return list(dict.fromkeys(problems))  # a tokenizer's problem once, not once per source
+
+
+def _check_source(cfg: Config, key: str, corpus: str | None) -> list[str]:
+    """A corpus (None: the standard library) that is missing, unreadable, or of a vocabulary larger than the model's."""
+    d = cfg.data
+    label = f"{key} = '{corpus}'" if key == "data.corpus" else key
+    if corpus is not None and not Path(corpus).expanduser().exists():
+        return [f"{label} does not exist: give a file or directory"
+                + (", or leave it unset for the Python standard library" if key == "data.corpus" else "")]
+    index = Path(corpus).expanduser() / "index.json" if corpus is not None else None
     if index is not None and index.is_file():  # a prepared corpus: its own tokens decide, not data.tokenizer
         try:
-            vocab, source = int(read_json(index, str(index))["vocab_size"]), f"the prepared corpus {d.corpus}"
+            vocab, source = int(read_json(index, str(index))["vocab_size"]), f"the prepared corpus {corpus}"
         except (UserError, ValueError, KeyError, TypeError, OverflowError) as err:
-            return problems + [f"data.corpus = '{d.corpus}' has an unreadable index.json ({err}): prepare it "
-                               "again with `gridtrain data prepare`"]
+            return [f"{label} has an unreadable index.json ({err}): prepare it again with `gridtrain data prepare`"]
+        bad = None
     else:
+        if index is not None:
+            from gridtrain.data.corpus import source_problem  # a corpus to prepare: its files' schemas, read now
+
+            found = source_problem(index.parent, d.text_column)
+            if found:
+                return [f"{key}: {found}"]
         (vocab, bad), source = tokenizer_vocab(d.tokenizer), f"data.tokenizer '{d.tokenizer}'"
     if vocab is None:
-        problems.append(bad)
-    elif shape_of(cfg) is not None and vocab > cfg.model.args().vocab_size:
-        problems.append(
-            f"model.vocab_size ({cfg.model.args().vocab_size}) is smaller than the vocabulary of "
-            f"{source} ({vocab}): set model.vocab_size to at least {64 * math.ceil(vocab / 64)}")
-    return problems
+        return [bad]
+    if shape_of(cfg) is not None and vocab > cfg.model.args().vocab_size:
+        return [f"model.vocab_size ({cfg.model.args().vocab_size}) is smaller than the vocabulary of "
+                f"{source} ({vocab}): set model.vocab_size to at least {64 * math.ceil(vocab / 64)}"]
+    return []
 
 
 def tokenizer_vocab(spec: str, key: str = "data.tokenizer") -> tuple[int | None, str | None]:

@@ -21,22 +21,24 @@ class SampleOrder:
 
     g falls in epoch e = g // num_samples, and maps to window perm_e[g % num_samples], where
     perm_e = np.random.default_rng([seed, e]).permutation(num_samples): every epoch visits every
-    window once, in an order that depends only on (seed, e).
+    window once, in an order that depends only on (seed, e). A `stream` other than 0 (a mixture's
+    source) draws from [seed, stream, e] instead.
     """
 
-    def __init__(self, num_samples: int, seed: int) -> None:
+    def __init__(self, num_samples: int, seed: int, stream: int = 0) -> None:
         if num_samples < 1:
             raise ValueError(f"num_samples must be at least 1, got {num_samples}")
         if seed < 0:
             raise ValueError(f"seed must be non-negative, got {seed}")
         self.num_samples = num_samples
         self.seed = seed
+        self._key = [seed] if stream == 0 else [seed, stream]
         self._perms: dict[int, np.ndarray] = {}
 
     def permutation(self, epoch: int) -> np.ndarray:
         perm = self._perms.get(epoch)
         if perm is None:
-            perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
+            perm = np.random.default_rng([*self._key, epoch]).permutation(self.num_samples)
             # Keep the previous epoch too: a batch may straddle an epoch boundary.
             self._perms = {e: p for e, p in self._perms.items() if e == epoch - 1}
             self._perms[epoch] = perm

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -11,10 +12,13 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from gridtrain.config import Config
+from gridtrain.data.mix_spec import parse_mix
+from gridtrain.data.mixture import MIX_BLOCK, MixtureReader
 from gridtrain.data.sampler import BatchReader, ValReader
 from gridtrain.data.shards import TokenStore, ensure_prepared
 from gridtrain.model.args import ModelArgs
 from gridtrain.model.llama import Transformer
+from gridtrain.train.checkpoint_state import InvalidCheckpointError
 from gridtrain.train.distributed import World
 
 
@@ -35,15 +39,54 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class Data:
-    train: BatchReader
+    train: BatchReader | MixtureReader
     val: ValReader | None
     tokens: int
+    val_sources: dict[str, ValReader] = field(default_factory=dict)
+    """A mixture's validation split per source (empty for one corpus): validation reports each."""
+
+    @property
+    def mixture(self) -> MixtureReader | None:
+        return self.train if isinstance(self.train, MixtureReader) else None
+
+    def position(self, samples: int) -> dict[str, torch.Tensor]:
+        """What a checkpoint keeps of the data beside the sample offset: a mixture's samples per source."""
+        if self.mixture is None:
+            return {}
+        return {"mix_quota": torch.from_numpy(self.mixture.mix.quota.copy()),
+                "mix_samples": torch.from_numpy(self.mixture.consumed(samples))}
+
+    def check_position(self, state: dict[str, torch.Tensor], samples: int, path: Path) -> None:
+        """Refuse a checkpoint whose mixture position is not this mixture's at its sample offset."""
+        if self.mixture is None:
+            return
+        saved = state["mix_quota"].tolist(), state["mix_samples"].tolist()
+        here = self.mixture.mix.quota.tolist(), self.mixture.consumed(samples).tolist()
+        if saved != here:
+            raise InvalidCheckpointError(
+                f"checkpoint {path} mixes its sources {saved[0]} per {MIX_BLOCK} samples and had read {saved[1]} of "
+                f"them by sample {samples}; this data.mix mixes {here[0]} and reads {here[1]}: resume with the "
+                "data.mix (sources, order, weights) the run was saved with")
+
+    def metrics(self, samples: int) -> dict[str, float]:
+        """A mixture's epochs per source after `samples` global samples."""
+        return {} if self.mixture is None else self.mixture.epochs(samples)
 
 
 def prepared_data(cfg: Config) -> Path:
-    """The run's token shards, prepared first if they are not (ensure_prepared)."""
-    return ensure_prepared(cfg.data.corpus, cfg.data.tokenizer, Path(cfg.data.cache_dir).expanduser(),
-                           cfg.data.val_fraction, cfg.train.seed, column=cfg.data.text_column)
+    """The run's token shards, prepared first if they are not (ensure_prepared); a mixture's first source's."""
+    return prepared_sources(cfg)[0][1]
+
+
+def prepared_sources(cfg: Config) -> list[tuple[str, Path, float]]:
+    """(name, prepared directory, weight) of data.corpus, or of each source of data.mix; prepared first
+    if they are not."""
+    d = cfg.data
+    prepare = partial(ensure_prepared, tokenizer_spec=d.tokenizer, cache_dir=Path(d.cache_dir).expanduser(),
+                      val_fraction=d.val_fraction, seed=cfg.train.seed, column=d.text_column)
+    if d.mix is None:
+        return [("", prepare(d.corpus), 1.0)]
+    return [(s.name, prepare(s.path), s.weight) for s in parse_mix(d.mix)]
 
 
 def val_reader(cfg: Config, prepared: Path) -> ValReader:
@@ -53,14 +96,19 @@ def val_reader(cfg: Config, prepared: Path) -> ValReader:
 def build_data(cfg: Config, world: World) -> Data:
     """Token shards (prepared once, by rank 0, while the others wait) and the readers."""
     if world.rank == 0:
-        prepared = prepared_data(cfg)
+        sources = prepared_sources(cfg)
     if world.distributed:
         dist.barrier()
     if world.rank != 0:
-        prepared = prepared_data(cfg)
-    store = TokenStore(prepared, "train")
-    val = val_reader(cfg, prepared) if cfg.train.val_every else None
-    return Data(BatchReader(store, cfg.data.seq_len, cfg.train.seed), val, store.num_tokens)
+        sources = prepared_sources(cfg)
+    stores = [TokenStore(path, "train") for _, path, _ in sources]
+    vals = {name: val_reader(cfg, path) for name, path, _ in sources} if cfg.train.val_every else {}
+    tokens = sum(store.num_tokens for store in stores)
+    if cfg.data.mix is None:
+        return Data(BatchReader(stores[0], cfg.data.seq_len, cfg.train.seed), vals.get(""), tokens)
+    names, weights = [name for name, _, _ in sources], [weight for _, _, weight in sources]
+    mixture = MixtureReader(stores, names, weights, cfg.data.seq_len, cfg.train.seed)
+    return Data(mixture, next(iter(vals.values()), None), tokens, vals)
 
 
 def scalar(t: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from gridtrain.config import Config, ConfigError
+from gridtrain.data.sampler import ValReader
 from gridtrain.parallel.context_parallel import split_batch
 from gridtrain.parallel.parallelize import ParallelModel
 from gridtrain.parallel.tensor_parallel import loss_context
@@ -31,6 +32,7 @@ class Evaluator:
                  micro_batches: int, tp: int, pp_group: dist.ProcessGroup | None, device: torch.device,
                  cp_group: dist.ProcessGroup | None = None) -> None:
         self.cfg, self.val, self.pmodel, self.precision = cfg, data.val, pmodel, precision
+        self.sources = data.val_sources
         self.micro_batches, self.tp, self.pp_group, self.device = micro_batches, tp, pp_group, device
         self.cp_group = cp_group
         """Under context parallelism each rank validates its chunks of every sequence."""
@@ -40,18 +42,43 @@ class Evaluator:
 
     def check_split(self) -> None:
         """A split smaller than one validation batch would validate nothing and report nan."""
-        if self.val is not None and self.cfg.train.val_every > 0 and self.val.num_samples < self.size:
-            raise ConfigError([
-                f"the validation split holds {self.val.num_samples} sequences of {self.cfg.data.seq_len} "
-                f"tokens, fewer than one validation batch ({self.size}): raise data.val_fraction, lower "
-                "train.micro_batch, or set train.val_every 0"])
+        if self.cfg.train.val_every <= 0:
+            return
+        for name, val in self.readers().items():
+            if val.num_samples < self.size:
+                raise ConfigError([
+                    f"the validation split{f' of {name}' if name else ''} holds {val.num_samples} sequences of "
+                    f"{self.cfg.data.seq_len} tokens, fewer than one validation batch ({self.size}): raise "
+                    "data.val_fraction, lower train.micro_batch, or set train.val_every 0"])
+
+    def readers(self) -> dict[str, ValReader]:
+        """The validation splits by source name: a mixture's each, or the corpus's as ''."""
+        return self.sources or ({"": self.val} if self.val is not None else {})
 
     @torch.no_grad()
     def __call__(self) -> dict[str, float]:
         for part in self.pmodel.parts:
             part.eval()
+        readers = self.readers()
+        sums = torch.zeros(len(readers), 2)  # (loss x tokens, tokens) per source
+        for i, reader in enumerate(readers.values()):
+            sums[i] = self.sums(reader)
+        for part in self.pmodel.parts:
+            part.train()
+        # Only the last stage has losses; each CP rank has those of its chunks.
+        for axis_group in (self.pp_group, self.cp_group):
+            if axis_group is not None:
+                dist.all_reduce(sums, group=axis_group)
+        loss = (sums[:, 0].sum() / sums[:, 1].sum()).item()
+        metrics = {"loss/val": loss, "loss/val_ppl": math.exp(min(loss, 50.0))}
+        if self.sources:
+            metrics.update({f"loss/val/{name}": (total / count).item() for name, (total, count) in zip(readers, sums)})
+        return metrics
+
+    def sums(self, reader: ValReader) -> torch.Tensor:
+        """(sum of the token losses, tokens) over one validation split's batches, on this rank."""
         total, count = torch.zeros(()), torch.zeros(())
-        for inputs, targets in self.val.batches(self.size, self.batches):
+        for inputs, targets in reader.batches(self.size, self.batches):
             if len(inputs) < self.size:
                 break
             if self.cp_group is not None:
@@ -61,16 +88,7 @@ class Evaluator:
             if loss is not None:
                 total += loss.float().cpu() * targets.numel()
                 count += targets.numel()
-        for part in self.pmodel.parts:
-            part.train()
-        # Only the last stage has losses; each CP rank has those of its chunks.
-        for axis_group in (self.pp_group, self.cp_group):
-            if axis_group is not None:
-                both = torch.stack([total, count])
-                dist.all_reduce(both, group=axis_group)
-                total, count = both[0], both[1]
-        loss = (total / count).item()
-        return {"loss/val": loss, "loss/val_ppl": math.exp(min(loss, 50.0))}
+        return torch.stack([total, count])
 
     def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         if self.pmodel.schedule is None:

@@ -39,8 +39,14 @@ def format_line(step: int, total: int, m: dict[str, float]) -> str:
     if "moe/load_max" in m:  # the busiest expert's tokens over the mean, in the most uneven layer
         dropped = f", dropped {m['moe/dropped_frac']:.1%}" if m.get("moe/dropped_frac") else ""
         parts.append(f"expert load {m['moe/load_max']:.2f}{dropped}")
+    epochs = [(k.removeprefix("data/epochs/"), v) for k, v in m.items() if k.startswith("data/epochs/")]
+    if epochs:  # a mixture's sources: how far each has gone through its data
+        parts.append("epochs " + " ".join(f"{name} {value:.3f}" for name, value in epochs))
     if "loss/val" in m:
         parts.append(f"val_loss {m['loss/val']:.4f} val_ppl {m['loss/val_ppl']:.2f}")
+        per_source = [(k.removeprefix("loss/val/"), v) for k, v in m.items() if k.startswith("loss/val/")]
+        if per_source:
+            parts.append("val_loss " + " ".join(f"{name} {value:.4f}" for name, value in per_source))
     return " | ".join(parts)
 
 

@@ -195,7 +195,8 @@ class Trainer:
     def trainer_state(self) -> dict[str, torch.Tensor]:
         """Everything besides model and optimizer that an exact resume needs, as tensors."""
         return {"step": torch.tensor(self.step), "samples": torch.tensor(self.step * self.global_batch),
-                "rng": torch.get_rng_state(), **self.precision.state_dict()}
+                "rng": torch.get_rng_state(), **self.precision.state_dict(),
+                **self.data.position(self.step * self.global_batch)}
 
     def save(self) -> Path | None:
         """Save this step's checkpoint (Checkpointer.save)."""
@@ -214,6 +215,7 @@ class Trainer:
             raise InvalidCheckpointError(
                 f"checkpoint {path} consumed {samples} samples in {self.step} steps, which is not {self.step} x "
                 f"train.global_batch ({self.global_batch}): resume with the global batch the run was saved with")
+        self.data.check_position(state, samples, path)
         torch.set_rng_state(state["rng"])
         self.precision.load_state_dict(state)
         if self.world.rank == 0:
@@ -273,7 +275,7 @@ class Trainer:
         self.accountant.write(self.step, accounting)
         return {"loss/train": loss_value, "grad/norm": grad_norm, "lr": lr, **self.speed(time.perf_counter() - start),
                 "optim/skipped_steps": float(not stepped), **self.guard.metrics(), **memory_gib(self.device),
-                **accounting, **self.precision.metrics(), **balance}
+                **accounting, **self.precision.metrics(), **balance, **self.data.metrics(self.step * self.global_batch)}
 
     def data_groups(self) -> list[dist.ProcessGroup]:
         """The groups over which ranks see different tokens of the same layers: data and context
