@@ -274,7 +274,25 @@ def generated() -> list[tuple[list[str], str]]:
     return cases
 
 
-CASES = PLAN + MODEL + TRAIN + OTHERS + generated()
+DATA = [  # the corpora of issue 32: `records` (in the inputs fixture) holds the files these cases point at
+    (["train", "--data.corpus", "{d}/records/cut.parquet"], "cut.parquet is not a readable parquet file"),
+    (["data", "prepare", "{d}/records/cut.parquet", "--out", "{d}/out"], "cut.parquet is not a readable parquet file"),
+    (["train", "--data.corpus", "{d}/records/pq"], "has no column 'text' (its columns: content): set data.text_column"),
+    (["data", "prepare", "{d}/records/pq", "--out", "{d}/out"], "has no column 'text' (its columns: content)"),
+    (["data", "prepare", "{d}/records/pq", "--text-column", "body", "--out", "{d}/out"], "has no column 'body'"),
+    (["data", "prepare", "{d}/records/bad.jsonl.zst", "--out", "{d}/out", "--workers", "1"],
+     "bad.jsonl.zst:2 is not valid UTF-8"),
+    (["train", "--data.mix", "{d}/afile=0"], "weight 0 must be a positive finite number"),
+    (["train", "--data.mix", "{d}/afile=1,{d}/records/pq=-0.5"], "weight -0.5 must be a positive finite number"),
+    (["train", "--data.mix", "{d}/afile=1,{d}/missing=1"], "data.mix source '{d}/missing' does not exist"),
+    (["train", "--data.mix", "{d}/afile=1", "--data.corpus", "{d}/afile"], "data.mix and data.corpus"),
+    (["train", "--data.tokenizer", "{d}/records/big.json"],
+     "model.vocab_size (320) is smaller than the vocabulary of data.tokenizer '{d}/records/big.json' (401)"),
+    (["train", "--data.mix", "{d}/afile=1", "--data.tokenizer", "{d}/records/big.json"],
+     "set model.vocab_size to at least 448"),
+]
+
+CASES = PLAN + MODEL + TRAIN + OTHERS + DATA + generated()
 
 
 def test_the_table_is_large_and_covers_every_command():
@@ -333,7 +351,26 @@ def inputs(tmp_path: Path) -> Path:
     (d / "hfzcfg").mkdir()
     (d / "hfzcfg" / "config.json").symlink_to("/dev/zero")
     os.mkfifo(d / "fifo")
+    write_records(d / "records")
     return d
+
+
+def write_records(r: Path) -> None:
+    """Corpora refused in one line: a parquet file cut in half, a folder of parquet without a 'text'
+    column, zstd JSON lines whose second line is not UTF-8, a tokenizer.json of 401 tokens (the
+    tiny model has 320)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+    from tokenizers import Tokenizer, models
+
+    (r / "pq").mkdir(parents=True)
+    pq.write_table(pa.table({"content": ["some text"] * 50}), r / "pq" / "part-0.parquet")
+    data = (r / "pq" / "part-0.parquet").read_bytes()
+    (r / "cut.parquet").write_bytes(data[: len(data) // 2])
+    (r / "bad.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(b'{"text": "ok"}\n{"text": "\xff"}\n'))
+    vocab = {"<eos>": 0, "<unk>": 1} | {f"w{i}": i + 2 for i in range(399)}
+    Tokenizer(models.WordLevel(vocab, unk_token="<unk>")).save(str(r / "big.json"))
 
 
 def snapshot(root: Path) -> dict[str, str]:
