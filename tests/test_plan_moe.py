@@ -129,11 +129,3 @@ def test_balance_step_all_reduces():
     """Per MoE layer: E + 1 int64 counts and two fp32 losses (80 bytes for tiny-moe)."""
     cfg, dims, args = tiny_moe(**EP2_FSDP2)
     assert balance_collectives(args, dims, 2) == {"dp_shard/all_reduce_bytes": 2 * (9 * 8 + 8)}
-
-
-def test_plan_refuses_to_search_a_mixture_of_experts():
-    from gridtrain.plan.app.inputs import resolve_model
-    from gridtrain.plan.search import PlanError
-
-    with pytest.raises(PlanError, match="gridtrain plan --check RUN_DIR"):
-        resolve_model("tiny-moe", {})

@@ -28,6 +28,23 @@ The last stage adds, per token, the final norm's input and normalised input (8h,
 its rsqrt (4, split by SP), the head's input (4h fp32, 2h in 16 bits, whole under SP), the fp32
 log-probabilities (4V/t) and the loss (4 bytes a micro-batch); with 16 bits, the head weight's cast.
 Token ids (8 bytes each) are kept by the embedding and the targets by the loss.
+
+A mixture-of-experts block (model/moe.py; measured the same way over eight shapes of experts E,
+top-k, expert width F_e, shared experts S and h, all exact to the per-micro-batch constants) keeps
+the attention's part of the census above (its F terms dropped) and, in place of the SwiGLU, per
+token: for each of its k assignments the rows it dispatches, its expert's three outputs and the
+combine's input (12h fp32, 6h in 16 bits), the expert's four F_e-wide tensors (16 F_e, 8 F_e) and
+its indices and gate (28 bytes, 26 in 16 bits; 4 more each with renormalised gates); the router's
+fp32 scores (4E), the renormaliser's sum (4), the z-loss's logits and log-sum-exp (4E + 4); shared
+experts as a dense SwiGLU of S F_e (16 S F_e fp32; 8 S F_e and the two input casts, 4h, in 16 bits); with the auxiliary loss on sigmoid
+scores, each token's score sum (4). Once per forward: the grouped matmul's offsets (4E) and the
+auxiliary loss's score sums and token count (4E + 4).
+Selective recomputation keeps the router's logits (4E) and what the shared experts' matmuls write
+(8 S F_e + 4h, 4 S F_e + 2h in 16 bits) and loses the dense MLP's output (4h, 2h); the grouped
+matmul is not among the ops it saves (the loop's matmuls are: k (8 F_e + 4h), k (4 F_e + 2h)).
+The whole mixture runs on every tensor-parallel rank (parallel/tensor_parallel.moe_plan), so its
+part is not split by t. Under 16-bit autocast the router's weight is copied to fp32 (4 E h) and
+the experts cast (6 E h F_e) by hand in every forward, unless FSDP gathered them in 16 bits.
 """
 
 from __future__ import annotations
@@ -51,14 +68,34 @@ def _class(precision: str) -> str:
     return "fp32" if precision == "fp32" else "16bit"
 
 
+def moe_ffn_bytes_per_token(shape: ModelShape, precision: str, recompute: str) -> float:
+    """What an MoE block saves per token beyond the attention's part of the census (module
+    docstring), on every tensor-parallel rank alike."""
+    h, e, k, f, shared = shape.hidden, shape.num_experts, shape.top_k, shape.expert_ffn, shape.num_shared_experts
+    wide = 4 if _class(precision) == "fp32" else 2
+    if recompute == "full":
+        return 0.0
+    if recompute == "selective":
+        loop = 0 if shape.moe_grouped else k * (2 * wide * f + wide * h)
+        return -wide * h + 4 * e + (2 * wide * shared * f + wide * h if shared else 0) + loop
+    norm = 4 if shape.moe_normalize else 0
+    routed = k * (3 * wide * h + 4 * wide * f + (28 if wide == 4 else 26) + norm)
+    router = 4 * e + norm + (4 * e + 4 if shape.router_z_loss else 0)
+    router += 4 if shape.router_aux_loss and shape.router_sigmoid else 0  # the per-token normaliser
+    experts_shared = (16 * shared * f if wide == 4 else 8 * shared * f + 4 * h) if shared else 0
+    return routed + router + experts_shared
+
+
 @functools.lru_cache(maxsize=4096)
 def block_bytes_per_token(shape: ModelShape, precision: str, recompute: str, tp: int = 1,
-                          sequence_parallel: bool = False) -> float:
-    """Bytes one block saves per token of a micro-batch on one tensor-parallel rank."""
-    terms = (shape.hidden, shape.kv_width, shape.ffn, shape.num_heads, 1)
+                          sequence_parallel: bool = False, moe: bool = False) -> float:
+    """Bytes one block saves per token of a micro-batch on one tensor-parallel rank (with
+    `moe`, a mixture-of-experts block)."""
+    terms = (shape.hidden, shape.kv_width, 0 if moe else shape.ffn, shape.num_heads, 1)
     replicated, sequence, heads = (sum(c * x for c, x in zip(row, terms))
                                    for row in COEFFICIENTS[(_class(precision), recompute)])
-    return replicated + sequence / (tp if sequence_parallel else 1) + heads / tp
+    dense = replicated + sequence / (tp if sequence_parallel else 1) + heads / tp
+    return dense + (moe_ffn_bytes_per_token(shape, precision, recompute) if moe else 0.0)
 
 
 def ring_selective_bytes_per_token(shape: ModelShape, precision: str, recompute: str, tp: int, cp: int,
@@ -84,47 +121,86 @@ def head_bytes_per_token(shape: ModelShape, precision: str, tp: int = 1, sequenc
     return (8 * shape.hidden + 4) / sp + head_input + 4 * shape.vocab / tp
 
 
-def weight_cast_bytes(shape: ModelShape, layers: int, last: bool, tp: int = 1) -> float:
+def moe_forward_bytes(shape: ModelShape, recompute: str) -> float:
+    """What an MoE block saves once per forward, whatever its tokens: the grouped matmul's int32
+    offsets (4E) and the auxiliary loss's score sums and token count (4E + 4)."""
+    if recompute != "none":
+        return 0.0
+    return 4 * shape.num_experts * shape.moe_grouped + (4 * shape.num_experts + 4) * shape.router_aux_loss
+
+
+def weight_cast_bytes(shape: ModelShape, layers: int, last: bool, tp: int = 1, moe_layers: int = 0) -> float:
     """16-bit casts of a stage's matmul weights (autocast without FSDP): each block's attention
-    and MLP matrices and, on the last stage, the head, 1/t of each on a tensor-parallel rank."""
+    and MLP matrices and, on the last stage, the head, 1/t of each on a tensor-parallel rank; an
+    MoE block's shared experts (whole on every rank), its router and routed experts being cast by
+    hand instead (moe_cast_bytes)."""
     h, kv = shape.hidden, shape.kv_width
-    block = 2 * h * shape.num_heads * shape.head_dim + 2 * h * kv + 3 * h * shape.ffn
-    return 2 * (layers * block + (shape.vocab * h if last else 0)) / tp
+    attention = 2 * h * shape.num_heads * shape.head_dim + 2 * h * kv
+    dense = (layers - moe_layers) * (attention + 3 * h * shape.ffn) + moe_layers * attention
+    shared = moe_layers * 3 * h * shape.num_shared_experts * shape.expert_ffn
+    return 2 * (dense + (shape.vocab * h if last else 0)) / tp + 2 * shared
+
+
+def moe_cast_bytes(shape: ModelShape, moe_layers: int, fsdp: bool, ep: int) -> float:
+    """What an MoE block's forward copies by hand under 16-bit autocast (model/moe.py) and saves:
+    the router's weight in fp32 (4 E h), and the rank's E / ep routed experts in 16 bits (2 x 3 E
+    h F_e / ep) unless FSDP gathered them so (experts outside FSDP under expert parallelism)."""
+    h, f = shape.hidden, shape.expert_ffn
+    experts = 0 if fsdp and ep == 1 else 6 * shape.num_experts // ep * h * f
+    return moe_layers * (4 * shape.num_experts * h + experts)
 
 
 def stage_bytes(shape: ModelShape, layers: int, last: bool, tokens: int, precision: str, recompute: str,
-                tp: int = 1, sequence_parallel: bool = False) -> float:
-    """One forward of one micro-batch of `tokens` tokens through a stage of `layers` blocks (and
-    the head when `last`), without token ids and weight casts."""
-    out = tokens * layers * block_bytes_per_token(shape, precision, recompute, tp, sequence_parallel)
+                tp: int = 1, sequence_parallel: bool = False, moe_layers: int = 0) -> float:
+    """One forward of one micro-batch of `tokens` tokens through a stage of `layers` blocks, of
+    which `moe_layers` have a mixture of experts (and the head when `last`), without token ids
+    and weight casts."""
+    dense = block_bytes_per_token(shape, precision, recompute, tp, sequence_parallel)
+    moe = block_bytes_per_token(shape, precision, recompute, tp, sequence_parallel, True) if moe_layers else 0.0
+    out = tokens * ((layers - moe_layers) * dense + moe_layers * moe)
+    out += moe_layers * moe_forward_bytes(shape, recompute)
     if last:
         out += tokens * head_bytes_per_token(shape, precision, tp, sequence_parallel) + 4
     return out
 
 
 def forward_extras(shape: ModelShape, layers: int, last: bool, precision: str, recompute: str, tp: int,
-                   fsdp: bool) -> tuple[float, float]:
+                   fsdp: bool, moe_layers: int = 0, ep: int = 1) -> tuple[float, float]:
     """What a stage saves beyond its tokens' activations: (once per autocast region, once per
     forward). Without FSDP, bf16/fp16 autocast's weight casts (recomputed blocks recast them in
     backward instead). With FSDP the weights arrive in 16 bits and RMSNorm, which computes in
-    fp32, saves an fp32 copy of its weight (4h bytes) per norm and forward."""
+    fp32, saves an fp32 copy of its weight (4h bytes) per norm and forward. MoE blocks copy their
+    router and experts by hand in every forward (moe_cast_bytes)."""
     if precision == "fp32":
         return 0.0, 0.0
     blocks = layers if recompute == "none" else 0
+    moe = moe_layers if recompute == "none" else 0
+    by_hand = moe_cast_bytes(shape, moe, fsdp, ep)
     if fsdp:
-        return 0.0, 4.0 * shape.hidden * (2 * blocks + last)
-    return weight_cast_bytes(shape, blocks, last, tp), 0.0
+        return 0.0, 4.0 * shape.hidden * (2 * blocks + last) + by_hand
+    return weight_cast_bytes(shape, blocks, last, tp, moe), by_hand
+
+
+def stage_moe_layers(shape: ModelShape, stage_layers: list[int] | tuple[int, ...]) -> list[int]:
+    """MoE layers in each stage of a split of the blocks into consecutive stages."""
+    out, start = [], 0
+    for n in stage_layers:
+        out.append(shape.moe_layers_in(start, start + n))
+        start += n
+    return out
 
 
 def held_bytes(shape: ModelShape, held: dict[int, int], stage_layers: list[int], tokens: int, precision: str,
-               recompute: str, tp: int = 1, sequence_parallel: bool = False, fsdp: bool = False) -> float:
+               recompute: str, tp: int = 1, sequence_parallel: bool = False, fsdp: bool = False,
+               ep: int = 1) -> float:
     """Activations of `held[s]` forwards of each stage s (stage_layers[s] blocks; the last stage
     has the head), with their extras; token ids aside."""
     last_stage = len(stage_layers) - 1
+    moe = stage_moe_layers(shape, stage_layers)
     total = 0.0
     for stage, count in held.items():
-        last = stage == last_stage
-        per_region, per_forward = forward_extras(shape, stage_layers[stage], last, precision, recompute, tp, fsdp)
-        forward = stage_bytes(shape, stage_layers[stage], last, tokens, precision, recompute, tp, sequence_parallel)
+        last, n = stage == last_stage, stage_layers[stage]
+        per_region, per_forward = forward_extras(shape, n, last, precision, recompute, tp, fsdp, moe[stage], ep)
+        forward = stage_bytes(shape, n, last, tokens, precision, recompute, tp, sequence_parallel, moe[stage])
         total += count * (forward + per_forward) + (per_region if count else 0.0)
     return total

@@ -22,7 +22,7 @@ from gridtrain.config import Config
 from gridtrain.layout.dims import ParallelDims, stage_layer_counts
 from gridtrain.layout.schedules import forwards_held
 from gridtrain.model.args import ModelArgs
-from gridtrain.plan.activations import held_bytes, ring_selective_bytes_per_token, stage_bytes
+from gridtrain.plan.activations import held_bytes, ring_selective_bytes_per_token, stage_bytes, stage_moe_layers
 from gridtrain.plan.machine import cached_entry
 from gridtrain.plan.memory import STATE_BUCKETS, fsdp_gathers, rank_state, state_index
 from gridtrain.plan.moe_collectives import routed_exactly, routed_keys
@@ -53,7 +53,7 @@ def predict_activations(args: ModelArgs, dims: ParallelDims, cfg: Config, pp_ran
     counts = stage_layer_counts(args.n_layers, dims.pp * v, cfg.parallel.pp_fewer_edge_layers)
     held = forwards_held(layout.pp_schedule, dims.pp, v, layout.num_microbatches, pp_rank)
     total = held_bytes(shape, held, counts, layout.micro_batch * seq, cfg.train.precision,
-                       layout.recompute, dims.tp, layout.sequence_parallel, fsdp_gathers(layout))
+                       layout.recompute, dims.tp, layout.sequence_parallel, fsdp_gathers(layout), dims.ep)
     ring = ring_selective_bytes_per_token(shape, cfg.train.precision, layout.recompute, dims.tp, dims.cp, cp_rank)
     total += ring * layout.micro_batch * seq * sum(n * counts[s] for s, n in held.items())
     # A pipeline chunks the whole local batch into views of one storage: ids and targets count whole.
@@ -69,9 +69,10 @@ def microbatch_activations(args: ModelArgs, dims: ParallelDims, cfg: Config, pp_
     v = layout.pp_virtual_stages
     counts = stage_layer_counts(args.n_layers, dims.pp * v, cfg.parallel.pp_fewer_edge_layers)
     held = forwards_held(layout.pp_schedule, dims.pp, v, layout.num_microbatches, pp_rank)
+    moe = stage_moe_layers(shape, counts)
     return sum(stage_bytes(shape, counts[s], s == len(counts) - 1, layout.micro_batch * layout.seq_len // dims.cp,
                            cfg.train.precision, cfg.train.recompute, dims.tp,
-                           layout.sequence_parallel) for s in held)
+                           layout.sequence_parallel, moe[s]) for s in held)
 
 
 @dataclass
@@ -111,8 +112,11 @@ def check_run(run_dir: Path) -> list[CheckRow]:
             rows.append(CheckRow(measured["rank"], bucket, predicted[bucket], measured[f"memory/{bucket}_bytes"]))
         pp_rank, cp_rank = (dims.coordinates(measured["rank"])[axis] for axis in ("pp", "cp"))
         acts = predict_activations(args, dims, cfg, pp_rank, cp_rank)
-        # A mixture of experts' blocks are predicted by the dense block's census (not modelled yet).
-        rows.append(CheckRow(measured["rank"], "activations", acts, measured["memory/activations_bytes"], moe))
+        # A mixture of experts' census is exact in one process (activations.py); under expert parallelism
+        # a rank's experts save the rows routing sent them (their expectation predicted), under a
+        # capacity the rows kept (estimated).
+        rows.append(CheckRow(measured["rank"], "activations", acts, measured["memory/activations_bytes"],
+                             moe and not routed_exactly(args), routed=moe and dims.ep > 1))
         predicted, exact = collectives(args, dims, cfg, pp_rank, gloo=record.backend == "gloo")
         for key, value in predicted.items():
             rows.append(CheckRow(measured["rank"], key, value, measured.get(f"comm/{key}", 0.0), not exact,
@@ -202,8 +206,8 @@ def format_check(rows: list[CheckRow]) -> str:
         lines.append(f"{rank:>4}  {r.bucket:<30}{mark}{pred:>14} {r.measured:>14,.0f} {ratio:>7}")
     if any(r.estimated for r in rows):
         lines.append("~ estimated: not modelled exactly (this layout's collectives composed axis by axis, "
-                     "plan/run_collectives.py estimate_collectives; a mixture of experts' activations by the "
-                     "dense block's census; routed bytes under a capacity)")
+                     "plan/run_collectives.py estimate_collectives; a mixture of experts' routed bytes and "
+                     "activations under a capacity)")
     if any(r.routed for r in rows):
         lines.append("r routed: the rank's bytes depend on where its tokens went; predicted: their expectation "
                      "under uniform routing; 'all': the ranks' sum, which routing does not change")

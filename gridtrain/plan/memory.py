@@ -27,12 +27,12 @@ from dataclasses import dataclass, fields
 from gridtrain.layout.dims import stage_layer_counts
 from gridtrain.layout.schedules import forwards_held, in_flight, schedule, stage_ranks
 from gridtrain.plan.activations import (block_bytes_per_token, head_bytes_per_token, held_bytes,
-                                        ring_selective_bytes_per_token)
+                                        moe_ffn_bytes_per_token, ring_selective_bytes_per_token)
 from gridtrain.plan.census import peak_dp_index, rank_elements
 from gridtrain.names import PLAN_RECOMPUTE, RECOMPUTE
 from gridtrain.plan.float8 import gathered_bytes, gathers_float8, scale_bytes
 from gridtrain.plan.layout import Layout
-from gridtrain.plan.shape import ModelShape, norm_params
+from gridtrain.plan.shape import ModelShape, expert_params, moe_mlp_params, norm_params
 from gridtrain.plan.state import ModelState, StateBytes, model_state_bytes
 
 GiB = 2**30
@@ -68,8 +68,9 @@ def measured_census(shape: ModelShape, flash: bool, recompute: str) -> bool:
 @functools.lru_cache(maxsize=8192)
 def layer_activation_bytes(shape: ModelShape, seq_len: int, micro_batch: int, tp: int = 1,
                            sequence_parallel: bool = False, cp: int = 1, recompute: str = "none",
-                           flash: bool = True, act_bytes: int = 2) -> float:
-    """Bytes one rank saves for backward in one layer for one micro-batch (module docstring).
+                           flash: bool = True, act_bytes: int = 2, moe: bool = False) -> float:
+    """Bytes one rank saves for backward in one layer for one micro-batch (module docstring);
+    with `moe`, a mixture-of-experts layer (activations.moe_ffn_bytes_per_token in place of the MLP).
 
     Context parallelism divides the sequence and implies flash-style attention (ring attention
     merges blocks by log-sum-exp). Full recomputation keeps only the block input, divided by t
@@ -79,8 +80,9 @@ def layer_activation_bytes(shape: ModelShape, seq_len: int, micro_batch: int, tp
     e, h, a = act_bytes, shape.hidden, shape.num_heads
     s, b = seq_len / cp, micro_batch
     flash = flash or cp > 1
+    precision = "fp32" if e == 4 else "bf16"
     if measured_census(shape, flash, recompute):
-        return s * b * block_bytes_per_token(shape, "fp32" if e == 4 else "bf16", recompute, tp, sequence_parallel)
+        return s * b * block_bytes_per_token(shape, precision, recompute, tp, sequence_parallel, moe)
     replicated_div = tp if sequence_parallel else 1
     if recompute == "full":
         return e * s * b * h / replicated_div
@@ -89,6 +91,8 @@ def layer_activation_bytes(shape: ModelShape, seq_len: int, micro_batch: int, tp
     replicated = (4 * e + (2 if gpt else 0)) * s * b * h
     if gpt:  # GELU input and output (2e sbF); Llama's SwiGLU keeps four F-wide tensors (4e sbF)
         mlp = 2 * e * shape.ffn / tp
+    elif moe:  # the mixture's part, whole on every TP rank, as nothing is recomputed
+        mlp = moe_ffn_bytes_per_token(shape, precision, "none")
     else:
         mlp = 4 * e * shape.ffn / tp
     sharded = (2 * e * h / tp + 2 * e * kv_width + mlp) * s * b
@@ -169,19 +173,49 @@ def edge_ranks(layout: Layout) -> tuple[int, int]:
     return 0, (0 if schedule(layout.pp_schedule).v_shape else layout.pp - 1)
 
 
+@functools.lru_cache(maxsize=4096)
+def moe_layers_per_rank(shape: ModelShape, pp: int, virtual: int, schedule_name: str,
+                        fewer_edge_layers: int = 0) -> tuple[int, ...]:
+    """Mixture-of-experts blocks on each pipeline rank (a rank sums its virtual stages)."""
+    counts = stage_counts(shape.num_layers, pp * virtual, fewer_edge_layers)
+    owner = stage_ranks(pp, virtual, schedule_name)
+    out, start = [0] * pp, 0
+    for stage, n in enumerate(counts):
+        out[owner[stage]] += shape.moe_layers_in(start, start + n)
+        start += n
+    return tuple(out)
+
+
+def rank_moe_layers(shape: ModelShape, layout: Layout, rank: int) -> int:
+    """Mixture-of-experts blocks on pipeline rank `rank`."""
+    if not shape.num_experts:
+        return 0
+    return moe_layers_per_rank(shape, layout.pp, layout.pp_virtual_stages, layout.pp_schedule,
+                               layout.fewer_edge_layers)[rank]
+
+
+def rank_expert_params(shape: ModelShape, layout: Layout, rank: int) -> float:
+    """Routed-expert parameters on one rank of pipeline rank `rank`: its E / ep experts of each of
+    its MoE blocks, whole on every tensor-parallel rank (they are not split by TP)."""
+    return rank_moe_layers(shape, layout, rank) * expert_params(shape) / layout.ep
+
+
 def rank_params(shape: ModelShape, layout: Layout, rank: int, layers: int) -> float:
     """Parameters on one rank of a TP group: attention and MLP matrices split t ways (K and V
     replicated when t exceeds the KV heads), norms replicated, embedding and head split by
     vocabulary; the embedding on the first stage, head and final norm on the last (a tied
-    matrix is held on both ends when pp > 1, as Megatron does)."""
+    matrix is held on both ends when pp > 1, as Megatron does). An MoE block holds its router
+    and shared experts whole and 1/ep of its routed experts (rank_expert_params) in place of
+    the MLP."""
     t, h = layout.tp, shape.hidden
     kv_width = kv_heads_per_rank(shape, t) * shape.head_dim
-    attention = 2 * h * h / t + 2 * h * kv_width
+    attention = 2 * h * shape.q_width / t + 2 * h * kv_width + (2 * shape.head_dim if shape.qk_norm else 0)
     mlp = (3 if shape.block == "llama" else 2) * h * shape.ffn / t
     block = attention + mlp + norm_params(shape)
     first, last = edge_ranks(layout)
     table = shape.vocab * h / t
-    params = layers * block
+    moe = rank_moe_layers(shape, layout, rank)
+    params = layers * block + moe * (moe_mlp_params(shape) - mlp) + rank_expert_params(shape, layout, rank)
     if rank == first:
         params += table + shape.max_positions * h
     if rank == last:
@@ -209,8 +243,14 @@ def rank_state(shape: ModelShape, layout: Layout, rank: int, state: StateBytes,
         return ModelState(held.params * state.weights, held.grads * state.gradients,
                           held.optimizer * state.optimizer + held.optimizer_tensors * state.step_count)
     layers = rank_layers(shape, layout)[rank]
-    return model_state_bytes(rank_params(shape, layout, rank, layers), layout.zero_stage,
-                             layout.zero_shard_degree, state)
+    params = rank_params(shape, layout, rank, layers)
+    if layout.ep == 1:
+        return model_state_bytes(params, layout.zero_stage, layout.zero_shard_degree, state)
+    # Under expert parallelism the rank's experts stay outside ZeRO/FSDP (no other rank holds them).
+    experts = rank_expert_params(shape, layout, rank)
+    dense = model_state_bytes(params - experts, layout.zero_stage, layout.zero_shard_degree, state)
+    own = model_state_bytes(experts, 0, 1, state)
+    return ModelState(*(getattr(dense, f) + getattr(own, f) for f in ("weights", "gradients", "optimizer")))
 
 
 def fsdp_gathers(layout: Layout) -> bool:
@@ -252,7 +292,11 @@ def buffer_bytes(shape: ModelShape, layout: Layout, state: StateBytes, act_bytes
       accumulator being passed on and the one arriving (2 x 4/bytes x kv)."""
     t, h = layout.tp, shape.hidden
     kv_width = kv_heads_per_rank(shape, t) * shape.head_dim
-    block = 2 * h * h / t + 2 * h * kv_width + (3 if shape.block == "llama" else 2) * h * shape.ffn / t
+    attention = 2 * h * shape.q_width / t + 2 * h * kv_width
+    block = attention + (3 if shape.block == "llama" else 2) * h * shape.ffn / t
+    if shape.num_experts:  # FSDP's unit is the block: an MoE one gathers its experts too, unless EP holds them
+        moe = attention + moe_mlp_params(shape) + (expert_params(shape) if layout.ep == 1 else 0)
+        block = moe if shape.num_moe_layers == shape.num_layers else max(block, moe)
     out = 0.0
     if layout.zero_stage == 3 and layout.zero_shard_degree > 1:
         # Under FP8's float8 all-gather a gathered block weighs 1 byte a linear parameter.
@@ -332,7 +376,7 @@ def census_activations(shape: ModelShape, layout: Layout, rank: int, act_bytes: 
     tokens = layout.micro_batch * layout.seq_len / layout.cp
     precision = "fp32" if act_bytes == 4 else "bf16"
     acts = held_bytes(shape, held, counts, tokens, precision, layout.recompute,
-                      layout.tp, layout.sequence_parallel, fsdp_gathers(layout))
+                      layout.tp, layout.sequence_parallel, fsdp_gathers(layout), layout.ep)
     # The last CP rank keeps the most of ring attention under selective recomputation.
     ring = ring_selective_bytes_per_token(shape, precision, layout.recompute, layout.tp, layout.cp, layout.cp - 1)
     acts += ring * tokens * sum(n * counts[s] for s, n in held.items())

@@ -180,6 +180,28 @@ def reduce_scatter_time(payload: float, levels: tuple[Level, ...], calls: int = 
     return all_gather_time(payload, levels, calls)
 
 
+def all_to_all_time(payload: float, levels: tuple[Level, ...]) -> float:
+    """An all-to-all in which each rank sends `payload` bytes spread evenly over the group's n ranks
+    (1/n to each, its own share staying): the share for ranks first reached at a level, (c_i -
+    c_{i-1}) / n with c_i the ranks within that level, crosses that level's link, all levels at
+    once (NCCL posts every send together), so the slowest level sets the time, plus NCCL's base
+    latency and one step of the slowest link. Over gloo (local ranks) the n - 1 exchanges run one
+    after another. Worked example: 64 ranks, 8 per node, 1 GB each: 7/64 GB over NVLink and 56/64
+    over the NIC, which sets the pace."""
+    n = math.prod(level.ranks for level in levels)
+    if n <= 1:
+        return 0.0
+    wires, inner = [], 1
+    for level in levels:
+        share = payload * (inner * level.ranks - inner) / n
+        wires.append(share / level.link.effective)
+        inner *= level.ranks
+    if levels[0].gloo_step_s is not None:
+        return sum(wires) + (n - 1) * levels[0].gloo_step_s
+    step = NCCL_RING_STEP_S["net" if any(level.name != "node" for level in levels) else "nvlink"]
+    return max(wires) + NCCL_BASE_S + step
+
+
 def p2p_time(payload: float, cluster: ClusterSpec, degree: int, stride: int, intra_efficiency: float,
              inter_efficiency: float) -> float:
     """One send between neighbours of a group of `degree` ranks `stride` GPUs apart (a pipeline,

@@ -39,7 +39,8 @@ def run_keys(model_keys: tuple[tuple[str, object], ...], global_batch_seqs: int,
                  "train.recompute": layout.recompute,
                  "parallel.tp": layout.tp, "parallel.pp": layout.pp, "parallel.cp": layout.cp,
                  "parallel.dp_replicate": layout.dp_replicate, "parallel.dp_shard": layout.dp_shard,
-                 "parallel.zero_stage": layout.zero_stage, "parallel.sequence_parallel": layout.sequence_parallel})
+                 "parallel.zero_stage": layout.zero_stage, "parallel.sequence_parallel": layout.sequence_parallel,
+                 "parallel.ep": layout.ep})
     if layout.float8 != "none":
         keys["train.float8"] = layout.float8
     if layout.pp > 1:
@@ -66,6 +67,6 @@ def train_command(model_keys: tuple[tuple[str, object], ...], global_batch_seqs:
 
 def _default(key: str, value: object) -> bool:
     """Keys a command line can leave out: degree 1, no sequence parallelism, no fewer edge layers."""
-    return (key in ("parallel.tp", "parallel.pp", "parallel.cp", "parallel.dp_replicate") and value == 1) or \
+    return (key in ("parallel.tp", "parallel.pp", "parallel.cp", "parallel.dp_replicate", "parallel.ep") and value == 1) or \
         (key in ("parallel.sequence_parallel",) and value is False) or \
         (key == "parallel.pp_fewer_edge_layers" and value == 0)

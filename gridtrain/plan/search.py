@@ -93,6 +93,7 @@ class Constraints:
     recompute: str | None = None
     pp_schedule: str | None = None
     pp_virtual_stages: int | None = None
+    ep: int | None = None
 
     def given(self) -> dict[str, object]:
         return {k: v for k, v in self.__dict__.items() if v is not None}
@@ -219,9 +220,10 @@ class Family:
     micro_batches: tuple[int, ...]
     per_replica: int
     """Sequences per step per data-parallel rank."""
+    ep: int = 1
 
     def layout(self, problem: Problem, micro_batch: int) -> Layout:
-        return Layout(tp=self.tp, pp=self.pp, cp=self.cp, dp_replicate=self.dp, zero_stage=0,
+        return Layout(tp=self.tp, pp=self.pp, cp=self.cp, dp_replicate=self.dp, zero_stage=0, ep=self.ep,
                       micro_batch=micro_batch, seq_len=problem.seq_len,
                       num_microbatches=self.per_replica // micro_batch, pp_schedule=self.pp_schedule,
                       pp_virtual_stages=self.pp_virtual_stages,
@@ -241,6 +243,15 @@ def degree_options(problem: Problem, c: Constraints) -> list[tuple[int, int, int
     return out
 
 
+def ep_options(problem: Problem, c: Constraints, dp: int, cp: int) -> list[int]:
+    """Expert-parallel degrees for a mixture of experts: none, or the whole data- and context-
+    parallel group (dp x cp ranks, as gridtrain's runtime borrows them) where it divides the
+    experts; 1 for a dense model."""
+    experts, group = problem.shape.num_experts, dp * cp
+    out = [1] + ([group] if experts and group > 1 and experts % group == 0 else [])
+    return [ep for ep in out if c.ep is None or c.ep == ep]
+
+
 def families(problem: Problem, c: Constraints) -> list[Family]:
     """Every valid core, grouped by everything but the micro-batch."""
     recomputes = [r for r in RECOMPUTE if c.recompute is None or c.recompute == r] or (
@@ -254,7 +265,8 @@ def families(problem: Problem, c: Constraints) -> list[Family]:
                 for pair in schedule_options(pp, problem.shape.num_layers, per_replica // b, c):
                     by_schedule.setdefault(pair, []).append(b)
         for (sched, v), bs in by_schedule.items():
-            out += [Family(tp, cp, pp, dp, rc, sched, v, tuple(bs), per_replica) for rc in recomputes]
+            out += [Family(tp, cp, pp, dp, rc, sched, v, tuple(bs), per_replica, ep)
+                    for rc in recomputes for ep in ep_options(problem, c, dp, cp)]
     return out
 
 
@@ -303,7 +315,7 @@ def _make_core(problem: Problem, index: int, layout: Layout, zeros: tuple[tuple[
     lean = replace(layout, zero_stage=3, dp_replicate=1, dp_shard=layout.dp) if layout.dp * layout.cp > 1 else layout
     pairs = [(rank_params(problem.shape, layout, r, layers), acts) for r, layers, acts in
              probe_activations(problem.shape, lean, problem.act_bytes, (0, layout.pp - 1))]
-    buffers = {cls: _buffers(problem, layout.tp, layout.cp, layout.pp, layout.micro_batch, z)
+    buffers = {cls: _buffers(problem, layout.tp, layout.cp, layout.pp, layout.micro_batch, z, layout.ep)
                for cls, z in _class_representatives(zeros, layout.cp).items()}
     return _Core(0.0, index, layout, None, zeros, pairs, buffers)  # type: ignore[arg-type]
 
@@ -317,10 +329,11 @@ def _class_representatives(zeros: tuple[tuple[int, int, int], ...], cp: int) -> 
 
 
 @functools.lru_cache(maxsize=4096)
-def _buffers(problem: Problem, tp: int, cp: int, pp: int, micro_batch: int, zero: tuple[int, int, int]) -> float:
+def _buffers(problem: Problem, tp: int, cp: int, pp: int, micro_batch: int, zero: tuple[int, int, int],
+             ep: int = 1) -> float:
     """memory.buffer_bytes, which depends on these alone."""
     stage, rep, shard = zero
-    probe = Layout(tp=tp, cp=cp, pp=pp, dp_replicate=rep, dp_shard=shard, zero_stage=stage,
+    probe = Layout(tp=tp, cp=cp, pp=pp, dp_replicate=rep, dp_shard=shard, zero_stage=stage, ep=ep,
                    micro_batch=micro_batch, seq_len=problem.seq_len,
                    sequence_parallel=tp > 1 and problem.sequence_parallel, float8=problem.float8)
     return buffer_bytes(problem.shape, probe, problem.state, problem.act_bytes)
@@ -347,6 +360,8 @@ def _bounded_cores(problem: Problem, c: Constraints, fams: list[Family]) -> tupl
             zeros = tuple(z for z in zeros if z[0] != 1)
         if problem.filters_runnable and fam.cp > 1:  # CP's gradients are summed by FSDP (ZeRO 2, 3)
             zeros = tuple(z for z in zeros if z[0] >= 2)
+        if problem.filters_runnable and problem.shape.num_experts:  # ZeRO-1 is refused beside MoE
+            zeros = tuple(z for z in zeros if z[0] != 1)
         check_stop()
         for b in fam.micro_batches if zeros else ():
             layout = fam.layout(problem, b)

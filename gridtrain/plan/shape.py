@@ -54,6 +54,16 @@ class ModelShape:
     """An MoE feed-forward on every n-th layer from moe_first_dense on (MoEArgs.every)."""
     moe_first_dense: int = 0
     """The first layers that stay dense (MoEArgs.first_dense)."""
+    moe_normalize: bool = True
+    """The top-k gate values are renormalised (MoEArgs.normalize_top_k): what the router saves."""
+    router_z_loss: bool = False
+    """The router z-loss is on (what the router saves)."""
+    moe_grouped: bool = True
+    """The experts run through one grouped matmul, not a loop (what selective recomputation keeps)."""
+    router_aux_loss: bool = False
+    """The auxiliary balance loss is on (what the router saves)."""
+    router_sigmoid: bool = False
+    """Sigmoid scores, not softmax (what the auxiliary loss saves)."""
 
     @property
     def head_dim(self) -> int:
@@ -93,7 +103,9 @@ def from_args(args: ModelArgs) -> ModelShape:
     moe = args.moe
     experts = {} if moe is None else dict(
         num_experts=moe.num_experts, top_k=moe.top_k, expert_ffn=moe.expert_ffn_dim,
-        num_shared_experts=moe.num_shared_experts, moe_every=moe.every, moe_first_dense=moe.first_dense)
+        num_shared_experts=moe.num_shared_experts, moe_every=moe.every, moe_first_dense=moe.first_dense,
+        moe_normalize=moe.normalize_top_k, router_z_loss=moe.z_loss_coef > 0, moe_grouped=moe.grouped_mm,
+        router_aux_loss=moe.balance == "aux_loss" and moe.aux_loss_coef > 0, router_sigmoid=moe.score == "sigmoid")
     return ModelShape(hidden=args.dim, num_layers=args.n_layers, num_heads=args.n_heads,
                       num_kv_heads=args.n_kv_heads or args.n_heads, ffn=args.hidden_dim,
                       vocab=args.vocab_size, block="llama", tie_embeddings=args.tie_embeddings,

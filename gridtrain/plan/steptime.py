@@ -28,7 +28,11 @@ One step on the slowest pipeline rank:
   forward (prefetched) and backward and reduce-scatters its gradients (overlapped); HSDP adds the
   replicate axis's all-reduce of the 1/shard slice;
 - optimizer: AdamW is memory-bound: it reads the gradient, reads and writes master weights and
-  both moments, writes the 16-bit weights, for the parameters this rank updates.
+  both moments, writes the 16-bit weights, for the parameters this rank updates;
+- a mixture-of-experts layer (moe_cost.py): its feed-forward's FLOPs whole on every TP rank (the
+  routed experts at the imbalance allowance under expert parallelism), its TP collectives the
+  attention's only, and its all-to-alls in line; a rank's own experts are neither gathered nor
+  reduced by DP/FSDP, and AdamW updates all of them.
 """
 
 from __future__ import annotations
@@ -43,10 +47,13 @@ from gridtrain.plan.float8 import gathered_bytes, matmul_peak
 from gridtrain.plan.flops import flops_per_token, hardware_flops_per_token
 from gridtrain.plan.layout import Layout
 from gridtrain.plan.memory import (DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES, edge_ranks, kv_heads_per_rank,
-                                   layer_activation_bytes, layers_per_rank, rank_params)
+                                   layer_activation_bytes, layers_per_rank, moe_layers_per_rank, rank_expert_params,
+                                   rank_params)
 from gridtrain.plan.pipeline import schedule_bubble, split_cost
 from gridtrain.plan.state import StateBytes
-from gridtrain.plan.shape import ModelShape, block_params, matmul_params, norm_params
+from gridtrain.plan.moe_cost import ROUTING_IMBALANCE, ep_seconds, moe_ffn_flops_per_token
+from gridtrain.plan.shape import (ModelShape, attention_params, block_params, matmul_params, moe_block_active_params,
+                                  norm_params)
 from gridtrain.plan.specs import ClusterSpec
 
 GB = 1e9
@@ -126,10 +133,12 @@ class LayerCost:
     """Ring-attention sends left after overlap with the attention core."""
     backward_share: float
     """Share of the layer's compute that runs in its backward pass (recomputation included)."""
+    ep_s: float = 0.0
+    """An MoE layer's expert-parallel all-to-alls, all on the critical path (moe_cost.py)."""
 
     @property
     def total_s(self) -> float:
-        return self.matmul_s + self.memory_bound_s + self.overhead_s + self.tp_s + self.cp_s
+        return self.matmul_s + self.memory_bound_s + self.overhead_s + self.tp_s + self.cp_s + self.ep_s
 
 
 def layer_hardware_flops_per_token(shape: ModelShape, seq_len: int, recompute: str) -> float:
@@ -149,37 +158,60 @@ def layer_attention_flops_per_token(shape: ModelShape, seq_len: int, recompute: 
     return attn_fwd * (4 if recompute in ("full", "attention") else 3)
 
 
+def layer_attention_part_flops_per_token(shape: ModelShape, seq_len: int, recompute: str) -> float:
+    """An MoE layer's share of layer_hardware_flops_per_token outside its feed-forward: the
+    attention's matrices and core, and the norms (moe_cost.moe_ffn_flops_per_token has the rest)."""
+    attn_fwd = 4 * shape.num_heads * shape.head_dim * seq_len
+    weights = attention_params(shape) + norm_params(shape)
+    model = 6 * weights + 3 * attn_fwd
+    if recompute == "full":
+        return model + 2 * attention_params(shape) + attn_fwd
+    return model + (attn_fwd if recompute == "attention" else 0)
+
+
 @functools.lru_cache(maxsize=64)
 def edge_flops_per_token(shape: ModelShape) -> float:
     """Output head (and final norm) FLOPs per token, forward + backward (not recomputed)."""
-    return 6 * (matmul_params(shape) - shape.num_layers * block_params(shape))
+    moe = shape.num_moe_layers
+    blocks = (shape.num_layers - moe) * block_params(shape) + moe * moe_block_active_params(shape)
+    return 6 * (matmul_params(shape) - blocks)
 
 
 @functools.lru_cache(maxsize=4096)
 def layer_cost(shape: ModelShape, cluster: ClusterSpec, eff: Efficiency, seq_len: int, micro_batch: int,
                tp: int, cp: int, sequence_parallel: bool, recompute: str, flash: bool,
-               act_bytes: int = 2, float8: str = "none") -> LayerCost:
+               act_bytes: int = 2, float8: str = "none", moe: bool = False, ep: int = 1) -> LayerCost:
     """The cost of one layer for one micro-batch on one GPU (module docstring). Collectives: over
     the tp axis, 4 all-reduces (6 with full recomputation) of tokens x h x act_bytes, tokens =
     micro_batch x seq_len / cp; over the cp axis, the ring's (1 + forwards) x (cp - 1) sends of a
     K and V block, kv = 2 x tokens x kv_width x act_bytes (forwards: 2 under recomputation), and
-    cp sends of its fp32 gradient (comm.ring_attention_payloads), less what the attention core hides."""
+    cp sends of its fp32 gradient (comm.ring_attention_payloads), less what the attention core hides.
+
+    With `moe`, a mixture-of-experts layer: its feed-forward runs whole on every TP rank
+    (moe_cost.moe_ffn_flops_per_token, the routed experts at the imbalance allowance when ep > 1),
+    so only the attention's 2 all-reduces (3 with full recomputation) cross the tp axis; its
+    all-to-alls (ep_s) are added by pipeline_time, which knows the layout's data-parallel ranks."""
     acc = cluster.accelerator
     tokens = micro_batch * seq_len / cp
-    hw = layer_hardware_flops_per_token(shape, seq_len, recompute) * tokens / tp
+    if moe:
+        slow = ROUTING_IMBALANCE if ep > 1 else 1.0
+        hw = (layer_attention_part_flops_per_token(shape, seq_len, recompute) * tokens / tp
+              + moe_ffn_flops_per_token(shape, recompute, slow) * tokens)
+    else:
+        hw = layer_hardware_flops_per_token(shape, seq_len, recompute) * tokens / tp
     attention = layer_attention_flops_per_token(shape, seq_len, recompute) * tokens / tp
     # Under FP8 the block linears run at the device's FP8 peak (plan/float8.py), attention at 16 bits.
     matmul_s = (hw - attention) / (matmul_peak(acc, float8) * eff.matmul) + attention / (acc.peak_flops * eff.attention_share)
     saved = layer_activation_bytes(shape, seq_len, micro_batch, tp, sequence_parallel, cp, "none",
-                                   flash, act_bytes)
+                                   flash, act_bytes, moe)
     kept = layer_activation_bytes(shape, seq_len, micro_batch, tp, sequence_parallel, cp, recompute,
-                                  flash, act_bytes)
+                                  flash, act_bytes, moe)
     traffic = HBM_PASSES * saved + RECOMPUTE_PASSES * (saved - kept if recompute != "none" else 0)
     memory_bound_s = traffic / (acc.hbm_gb_per_s * GB * eff.hbm)
     tp_s = 0.0
     if tp > 1:
         levels = placement.axis_levels(cluster, tp, 1, eff.intra_node, eff.inter_node)
-        count = 6 if recompute == "full" else 4
+        count = (6 if recompute == "full" else 4) // (2 if moe else 1)
         tp_s = count * placement.all_reduce_time(tokens * shape.hidden * act_bytes, levels)
     cp_s = 0.0
     if cp > 1:
@@ -240,10 +272,12 @@ class StepTime:
     hardware_flops_per_token: float
     peak_flops: float
     """Dense peak of one GPU, FLOP/s."""
+    ep_s: float = 0.0
+    """Expert-parallel all-to-alls (mixture-of-experts layers), in line with compute."""
 
     @property
     def total_s(self) -> float:
-        return (self.compute_s + self.tp_s + self.cp_s + self.pp_s + self.bubble_s + self.dp_s
+        return (self.compute_s + self.tp_s + self.cp_s + self.ep_s + self.pp_s + self.bubble_s + self.dp_s
                 + self.optimizer_s)
 
     @property
@@ -269,7 +303,7 @@ class StepTime:
 
     def parts(self) -> dict[str, float]:
         """Seconds by part, in the order of the step."""
-        return {"compute": self.compute_s, "tp": self.tp_s, "cp": self.cp_s, "pp": self.pp_s,
+        return {"compute": self.compute_s, "tp": self.tp_s, "cp": self.cp_s, "ep": self.ep_s, "pp": self.pp_s,
                 "bubble": self.bubble_s, "dp": self.dp_s, "optimizer": self.optimizer_s}
 
 
@@ -285,6 +319,14 @@ class PipelineTime:
     head_s: float
     pp_s: float
     bubble_s: float
+    moe_layers: int = 0
+    """Of the critical rank's layers, those with a mixture of experts (costed by moe_layer)."""
+    moe_layer: LayerCost | None = None
+
+    def per_micro(self, part: str) -> float:
+        """A LayerCost part (tp_s, cp_s, ep_s) summed over the critical rank's layers."""
+        dense = (self.layers - self.moe_layers) * getattr(self.layer, part)
+        return dense + (self.moe_layers * getattr(self.moe_layer, part) if self.moe_layer else 0.0)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -296,15 +338,27 @@ def _busiest(counts: tuple[int, ...]) -> int:
 def pipeline_time(shape: ModelShape, layout: Layout, cluster: ClusterSpec, eff: Efficiency,
                   act_bytes: int = 2) -> PipelineTime:
     """m micro-batches through the pipeline on its slowest rank, with sends and the bubble."""
-    lc = layer_cost(shape, cluster, eff, layout.seq_len, layout.micro_batch, layout.tp, layout.cp,
-                    layout.sequence_parallel, layout.recompute, layout.flash_attention, act_bytes, layout.float8)
+    args = (shape, cluster, eff, layout.seq_len, layout.micro_batch, layout.tp, layout.cp,
+            layout.sequence_parallel, layout.recompute, layout.flash_attention, act_bytes, layout.float8)
+    lc = layer_cost(*args)
     counts = layers_per_rank(shape.num_layers, layout.pp, layout.pp_virtual_stages, layout.pp_schedule,
                              layout.fewer_edge_layers)
     _, last = edge_ranks(layout)
     head = head_seconds(shape, cluster, eff, layout)
-    busiest = _busiest(counts)
-    critical = last if counts[last] * lc.total_s + head >= counts[busiest] * lc.total_s else busiest
-    micro = counts[critical] * lc.total_s + (head if critical == last else 0.0)
+    moe_lc, moe = None, (0,) * layout.pp
+    if shape.num_experts:
+        moe_lc = replace(layer_cost(*args, moe=True, ep=layout.ep),
+                         ep_s=ep_seconds(shape, layout, cluster, eff.intra_node, eff.inter_node, act_bytes))
+        moe = moe_layers_per_rank(shape, layout.pp, layout.pp_virtual_stages, layout.pp_schedule,
+                                  layout.fewer_edge_layers)
+        times = [(n - k) * lc.total_s + k * moe_lc.total_s + (head if r == last else 0.0)
+                 for r, (n, k) in enumerate(zip(counts, moe))]
+        critical = times.index(max(times))
+        micro = times[critical]
+    else:
+        busiest = _busiest(counts)
+        critical = last if counts[last] * lc.total_s + head >= counts[busiest] * lc.total_s else busiest
+        micro = counts[critical] * lc.total_s + (head if critical == last else 0.0)
     m, pp, v = layout.num_microbatches, layout.pp, layout.pp_virtual_stages
     pp_s = bubble_s = 0.0
     if pp > 1:
@@ -315,7 +369,7 @@ def pipeline_time(shape: ModelShape, layout: Layout, cluster: ClusterSpec, eff: 
         frac = schedule_bubble(layout.pp_schedule, pp, m, v)
         bubble_s = frac / (1 - frac) * m * micro
     return PipelineTime(micro, lc, critical, counts[critical], head if critical == last else 0.0,
-                        pp_s, bubble_s)
+                        pp_s, bubble_s, moe[critical], moe_lc)
 
 
 def grad_levels(layout: Layout, cluster: ClusterSpec, eff: Efficiency) -> tuple[
@@ -377,7 +431,9 @@ def _dp_overlap(shape: ModelShape, layout: Layout, cluster: ClusterSpec, eff: Ef
     unit by unit (one per layer), DDP's bucket by bucket; every call pays its latency."""
     if layout.dp * layout.cp == 1:
         return 0.0, 0.0
-    params = rank_params(shape, layout, pt.critical_rank, pt.layers)
+    # Under expert parallelism a rank's experts are its own: neither gathered nor reduced.
+    params = rank_params(shape, layout, pt.critical_rank, pt.layers) - (
+        rank_expert_params(shape, layout, pt.critical_rank) if layout.ep > 1 else 0.0)
     weights = gathered_bytes(shape, params, pt.layers, layout.tp, state.compute, layout.float8, layout.zero_stage,
                              layout.zero_shard_degree)
     grads = params * state.gradients
@@ -414,8 +470,10 @@ def _dp_overlap(shape: ModelShape, layout: Layout, cluster: ClusterSpec, eff: Ef
 
 def optimizer_seconds(shape: ModelShape, layout: Layout, cluster: ClusterSpec, eff: Efficiency,
                       rank: int, layers: int, state: StateBytes = StateBytes()) -> float:
-    """AdamW over the parameters this rank updates (1/shard of its stage's under ZeRO >= 1)."""
-    params = rank_params(shape, layout, rank, layers) / layout.zero_shard_degree
+    """AdamW over the parameters this rank updates (1/shard of its stage's under ZeRO >= 1; under
+    expert parallelism all of its own experts)."""
+    experts = rank_expert_params(shape, layout, rank) if layout.ep > 1 else 0.0
+    params = (rank_params(shape, layout, rank, layers) - experts) / layout.zero_shard_degree + experts
     traffic = params * state.adamw_traffic
     return traffic / (cluster.accelerator.hbm_gb_per_s * GB * eff.hbm)
 
@@ -426,11 +484,11 @@ def step_time(shape: ModelShape, layout: Layout, cluster: ClusterSpec, eff: Effi
     """The predicted time of one optimizer step of `layout` on `cluster` (module docstring).
     `pt` reuses a pipeline_time already computed for this layout's non-ZeRO degrees."""
     pt = pt or pipeline_time(shape, layout, cluster, eff, act_bytes)
-    m, lc = layout.num_microbatches, pt.layer
+    m = layout.num_microbatches
     dp_exposed, dp_total = dp_time(shape, layout, cluster, eff, pt, state)
-    tp_s, cp_s = m * pt.layers * lc.tp_s, m * pt.layers * lc.cp_s
+    tp_s, cp_s, ep_s = (m * pt.per_micro(part) for part in ("tp_s", "cp_s", "ep_s"))
     return StepTime(
-        layout=layout, compute_s=m * pt.micro_s - tp_s - cp_s, tp_s=tp_s, cp_s=cp_s, pp_s=pt.pp_s,
+        layout=layout, compute_s=m * pt.micro_s - tp_s - cp_s - ep_s, tp_s=tp_s, cp_s=cp_s, ep_s=ep_s, pp_s=pt.pp_s,
         bubble_s=pt.bubble_s, dp_s=dp_exposed, dp_total_s=dp_total,
         optimizer_s=optimizer_seconds(shape, layout, cluster, eff, pt.critical_rank, pt.layers, state),
         critical_rank=pt.critical_rank,

@@ -23,6 +23,7 @@ from gridtrain.plan.app.inputs import (batch_sequences, check_constraints, const
 from gridtrain.plan.app.report import Assumptions, build_report, no_fit_report
 from gridtrain.plan.memory import BUCKETS, GiB
 from gridtrain.plan.state import CONVENTIONS
+from gridtrain.plan.app.experts import ep_note
 from gridtrain.plan.runnable import train_command
 from gridtrain.plan.search import Candidate, Constraints, PlanError, Problem, SearchResult, search
 from gridtrain.plan.shape import param_counts
@@ -162,6 +163,8 @@ def plan(args: argparse.Namespace, extra: list[str], out: TextIO) -> int:
                               electricity_per_kwh=args.electricity_price, mtbf_gpu_hours=args.mtbf_hours)
     report = build_report(problem, result, rows, name, tokens, assumptions, seconds)
     report["notes"] = notes + [fit_line(problem, constraints, chosen)]
+    if problem.shape.num_experts:
+        report["notes"].append(ep_note(problem, constraints, chosen))
     if problem.model_keys is not None:
         report["train_command"] = train_command(problem.model_keys, problem.global_batch_seqs, problem.precision,
                                                 chosen.layout, problem.cluster.gpus_per_node)

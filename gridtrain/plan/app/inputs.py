@@ -26,7 +26,7 @@ LAYOUT_KEYS = {"tp": "tp", "cp": "cp", "pp": "pp", "dp": "dp", "dp_shard": "dp_s
                "zero": "zero_stage", "zero_stage": "zero_stage", "mb": "micro_batch",
                "micro_batch": "micro_batch", "recompute": "recompute", "schedule": "pp_schedule",
                "v": "pp_virtual_stages", "pp_virtual_stages": "pp_virtual_stages",
-               "virtual_stages": "pp_virtual_stages", "pp_schedule": "pp_schedule"}
+               "virtual_stages": "pp_virtual_stages", "pp_schedule": "pp_schedule", "ep": "ep"}
 
 
 def parse_count(text: str, what: str) -> float:
@@ -147,14 +147,6 @@ def resolve_model(preset: str, overrides: dict[str, str], arch: str = "llama") -
     problems = margs.validate()
     if problems:
         raise PlanError("; ".join(problems))
-    if margs.moe is not None:
-        # plan --check predicts an MoE run's state and collectives (census.py, moe_collectives.py), but
-        # the search would rank layouts by a step time without the all-to-alls and by dense activations.
-        raise PlanError(f"model {preset!r} has a mixture of experts, which the planner does not plan yet: its search "
-                        "cannot rank expert-parallel layouts (the step time has no all-to-all, the activation census "
-                        "is the dense block's); plan one of "
-                        f"{', '.join(DENSE_PRESETS)}, or train it with metrics.account_every 1 and compare the run "
-                        "with `gridtrain plan --check RUN_DIR` (state bytes and collectives per rank)")
     if margs.explicit_head_dim or margs.qk_norm:
         raise PlanError(f"model {preset!r} has heads wider than dim / n_heads or QK-norm, which the planner does not "
                         f"plan yet (its activation census assumes neither): plan one of {', '.join(DENSE_PRESETS)}, "
@@ -199,6 +191,11 @@ def resolve_cluster(gpu: str, cluster_name: str | None, hardware: str | None) ->
 
 def check_constraints(problem: Problem, c: Constraints) -> list[str]:
     """The root relation a `--layout` breaks before any search (refusals.py), with numbers and a fix."""
+    from gridtrain.plan.app.experts import ep_refusal
+
+    ep = ep_refusal(problem, c)
+    if ep:
+        return [ep]
     found = layout_refusal(problem, c)
     return [found[1]] if found else []
 

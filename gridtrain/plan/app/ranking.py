@@ -79,7 +79,7 @@ def collapse(ranked: list[Candidate]) -> list[Row]:
     return rows
 
 
-PART_NAMES = {"compute": "compute", "tp": "TP collectives", "cp": "CP ring", "pp": "pipeline sends",
+PART_NAMES = {"compute": "compute", "tp": "TP collectives", "cp": "CP ring", "ep": "EP all-to-alls", "pp": "pipeline sends",
               "bubble": "bubble", "dp": "exposed DP/FSDP", "optimizer": "optimizer"}
 
 

@@ -113,10 +113,12 @@ def render_step(r: dict) -> list[str]:
     c = r["chosen"]
     step = c["step_s"]
     names = {"compute": "compute (matmul + memory-bound)", "tp": "TP collectives (critical path)",
-             "cp": "CP ring sends (exposed)", "pp": "pipeline sends", "bubble": "pipeline bubble",
-             "dp": "DP/FSDP (exposed after overlap)", "optimizer": "optimizer step"}
+             "cp": "CP ring sends (exposed)", "ep": "EP all-to-alls (in line)", "pp": "pipeline sends",
+             "bubble": "pipeline bubble", "dp": "DP/FSDP (exposed after overlap)", "optimizer": "optimizer step"}
     lines = [f"Step time {step:.3f} s on the critical pipeline rank:"]
     for k, v in c["parts_s"].items():
+        if k == "ep" and not v:  # a dense model, or experts without expert parallelism
+            continue
         lines.append(f"  {names[k]:<34}{v:>8.3f} s {v / step:>6.1%}  {_bar(v, step)}")
     lines.append(f"Throughput {c['tokens_per_s']:,.0f} tokens/s; per GPU {c['model_tflops_per_gpu']:.0f} "
                  f"TFLOP/s model, {c['hardware_tflops_per_gpu']:.0f} hardware; MFU {c['mfu']:.1%}, "

@@ -1,0 +1,84 @@
+"""Why a plan for a mixture of experts did or did not choose expert parallelism: the best layout of
+the other kind, and the parts of the step (moe_cost.py, steptime.py) that set them apart."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from gridtrain.plan.moe_cost import ROUTING_IMBALANCE
+from gridtrain.plan.search import Candidate, Constraints, PlanError, Problem, _divisors, search
+
+PARTS = {"compute": "compute", "ep": "expert all-to-alls (in line)", "dp": "exposed DP/FSDP", "tp": "TP",
+         "cp": "CP ring", "pp": "pipeline sends", "bubble": "bubble", "optimizer": "optimizer"}
+
+
+def _label(cand: Candidate) -> str:
+    lay = cand.layout
+    return (f"ep {lay.ep}, tp {lay.tp}, cp {lay.cp}, pp {lay.pp}, dp {lay.dp}, ZeRO-{lay.zero_stage}, "
+            f"micro-batch {lay.micro_batch}, recompute {lay.recompute}")
+
+
+def _best(problem: Problem, constraints: Constraints, eps: list[int]) -> Candidate | None:
+    found = []
+    for ep in eps:
+        try:
+            result = search(problem, replace(constraints, ep=ep), top=1)
+        except PlanError:
+            continue
+        found += result.ranked
+    return min(found, key=lambda c: c.time.total_s, default=None)
+
+
+def _differences(chosen: Candidate, other: Candidate) -> str:
+    """The parts of the step where `other` spends more (+) or less (-) than `chosen`, largest first."""
+    a, b = chosen.time.parts(), other.time.parts()
+    diffs = sorted(((PARTS[k], b[k] - a[k]) for k in a), key=lambda p: -abs(p[1]))
+    shown = [f"{name} {'+' if d > 0 else '-'}{abs(d):.3f} s" for name, d in diffs if abs(d) >= 1e-3 * a["compute"]]
+    return ", ".join(shown[:4])
+
+
+def ep_note(problem: Problem, constraints: Constraints, chosen: Candidate) -> str | None:
+    """One note on the expert-parallel degree of a mixture-of-experts plan; None for a dense model."""
+    experts = problem.shape.num_experts
+    if not experts:
+        return None
+    if constraints.ep is not None:
+        return f"expert parallelism: ep {constraints.ep}, as --layout fixes it"
+    ep = chosen.layout.ep
+    allowance = (f"the busiest rank's routed experts are costed at {ROUTING_IMBALANCE}x the mean rows "
+                 "(moe_cost.ROUTING_IMBALANCE)")
+    if ep > 1:
+        other = _best(problem, constraints, [1])
+        if other is None:
+            return (f"expert parallelism: ep {ep}, because no layout without it fits: FSDP's unit is a block, "
+                    f"so every rank would gather all {experts} experts of a layer at once")
+        return (f"expert parallelism: ep {ep} ({chosen.time.total_s:.3f} s a step) beats the best layout without it "
+                f"({_label(other)}: {other.time.total_s:.3f} s), which spends {_differences(chosen, other)}; "
+                f"{allowance}")
+    candidates = [g for g in _divisors(experts) if 1 < g <= problem.num_gpus]
+    other = _best(problem, constraints, candidates)
+    if other is None:
+        return (f"expert parallelism: none fits or divides: gridtrain borrows the expert-parallel ranks from "
+                f"the data- and context-parallel ones (ep = dp x cp), which must divide the {experts} experts")
+    return (f"expert parallelism: ep 1, because the best layout with it ({_label(other)}: "
+            f"{other.time.total_s:.3f} s a step against {chosen.time.total_s:.3f} s) spends "
+            f"{_differences(chosen, other)}: gridtrain's all-to-alls run in line with compute, and {allowance}; "
+            "without expert parallelism FSDP gathers the experts, which a step of this many tokens per rank hides")
+
+
+def ep_refusal(problem: Problem, c: Constraints) -> str | None:
+    """The relation a `--layout ep=N` breaks before any search, with its numbers and a fix (the
+    runtime's own, validate._check_moe)."""
+    if c.ep is None or c.ep < 1:
+        return None if c.ep is None else f"ep ({c.ep}) must be 1 or more"
+    experts = problem.shape.num_experts
+    if not experts:
+        return None if c.ep == 1 else (f"ep ({c.ep}) shards the routed experts of a mixture of experts, and this "
+                                       "model is dense: drop ep from --layout, or plan a mixture-of-experts preset")
+    if experts % c.ep:
+        fits = ", ".join(str(g) for g in _divisors(experts) if g > 1)
+        return f"ep ({c.ep}) must divide the {experts} experts of each MoE layer: choose ep among {fits}"
+    if c.ep > 1 and c.dp is not None and c.cp is not None and c.dp * c.cp != c.ep:
+        return (f"ep ({c.ep}) must equal dp x cp ({c.dp} x {c.cp} = {c.dp * c.cp}): gridtrain borrows the "
+                "expert-parallel ranks from the data- and context-parallel ones; give dp and cp whose product is ep")
+    return None

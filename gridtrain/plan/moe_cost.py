@@ -1,0 +1,94 @@
+"""What a mixture-of-experts layer adds to the planner's step on one rank: its feed-forward's FLOPs,
+the expert-parallel all-to-alls and their time, and the allowance for routing imbalance.
+
+gridtrain's MoE layer (model/moe.py, parallel/expert_parallel.py) on a rank of a layout:
+- the router (E x h) and the shared experts run on every tensor-parallel rank in full (the
+  mixture is replicated over TP, parallel/tensor_parallel.moe_plan), as do the routed experts;
+- each of the rank's tokens (micro-batch x seq / cp) goes to its top_k experts: A = tokens x k
+  assignments. Without expert parallelism the rank runs all E experts on them; with ep ranks (the
+  data- and context-parallel ranks, ep = dp x cp) it sends each assignment to the rank holding
+  its expert and runs the rows it receives on its E / ep experts;
+- per layer and micro-batch, five all_to_all_single calls (plan/moe_collectives.py): the counts
+  (8 E bytes), the dispatch (4 A h: the residual stream's fp32 rows) and the combine (c A h, c
+  the compute dtype's bytes) forward, their gradients backward (c A h, 4 A h); recomputation
+  (full or selective: neither keeps their outputs, and the grouped matmul is not among the ops
+  selective checkpointing saves) runs the forward three and the routed experts again;
+- the all-to-alls run in line: the dispatch waits for the router, the experts for the dispatch
+  (no overlap with compute, unlike DeepSeek-V3's DualPipe, which hides them behind another
+  micro-batch's compute), so their whole time is on the critical path;
+- the busiest rank sets the pace of every all-to-all and of the experts behind it.
+
+ROUTING_IMBALANCE is the planner's allowance for that: the rows the busiest expert-parallel rank
+receives over the mean, applied to its routed-expert compute, to the rows it receives and to its
+routed activations. Beside it, what gridtrain's own runs measured of the max/mean tokens per
+expert (README, "Mixture of experts"): the small MoE after 300 steps with the auxiliary loss
+1.42, with the expert bias 1.54 to 2.98, with no balancing 3.79; a rank of several experts
+averages some of that away.
+"""
+
+from __future__ import annotations
+
+from gridtrain.plan import placement
+from gridtrain.plan.layout import Layout
+from gridtrain.plan.shape import ModelShape, moe_mlp_params
+from gridtrain.plan.specs import ClusterSpec
+
+ROUTING_IMBALANCE = 1.25
+"""Rows the busiest expert-parallel rank receives over the mean (module docstring)."""
+
+
+def imbalance(layout: Layout) -> float:
+    """The allowance where the experts are spread over ranks; one rank running every expert
+    receives exactly its own assignments (dropless routing)."""
+    return ROUTING_IMBALANCE if layout.ep > 1 else 1.0
+
+
+def recomputes_experts(recompute: str) -> bool:
+    """Whether the routed experts and the all-to-alls run again in backward (module docstring)."""
+    return recompute in ("full", "selective")
+
+
+def moe_ffn_flops_per_token(shape: ModelShape, recompute: str, ep_imbalance: float = 1.0) -> float:
+    """Hardware FLOPs of one MoE feed-forward per token on a rank (not split by TP): 6 x (router,
+    shared experts and k routed experts; the routed ones x the imbalance allowance), and the
+    forward again where it is recomputed (the routed experts under selective recomputation too,
+    the router and shared experts only under full)."""
+    routed = 3 * shape.top_k * shape.hidden * shape.expert_ffn * ep_imbalance
+    common = moe_mlp_params(shape)
+    model = 6 * (common + routed)
+    again = 2 * routed * recomputes_experts(recompute) + 2 * common * (recompute == "full")
+    return model + again
+
+
+def all_to_all_payloads(shape: ModelShape, layout: Layout, act_bytes: int) -> list[tuple[float, bool]]:
+    """(bytes one rank puts into it, whether it carries rows) of each all-to-all per MoE layer and
+    micro-batch, in the order they run (module docstring). Empty without expert parallelism."""
+    if layout.ep == 1 or not shape.num_experts:
+        return []
+    rows = layout.tokens_per_microbatch / layout.cp * shape.top_k * shape.hidden
+    forward = [(8.0 * shape.num_experts, False), (4.0 * rows, True), (act_bytes * rows, True)]
+    backward = [(act_bytes * rows, True), (4.0 * rows, True)]
+    return forward + backward + (forward if recomputes_experts(layout.recompute) else [])
+
+
+def ep_levels(cluster: ClusterSpec, layout: Layout, intra: float, inter: float) -> tuple[placement.Level, ...]:
+    """Where the expert-parallel group lands: its context-parallel ranks (tp apart), then its
+    data-parallel ranks (tp x cp x pp apart), as steptime.grad_levels places them."""
+    cp = placement.axis_levels(cluster, layout.cp, layout.tp, intra, inter)
+    return cp + placement.axis_levels(cluster, layout.dp, layout.tp * layout.cp * layout.pp, intra, inter)
+
+
+def ep_seconds(shape: ModelShape, layout: Layout, cluster: ClusterSpec, intra: float, inter: float,
+               act_bytes: int = 2) -> float:
+    """Seconds of all-to-all per MoE layer and micro-batch on the critical path: every call at
+    the pace of the busiest rank, whose rows are the imbalance allowance over the mean."""
+    levels = ep_levels(cluster, layout, intra, inter)
+    slow = imbalance(layout)
+    return sum(placement.all_to_all_time(size * (slow if rows else 1.0), levels)
+               for size, rows in all_to_all_payloads(shape, layout, act_bytes))
+
+
+def ep_bytes_per_layer(shape: ModelShape, layout: Layout, act_bytes: int = 2) -> float:
+    """Bytes one rank sends to other ranks per MoE layer and micro-batch: (ep - 1) / ep of every
+    all-to-all's payload (its own share stays), at uniform routing."""
+    return sum(size for size, _ in all_to_all_payloads(shape, layout, act_bytes)) * (layout.ep - 1) / layout.ep

@@ -1,0 +1,152 @@
+"""The planner's search for a mixture of experts: the MoE block's activation census against the
+bytes the runtime saves, a rank's parameters and all-to-alls against hand counts, the all-to-all's
+time from the cluster's links, the FLOPs per layer against the whole-model count, and `plan`
+choosing (or not) expert parallelism with its reason."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+from gridtrain.model.args import model_args
+from gridtrain.model.llama import Transformer
+from gridtrain.parallel.accounting import SavedActivations
+from gridtrain.parallel.parallelize import apply_recompute
+from gridtrain.plan import memory, placement, specs, steptime
+from gridtrain.plan.activations import held_bytes
+from gridtrain.plan.flops import hardware_flops_per_token
+from gridtrain.plan.layout import Layout
+from gridtrain.plan.moe_cost import all_to_all_payloads, ep_bytes_per_layer, moe_ffn_flops_per_token
+from gridtrain.plan.shape import from_args
+
+MIXTRAL = from_args(model_args("mixtral-8x7b"))
+SMALL = dict(dim=64, n_heads=4, n_kv_heads=2, vocab_size=256, max_seq_len=64)
+
+
+def _saved(args, precision: str, recompute: str, tokens=(2, 16)) -> int:
+    """Bytes one process saves for backward, measured by the runtime's saved-tensor hooks."""
+    torch.manual_seed(0)
+    model = Transformer(args).train()
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    if recompute != "none":
+        apply_recompute(model, recompute)
+    ids = torch.randint(0, args.vocab_size, tokens)
+    with SavedActivations(model.parameters(), list(model.buffers())) as meter:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision != "fp32"):
+            out = model(ids)
+        out.float().sum().backward()
+    return meter.bytes
+
+
+CASES = [  # (experts, top_k, expert ffn, shared, extra MoE keys)
+    (4, 1, 32, 0, {"normalize_top_k": False, "balance": "none"}),
+    (8, 2, 32, 0, {"z_loss_coef": 0.01, "balance": "aux_loss"}),
+    (4, 2, 64, 1, {"grouped_mm": False, "balance": "bias"}),
+    (4, 2, 32, 2, {"balance": "aux_loss", "score": "sigmoid", "normalize_top_k": True}),
+    (8, 3, 32, 0, {"every": 2, "balance": "none"}),
+]
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_moe_census_equals_saved_bytes(precision, recompute):
+    """An MoE block's census (activations.py) equals what the runtime saves, to the byte: the second
+    block's bytes (two blocks less one), shared experts, the loop, every balance and score."""
+    for experts, k, ffn, shared, extra in CASES:
+        moe = dict(num_experts=experts, top_k=k, expert_ffn_dim=ffn, num_shared_experts=shared, z_loss_coef=0.0,
+                   grouped_mm=True) | extra
+        two, one = (model_args("tiny-moe", moe=moe, n_layers=n, **SMALL) for n in (2, 1))
+        measured = _saved(two, precision, recompute) - _saved(one, precision, recompute)
+        predicted = (held_bytes(from_args(two), {0: 1}, [2], 32, precision, recompute)
+                     - held_bytes(from_args(one), {0: 1}, [1], 32, precision, recompute))
+        assert measured == predicted, (experts, k, ffn, shared, extra)
+
+
+def test_mixtral_rank_parameters_by_hand():
+    """tp 2, pp 4, ep 8, a middle pipeline rank (8 blocks): per block the attention split by TP
+    (2 x 4096 x 4096 / 2 + 2 x 4096 x 512), the norms (2 x 4096), the router (8 x 4096) and one
+    of the 8 experts (3 x 4096 x 14336), whole."""
+    layout = Layout(tp=2, pp=4, dp_replicate=8, ep=8)
+    block = (2 * 4096 * 4096 // 2 + 2 * 4096 * 512) + 2 * 4096 + 8 * 4096 + 3 * 4096 * 14336
+    assert memory.rank_params(MIXTRAL, layout, 1, 8) == 8 * block == 1_577_385_984
+    assert memory.rank_expert_params(MIXTRAL, layout, 1) == 8 * 3 * 4096 * 14336
+    # Without expert parallelism the rank holds all 8 experts of its blocks.
+    whole = memory.rank_params(MIXTRAL, Layout(tp=2, pp=4, dp_replicate=8), 1, 8)
+    assert whole - memory.rank_params(MIXTRAL, layout, 1, 8) == 8 * 7 * 3 * 4096 * 14336
+
+
+def test_all_to_all_payloads_by_hand():
+    """Mixtral, micro-batch 1 x 4096 tokens, ep 8: 8,192 assignments of 4,096 fp32 (dispatch, and
+    its gradient) or bf16 (combine, and its gradient) values, the counts' 8 x 8 bytes first;
+    selective recomputation runs the forward three again."""
+    rows = 4096 * 2 * 4096
+    layout = Layout(dp_replicate=8, ep=8, seq_len=4096)
+    assert all_to_all_payloads(MIXTRAL, layout, 2) == [(64.0, False), (4.0 * rows, True), (2.0 * rows, True),
+                                                      (2.0 * rows, True), (4.0 * rows, True)]
+    again = all_to_all_payloads(MIXTRAL, Layout(dp_replicate=8, ep=8, seq_len=4096, recompute="selective"), 2)
+    assert len(again) == 8 and again[5:] == again[:3]
+    assert ep_bytes_per_layer(MIXTRAL, layout) == pytest.approx((64 + 12 * rows) * 7 / 8)
+    assert all_to_all_payloads(MIXTRAL, Layout(dp_replicate=8, seq_len=4096), 2) == []
+
+
+def test_all_to_all_time_by_hand():
+    """64 ranks, 8 per node on DGX H100s: of 1 GB each rank sends, 7/64 crosses NVLink (450 GB/s x
+    0.6) and 56/64 the NIC (50 GB/s x 0.8), at once: the NIC's 21.875 ms sets the pace, plus NCCL's
+    base latency and one network step (8.4 + 14 us)."""
+    cluster = specs.cluster("dgx-h100")
+    levels = placement.axis_levels(cluster, 64, 1, 0.6, 0.8)
+    assert placement.all_to_all_time(1e9, levels) == pytest.approx(56 / 64 / 40 + 8.4e-6 + 14e-6)
+    inside = placement.axis_levels(cluster, 8, 1, 0.6, 0.8)
+    assert placement.all_to_all_time(1e9, inside) == pytest.approx(7 / 8 / 270 + 8.4e-6 + 3.4e-6)
+
+
+def test_layer_flops_add_up_to_the_model():
+    """L MoE layers' FLOPs (attention part split by TP, the mixture whole on every TP rank) plus the
+    head's give flops.hardware_flops_per_token, written independently, for every recompute mode
+    where it counts the same work (none, full); one MoE feed-forward is 6 x (router + 2 experts)."""
+    assert moe_ffn_flops_per_token(MIXTRAL, "none") == 6 * (8 * 4096 + 2 * 3 * 4096 * 14336)
+    seq = 4096
+    for mode in ("none", "full"):
+        per_layer = (steptime.layer_attention_part_flops_per_token(MIXTRAL, seq, mode)
+                     + moe_ffn_flops_per_token(MIXTRAL, mode))
+        total = 32 * per_layer + steptime.edge_flops_per_token(MIXTRAL)
+        assert total == pytest.approx(hardware_flops_per_token(MIXTRAL, seq, mode), rel=1e-12), mode
+
+
+def test_tensor_parallelism_does_not_split_the_experts():
+    """Doubling tp halves an MoE layer's attention matmuls but not its mixture's."""
+    cluster = specs.cluster("dgx-h100")
+    eff = steptime.CALIBRATED
+    cost = {tp: steptime.layer_cost(MIXTRAL, cluster, eff, 4096, 1, tp, 1, tp > 1, "none", True, moe=True).matmul_s
+            for tp in (1, 2)}
+    peak = cluster.accelerator.peak_flops * eff.matmul
+    mixture = moe_ffn_flops_per_token(MIXTRAL, "none") * 4096 / peak
+    assert cost[2] - mixture == pytest.approx((cost[1] - mixture) / 2, rel=1e-9)
+
+
+def _plan(*argv: str) -> tuple[int, str, str]:
+    from gridtrain.plan.app.command import run_plan
+    from gridtrain.plan.app.options import plan_parser
+
+    args, extra = plan_parser().parse_known_args(list(argv))
+    out, err = io.StringIO(), io.StringIO()
+    return run_plan(args, extra, out, err), out.getvalue(), err.getvalue()
+
+
+def test_plan_says_why_about_expert_parallelism():
+    """Mixtral on 64 H100s: the plan names its expert-parallel degree and the step time of the best
+    layout of the other kind; a fixed ep is planned as given; a broken ep relation is refused."""
+    rc, out, _ = _plan("--model", "mixtral-8x7b", "--num-gpus", "64")
+    assert rc == 0
+    note = next(line for line in out.splitlines() if line.startswith("note: expert parallelism"))
+    assert "s a step" in note and ("ep 1, because" in note or "beats the best layout without it" in note)
+    rc, out, _ = _plan("--model", "mixtral-8x7b", "--num-gpus", "64", "--layout", "ep=8")
+    assert rc == 0 and "EP all-to-alls (in line)" in out and "--parallel.ep 8" in out
+    for layout, words in (("ep=3", "must divide the 8 experts"), ("ep=8,dp=2,cp=2", "must equal dp x cp")):
+        rc, _, err = _plan("--model", "mixtral-8x7b", "--num-gpus", "64", "--layout", layout)
+        assert rc == 2 and words in err, err
+    rc, _, err = _plan("--model", "llama3-8b", "--num-gpus", "8", "--layout", "ep=2")
+    assert rc == 2 and "dense" in err
