@@ -211,6 +211,48 @@ def test_typing_8192_ends_on_the_plan_for_8192_and_never_shows_a_valid_value_inv
     assert explore_server.cancelled > cancelled  # a superseded search stopped on the server
 
 
+LLAMA2_7B_PARAMS = 6_738_415_616
+"""Llama 2 7B's parameters as published with its weights (Touvron et al. 2023; the Hub's model card)."""
+LLAMA2_7B_TENSORS = 32 * 9 + 3
+"""Per layer wq, wk, wv, wo, w1, w2, w3 and two norms; the embedding, the final norm, the output."""
+LLAMA3_405B_PARAMS = 405_853_388_800
+
+
+def state_gb(page) -> float:
+    return float(page.get_attribute("#state-line", "data-gb"))
+
+
+def test_the_bytes_per_parameter_switch_gives_the_notes_and_the_runtimes_bytes(page):
+    page.goto(page.url.split("?")[0] + "?model=llama3-8b&n_kv_heads=32&ffn_dim=11008&vocab_size=32000&num_gpus=8"
+              "&seq_len=4096&global_batch=512&tp=1&pp=1&cp=1&zero=0&mb=1&recompute=none")
+    page.wait_for_selector("body[data-ready='1']")
+    settle(page)
+    # gridtrain's runtime: fp32 weights, gradients, two moments (16 bytes) and a 4-byte step per tensor.
+    assert state_gb(page) * 1e9 == pytest.approx(LLAMA2_7B_PARAMS * 16 + LLAMA2_7B_TENSORS * 4, rel=1e-12)
+    page.select_option("#in-convention", "no-master")
+    page.wait_for_function("() => document.getElementById('state-line').textContent.includes('lecture notes')")
+    settle(page)
+    assert state_gb(page) == pytest.approx(LLAMA2_7B_PARAMS * 12 / 1e9, rel=1e-12)  # 80.9 GB: 6.74B x 12
+    assert "--convention no-master" in page.inner_text("#command")
+    assert "no fp32 master copy" in page.inner_text("#convention-note")
+    page.goto(page.url.split("?")[0] + "?model=llama3-405b&num_gpus=1024&seq_len=8192&global_batch=1024"
+              "&tp=1&pp=1&cp=1&zero=3&convention=no-master")
+    page.wait_for_selector("body[data-ready='1']")
+    settle(page)
+    assert state_gb(page) == pytest.approx(LLAMA3_405B_PARAMS * 12 / 1024 / 1e9, rel=1e-12)  # 4.76 GB
+    # The ZeRO card at the notes' 12 bytes: 7B x 12 = 84 GB; 405B over 1,024 with ZeRO-3 405 x 12 / 1,024 = 4.75 GB.
+    page.goto(page.url.split("?")[0] + "#cards")
+    page.wait_for_selector("#card-zero-memory tr[data-answer]")
+    page.select_option("#cards-convention", "no-master")
+    page.wait_for_function("() => document.querySelector('#card-zero-memory tr[data-answer=\"no ZeRO\"] .value')"
+                           ".dataset.value === '84'")
+    page.fill("#card-zero-memory input[name='P']", "405")
+    page.fill("#card-zero-memory input[name='N']", "1024")
+    page.wait_for_function("() => document.querySelector('#card-zero-memory tr[data-answer=\"ZeRO-3\"] .value')"
+                           ".textContent === '4.746'")
+    assert card_answers(page, "zero-memory")["ZeRO-3"] == pytest.approx(405 * 12 / 1024)
+
+
 def card_answers(page, card_id: str) -> dict[str, float]:
     rows = page.eval_on_selector_all(f"#card-{card_id} tr[data-answer]",
                                      "rs => rs.map(r => [r.dataset.answer, r.querySelector('.value').dataset.value])")

@@ -23,6 +23,7 @@ from gridtrain.plan import pipeline
 from gridtrain.plan import stop
 from gridtrain.plan.search import PlanError
 from gridtrain.plan.specs import ACCELERATOR_ALIASES, ACCELERATORS, CLUSTERS
+from gridtrain.plan.state import CONVENTIONS
 
 MAX_GPUS = 131_072
 """The largest cluster the explorer plans (8x the 16,384 GPUs of Llama 3 405B); `gridtrain plan`
@@ -68,7 +69,7 @@ FIELDS: dict[str, Field] = {
     "global_batch": Field("int", 1, 1 << 24, flag="--global-batch"),
     "tokens": Field("float", 1e3, 1e16, flag="--tokens"),
     "precision": Field("choice", choices=("bf16", "fp16", "fp32"), flag="--precision"),
-    "convention": Field("choice", choices=("gridtrain", "zero", "megatron"), flag="--convention"),
+    "convention": Field("choice", choices=tuple(CONVENTIONS), flag="--convention"),
     "implementation": Field("choice", choices=("eager", "compiled", "megatron"), flag="--implementation"),
     "hbm_usable": Field("float", 0, 1, flag="--hbm-usable", low_open=True),
     "price": Field("float", 0, 1e4, flag="--price"),
@@ -255,6 +256,32 @@ PRESETS_TRY = [
 """The lecture's "try these" cases, as explorer states."""
 
 
+CONVENTION_TEXT = {
+    "gridtrain": ("gridtrain's runtime", "what gridtrain train holds: fp32 weights that are also the master copy, fp32 "
+                  "gradients and Adam's two fp32 moments, plus a 4-byte step count per tensor, tensor by tensor; the "
+                  "16-bit copy autocast casts and FSDP gathers is a buffer"),
+    "zero": ("ZeRO paper", "Rajbhandari et al. 2020: 16-bit weights and gradients, fp32 master weights and moments "
+             "(K = 12)"),
+    "megatron": ("Megatron-LM", "16-bit weights, fp32 gradient buffers (bf16 accumulates in fp32), fp32 master "
+                 "weights and moments"),
+    "no-master": ("lecture notes", "the notes' count: 16-bit weights and gradients and Adam's two fp32 moments, no "
+                  "fp32 master copy (7B: 7 x 12 = 84 GB; 405B over 1,024 GPUs with ZeRO-3: 405 x 12 / 1,024 = "
+                  "4.75 GB)"),
+}
+"""Each convention's name on the page and what it counts; the bytes come from plan/state.py."""
+
+
+def conventions() -> dict[str, dict[str, object]]:
+    """The bytes-per-parameter conventions: label, what they count, bytes by bucket (bf16)."""
+    out = {}
+    for name, make in CONVENTIONS.items():
+        state = make("bf16")
+        label, counts = CONVENTION_TEXT[name]
+        out[name] = {"label": f"{label}: {state.total:g} bytes/param", "counts": counts, "weights": state.weights,
+                     "gradients": state.gradients, "optimizer": state.optimizer, "total": state.total}
+    return out
+
+
 def options() -> dict[str, object]:
     """GET /api/options: what the page's inputs offer (presets, accelerators, clusters, schedules),
     the lecture's presets, and the request's limits."""
@@ -271,5 +298,6 @@ def options() -> dict[str, object]:
     return {"models": models, "gpus": _gpu_names(), "accelerators": accelerators, "clusters": list(CLUSTERS),
             "cluster_accelerators": {name: make().accelerator.name for name, make in CLUSTERS.items()},
             "schedules": list(RUNTIME_SCHEDULES), "recompute": list(PLAN_RECOMPUTE), "presets": PRESETS_TRY,
+            "conventions": conventions(),
             "fields": {name: {"low": f.low, "high": f.high} for name, f in {**FIELDS, **LAYOUT}.items()
                        if f.kind in ("int", "float")}}

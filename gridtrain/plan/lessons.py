@@ -16,7 +16,7 @@ from typing import Callable
 from gridtrain.plan import budget, comm, pipeline, precision, reliability
 from gridtrain.plan.comm import Link
 from gridtrain.plan.memory import in_flight
-from gridtrain.plan.state import model_state_bytes
+from gridtrain.plan.state import StateBytes, model_state_bytes
 from gridtrain.plan.shape import tp_heads, tp_weight_shard
 
 GB, MiB, GiB, ms = 1e9, 2**20, 2**30, 1e-3
@@ -68,8 +68,10 @@ def _tree(M, N, bw, lat):
     return out + ([("tree / ring", tree / ring, "x")] if ring > 0 else [])
 
 
-def _zero(P, N):
-    return [(f"ZeRO-{s}" if s else "no ZeRO", model_state_bytes(P * 1e9, s, N).total / GB, "GB") for s in range(4)]
+def _zero(P, N, w=2, g=2, K=12):
+    state = StateBytes(weights=w, gradients=g, master=0, moments=K)  # K: the whole optimizer state
+    return [(f"ZeRO-{s}" if s else "no ZeRO", model_state_bytes(P * 1e9, s, N, state).total / GB, "GB")
+            for s in range(4)]
 
 
 def _zero3(P, bytes_per_param, N, bw):
@@ -192,8 +194,11 @@ CARDS: tuple[Card, ...] = (
           Input("lat", "latency per step", 5, "us")), _tree, "Thakur et al. 2005",
          quoted="6 tree steps against 14 ring steps at N = 8: the tree for small messages, the ring for large"),
     Card("zero-memory", "ZeRO: model-state memory per GPU by stage", "ZeRO",
-         "2 + 2 + 12 bytes/param: none 16 P; ZeRO-1 (4 + 12/N) P; ZeRO-2 (2 + 14/N) P; ZeRO-3 16 P / N",
-         (Input("P", "parameters", 7, "B"), Input("N", "data-parallel GPUs N", 64, whole=True)), _zero,
+         "w + g + K bytes/param (ZeRO paper: 2 + 2 + 12): none (w + g + K) P; ZeRO-1 (w + g + K/N) P; "
+         "ZeRO-2 (w + (g + K)/N) P; ZeRO-3 (w + g + K) P / N",
+         (Input("P", "parameters", 7, "B"), Input("N", "data-parallel GPUs N", 64, whole=True),
+          Input("w", "weights w", 2, "bytes/param"), Input("g", "gradients g", 2, "bytes/param"),
+          Input("K", "optimizer state K", 12, "bytes/param")), _zero,
          "Rajbhandari et al. 2020, fig. 1", quoted="112, 29.3, 15.5 and 1.75 GB",
          explore=SEVEN_B | {"num_gpus": 64, "layout": {"tp": 1, "pp": 1, "cp": 1, "zero": 3}}),
     Card("zero3-traffic", "ZeRO-3's extra traffic", "ZeRO",

@@ -87,9 +87,11 @@ class StateBytes:
 
 
 CONVENTIONS = {"gridtrain": StateBytes.gridtrain, "zero": lambda precision="bf16": StateBytes.mixed(),
-               "megatron": lambda precision="bf16": StateBytes.megatron()}
+               "megatron": lambda precision="bf16": StateBytes.megatron(),
+               "no-master": lambda precision="bf16": StateBytes.no_master()}
 """Precision conventions `gridtrain plan --convention` offers: gridtrain's runtime (the default),
-the ZeRO paper's (Rajbhandari et al. 2020) and Megatron-LM's."""
+the ZeRO paper's (Rajbhandari et al. 2020), Megatron-LM's, and the 12-byte count of lecture notes
+(no fp32 master copy), with which their worked memory figures are reproduced."""
 
 
 @dataclass(frozen=True)

@@ -14,11 +14,12 @@ const PART_LABELS = {
   compute: "compute", tp: "TP communication", cp: "CP communication", pp: "pipeline sends",
   bubble: "pipeline bubble", dp: "exposed DP/FSDP", optimizer: "optimizer step",
 };
-const BASE_KEYS = ["model", "gpu", "cluster", "num_gpus", "seq_len", "global_batch", "tokens", "precision", "implementation"];
+const BASE_KEYS = ["model", "gpu", "cluster", "num_gpus", "seq_len", "global_batch", "tokens", "precision", "implementation",
+                   "convention"];
 const LAYOUT_KEYS = ["tp", "pp", "cp", "zero", "rep", "mb", "schedule", "v", "recompute"];
 const SHAPE_KEYS = ["dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size"];
 const DEFAULTS = { model: "llama3-8b", gpu: "h100", num_gpus: "8", seq_len: "4096", global_batch: "512",
-                   tokens: "", precision: "bf16", implementation: "eager" };
+                   tokens: "", precision: "bf16", implementation: "eager", convention: "gridtrain" };
 const CHOICES = { tp: [1, 2, 4, 8, 16], pp: [1, 2, 4, 8, 16, 32], cp: [1, 2, 4, 8, 16], zero: [0, 1, 2, 3],
                   rep: [1, 2, 4, 8, 16, 32], mb: [1, 2, 4, 8, 16], v: [1, 2, 3, 4, 8] };
 
@@ -74,6 +75,7 @@ function fillForm() {
   const shape = presetShape();
   for (const k of SHAPE_KEYS) form.elements[k].value = state[k] ?? shape[k] ?? "";
   $("shape-box").open = SHAPE_KEYS.some((k) => state[k] !== undefined);
+  conventionNote();
   $("model-params").textContent = shape.params ? `preset: ${fmt(shape.params / 1e9, 3)}B parameters, context ${shape.max_seq_len}` : "";
 }
 
@@ -88,6 +90,7 @@ function onInput(event) {
     state[k] = event.target.value;
   }
   if (k === "model") { for (const s of SHAPE_KEYS) delete state[s]; fillForm(); }
+  if (k === "convention") conventionNote();
   clear($("best"));  // ranked for other inputs
   rankRequest.abort();
   $("search-note").textContent = "";
@@ -107,7 +110,8 @@ function schedule() {
 function number(v) { return v === undefined || v === "" ? undefined : Number(v); }
 
 function requestBody(withLayout = true) {
-  const body = { model: state.model, gpu: state.gpu, precision: state.precision, implementation: state.implementation };
+  const body = { model: state.model, gpu: state.gpu, precision: state.precision, implementation: state.implementation,
+                 convention: state.convention };
   if (state.cluster) body.cluster = state.cluster;
   for (const k of ["num_gpus", "seq_len", "global_batch", "tokens"]) if (number(state[k]) !== undefined) body[k] = number(state[k]);
   const shape = {};
@@ -208,11 +212,32 @@ function renderPlan(status, data) {
   $("model-params").textContent = `${fmt(plan.problem.params / 1e9, 4)}B parameters (${plan.problem.model}` +
     `${Object.keys(requestBody(false).shape || {}).length ? ", custom shape" : ""})`;
   drawMemory(mem);
+  drawStateLine(plan);
   // A layout that does not fit has no step time and no MFU: it cannot run.
   drawStepTime(plan.fits ? cand : null);
   drawMetrics(plan, plan.fits ? cand : null);
   drawBytes(plan.bytes_per_axis);
   drawTimeline(data.timeline);
+}
+
+function conventionNote() {
+  const c = OPTIONS.conventions[state.convention];
+  $("convention-note").textContent = c ? `${c.total} bytes: weights ${c.weights}, gradients ${c.gradients}, ` +
+    `optimizer ${c.optimizer}; ${c.counts}` : "";
+}
+
+function drawStateLine(plan) {
+  // The model state of the peak rank in GB (1e9 bytes, as the notes count), beside the bars' GiB.
+  const mem = plan.memory;
+  if (!mem) { $("state-line").textContent = ""; return; }
+  const GB = (gib) => gib * 2 ** 30 / 1e9;
+  const b = mem.buckets_GiB;
+  const total = GB(b.weights + b.gradients + b.optimizer);
+  const c = OPTIONS.conventions[state.convention];
+  $("state-line").dataset.gb = total;
+  $("state-line").textContent = `model state on pipeline rank ${mem.rank}: ${fmt(total, 4)} GB = weights ` +
+    `${fmt(GB(b.weights), 4)} + gradients ${fmt(GB(b.gradients), 4)} + optimizer ${fmt(GB(b.optimizer), 4)} GB, ` +
+    `${fmt(plan.problem.params / 1e9, 4)}B parameters at ${c ? c.label : state.convention}`;
 }
 
 function drawFixes(fixes) {
@@ -440,6 +465,10 @@ function fillChoices() {
   for (const name of OPTIONS.clusters) $("in-cluster").append(el("option", { value: name }, name));
   for (const [k, values] of Object.entries(CHOICES)) auto($(`in-${k}`), values);
   auto($("in-schedule"), OPTIONS.schedules);
+  for (const [name, c] of Object.entries(OPTIONS.conventions)) {
+    $("in-convention").append(el("option", { value: name, title: c.counts }, c.label));
+    $("cards-convention").append(el("option", { value: name, title: c.counts }, c.label));
+  }
   auto($("in-recompute"), OPTIONS.recompute);
   for (const p of OPTIONS.presets) {
     const button = el("button", { type: "button", "data-preset": p.name, title: p.text }, p.title);

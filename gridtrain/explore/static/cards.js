@@ -61,4 +61,18 @@ async function loadCards() {
     });
     box.append(card);
   }
+  $("cards-convention").addEventListener("change", applyCardConvention);
+}
+
+// The bytes-per-parameter switch: cards that take w, g and K (weights, gradients, optimizer state)
+// get the convention's, or their source's defaults back.
+function applyCardConvention() {
+  const c = OPTIONS.conventions[$("cards-convention").value];
+  for (const card of document.querySelectorAll(".card")) {
+    const inputs = ["w", "g", "K"].map((n) => card.querySelector(`input[name='${n}']`));
+    if (inputs.some((i) => !i)) continue;
+    const values = c ? [c.weights, c.gradients, c.optimizer] : inputs.map((i) => i.defaultValue);
+    inputs.forEach((input, j) => { input.value = values[j]; });
+    inputs[0].dispatchEvent(new Event("input", { bubbles: true }));
+  }
 }

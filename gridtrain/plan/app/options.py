@@ -7,6 +7,7 @@ import argparse
 
 from gridtrain.argtypes import number
 from gridtrain.names import FLOAT8, PRECISIONS
+from gridtrain.plan.state import CONVENTIONS
 
 
 def add_plan_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -41,9 +42,10 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--implementation", default="eager", choices=["eager", "compiled", "megatron"],
                    help="what the kernels reach: gridtrain as it runs (PyTorch eager), under torch.compile, or "
                         "Megatron-LM's fused kernels (each calibrated on published runs)")
-    p.add_argument("--convention", default="gridtrain", choices=["gridtrain", "zero", "megatron"],
+    p.add_argument("--convention", default="gridtrain", choices=list(CONVENTIONS),
                    help="bytes per parameter: gridtrain's runtime (fp32 state, 16-bit compute copies), the "
-                   "ZeRO paper's 2 + 2 + 12, or Megatron-LM's 2 + 4 + 12")
+                   "ZeRO paper's 2 + 2 + 12, Megatron-LM's 2 + 4 + 12, or the 12 of lecture notes, 2 + 2 + 8 "
+                   "(no fp32 master copy)")
     p.add_argument("--price", type=number(float, 0), help="$ per GPU-hour (default: the cluster's, $2)")
     p.add_argument("--pue", type=number(float, 1), default=1.4, help="facility power usage effectiveness")
     p.add_argument("--electricity-price", type=number(float, 0), default=0.05, help="$ per kWh")
