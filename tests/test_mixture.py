@@ -119,6 +119,7 @@ def test_resume_mid_mixture_reads_the_same_next_batches(tmp_path, sources, make_
     seen = recording(whole)
     metrics = [whole.train_step() for _ in range(4)]
     assert set(metrics[-1]) >= {f"data/epochs/{c}" for c in LETTERS}
+    assert all(0 < m["time/data_wait_s"] < m["time/step_s"] for m in metrics)  # measured, and reset each step
     val = whole.evaluate()
     assert set(val) >= {"loss/val", *(f"loss/val/{c}" for c in LETTERS)}
     assert min(val[f"loss/val/{c}"] for c in LETTERS) <= val["loss/val"] <= max(val[f"loss/val/{c}"] for c in LETTERS)

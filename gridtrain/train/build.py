@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -37,6 +39,9 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
 @dataclass
 class Data:
     train: BatchReader | MixtureReader
@@ -68,9 +73,27 @@ class Data:
                 f"them by sample {samples}; this data.mix mixes {here[0]} and reads {here[1]}: resume with the "
                 "data.mix (sources, order, weights) the run was saved with")
 
+    wait_s: float = 0.0
+    """Seconds spent reading batches since the last metrics()."""
+
+    def timed(self, read: Callable[[int, int], Batch]) -> Callable[[int, int], Batch]:
+        """`read`, its time added to wait_s: everything between asking for a batch and holding it
+        (the reader runs in the training process, so its time is the step's wait)."""
+
+        def timed_read(first: int, count: int) -> Batch:
+            start = time.perf_counter()
+            try:
+                return read(first, count)
+            finally:
+                self.wait_s += time.perf_counter() - start
+
+        return timed_read
+
     def metrics(self, samples: int) -> dict[str, float]:
-        """A mixture's epochs per source after `samples` global samples."""
-        return {} if self.mixture is None else self.mixture.epochs(samples)
+        """The step's wait for data (time/data_wait_s, then reset), and a mixture's epochs per source
+        after `samples` global samples."""
+        wait, self.wait_s = self.wait_s, 0.0
+        return {"time/data_wait_s": wait, **({} if self.mixture is None else self.mixture.epochs(samples))}
 
 
 def prepared_data(cfg: Config) -> Path:

@@ -154,6 +154,7 @@ class Trainer:
             from gridtrain.parallel.context_parallel import split_reader
 
             self.read = split_reader(self.read, self.coords["cp"], self.dims.cp)
+        self.read = self.data.timed(self.read)  # the step's wait for data, in its metrics
         self.args = cfg.model.args()
         full = build_meta(self.args)  # parallelize gives each rank memory for its shards only
         counts = count_parameters(full)
