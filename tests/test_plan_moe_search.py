@@ -150,3 +150,21 @@ def test_plan_says_why_about_expert_parallelism():
         assert rc == 2 and words in err, err
     rc, _, err = _plan("--model", "llama3-8b", "--num-gpus", "8", "--layout", "ep=2")
     assert rc == 2 and "dense" in err
+
+
+def test_step_bytes_under_expert_parallelism():
+    """Mixtral, pp 8, cp 8 = ep 8, 128 micro-batches of 32,768 tokens: rank 0's 4 MoE layers each
+    send 7/8 of (64 + 12 x 4,096 x 2 x 4,096) bytes per micro-batch; its FSDP traffic carries no
+    expert (the same layout without EP moves 7 more experts' worth a block, 4 blocks)."""
+    from gridtrain.plan import comm
+
+    base = dict(pp=8, cp=8, zero_stage=2, seq_len=32768, num_microbatches=128)
+    ep, plain = (comm.bytes_per_step(MIXTRAL, Layout(ep=e, **base)) for e in (8, 1))
+    rows = 32768 // 8 * 2 * 4096
+    assert ep["ep"] == pytest.approx(4 * 128 * (64 + 12 * rows) * 7 / 8)
+    assert "ep" not in plain
+    experts_per_rank = 4 * 8 * 3 * 4096 * 14336
+    assert plain["dp_shard_cp"] > ep["dp_shard_cp"]
+    ratio = (plain["dp_shard_cp"] - ep["dp_shard_cp"]) / ep["dp_shard_cp"]
+    held = memory.rank_params(MIXTRAL, Layout(ep=8, **base), 0, 4) - memory.rank_expert_params(MIXTRAL, Layout(ep=8, **base), 0)
+    assert ratio == pytest.approx(experts_per_rank / held, rel=1e-9)

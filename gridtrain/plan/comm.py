@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from gridtrain.plan.float8 import gathered_bytes
 from gridtrain.plan.layout import Layout
-from gridtrain.plan.memory import kv_heads_per_rank, rank_layers, rank_params
+from gridtrain.plan.memory import kv_heads_per_rank, rank_expert_params, rank_layers, rank_moe_layers, rank_params
 from gridtrain.plan.shape import ModelShape
 from gridtrain.plan.state import StateBytes
 
@@ -247,7 +247,9 @@ def cp_bytes_per_layer(tokens: int, kv_width: int, cp: int, act_bytes: int = 2,
 def ep_bytes_per_layer(tokens: int, hidden: int, top_k: int, ep: int, act_bytes: int = 2) -> float:
     """Expert parallelism: per MoE layer, one all-to-all dispatches each token's top_k copies to
     their experts and one combines the results (forward), and both again for the gradients
-    (backward): 4 all-to-alls of tokens x top_k x h x bytes, each sending (ep-1)/ep of it."""
+    (backward): 4 all-to-alls of tokens x top_k x h x bytes, each sending (ep-1)/ep of it (the
+    textbook count; gridtrain's runtime dispatches the fp32 residual rows and exchanges the counts
+    first: moe_cost.ep_bytes_per_layer)."""
     if ep <= 1:
         return 0.0
     return 4 * (ep - 1) / ep * tokens * top_k * hidden * act_bytes
@@ -258,9 +260,11 @@ def bytes_per_step(shape: ModelShape, layout: Layout, rank: int = 0, state: Stat
     """Bytes one GPU on pipeline rank `rank` sends per optimizer step, by mesh axis, from the
     per-axis functions above: 'dp' (stages 0/1: all-reduce over all DP ranks), or 'dp_shard' (under
     CP 'dp_shard_cp', FSDP's dp_shard x cp ranks) and 'dp_replicate' (stages 2/3, HSDP); 'tp' (4 or 6
-    all-reduces per layer per micro-batch); 'pp' (activation sends); 'cp' (KV blocks). Axes of degree 1
-    are left out."""
-    params = rank_params(shape, layout, rank, rank_layers(shape, layout)[rank])
+    all-reduces per layer per micro-batch); 'pp' (activation sends); 'cp' (KV blocks); 'ep' (the
+    expert-parallel all-to-alls of the rank's MoE layers). Axes of degree 1 are left out."""
+    # Under expert parallelism the rank's own experts are neither gathered nor reduced over DP.
+    params = rank_params(shape, layout, rank, rank_layers(shape, layout)[rank]) - (
+        rank_expert_params(shape, layout, rank) if layout.ep > 1 else 0.0)
     layers, m = rank_layers(shape, layout)[rank], layout.num_microbatches
     weights = gathered_bytes(shape, params, layers, layout.tp, state.compute, layout.float8, layout.zero_stage,
                              layout.zero_shard_degree)
@@ -287,6 +291,10 @@ def bytes_per_step(shape: ModelShape, layout: Layout, rank: int = 0, state: Stat
         kv_width = kv_heads_per_rank(shape, layout.tp) * shape.head_dim
         out["cp"] = layers * m * cp_bytes_per_layer(tokens, kv_width, layout.cp, act_bytes,
                                                     layout.recompute != "none")
+    if layout.ep > 1:
+        from gridtrain.plan import moe_cost  # it prices its all-to-alls by placement, which imports this module
+
+        out["ep"] = rank_moe_layers(shape, layout, rank) * m * moe_cost.ep_bytes_per_layer(shape, layout, act_bytes)
     return out
 
 
