@@ -152,6 +152,21 @@ def test_a_layout_that_does_not_fit_shows_its_best_fix_first_and_no_mfu(page):
     assert "FSDP" in page.inner_text("#fix-table tbody tr:nth-child(1) th")
 
 
+def test_the_landing_page_and_a_ranked_list_that_explains_itself(page):
+    page.screenshot(path=str(SHOTS / "landing.png"), full_page=True)
+    preset(page, "405b-128gpu")
+    page.click("#search")
+    page.wait_for_selector("#best tbody tr")
+    why = page.inner_text("#why-first")
+    assert why.startswith("#1 ") and "#2" in why  # the planner's why_first, word for word
+    code, plan, _ = cli_plan_json(page.inner_text("#search-note").split("(")[1].split(")")[0])
+    assert code == 0 and why == " ".join(plan["why_first"])
+    differs = page.eval_on_selector_all("#best tbody td.differs", "tds => tds.map(td => td.textContent)")
+    assert differs[0] == "" and all(" -> " in d for d in differs[1:])
+    page.locator("#best").scroll_into_view_if_needed()
+    page.screenshot(path=str(SHOTS / "ranked-405b-128gpu.png"), full_page=True)
+
+
 def test_a_ranked_layout_applies_on_click_and_the_url_keeps_the_state(page, browser):
     preset(page, "7b-8gpu")
     page.click("#search")
@@ -265,7 +280,10 @@ def test_every_card_shows_the_worked_answers_and_answers_new_inputs(page):
     shown = {card: card_answers(page, card) for card in CARDS}
     for card, expected in CARDS.items():
         assert {k: shown[card][k] for k in expected} == pytest.approx(expected, rel=1e-9), card
+    page.screenshot(path=str(SHOTS / "cards.png"))
     all_ids = page.eval_on_selector_all(".card", "cs => cs.map(c => c.id.slice(5))")
+    index = page.eval_on_selector_all("#card-index a", "as => as.map(a => a.dataset.card)")
+    assert sorted(index) == sorted(all_ids)
     assert sorted(all_ids) == sorted(CARDS)  # no card left untested
     # The usually quoted answers that are wrong carry the reason on the card.
     assert "round (N-1)/N to 1" in page.inner_text("#card-zero3-traffic .correction")
@@ -299,3 +317,9 @@ def test_a_runs_page_draws_its_curves_and_the_check(page, fsdp_run):
     weights = next(cells for rank, key, cells in rows if key == "weights")
     assert weights[1] == weights[2] and weights[3] == "1"  # predicted = measured, ratio 1
     page.screenshot(path=str(SHOTS / "run-page.png"), full_page=True)
+    assert "bytes (" in weights[1] and "census.py" in weights[4]  # units, and what the row counts
+    page.click("#run-layout a.to-explorer")  # the plan of the run's layout
+    page.wait_for_selector("#view-explore:not([hidden])")
+    settle(page)
+    assert page.input_value("#in-num_gpus") == "2" and page.input_value("#in-zero") == "3"
+    assert page.inner_text("#verdict").startswith("fits")

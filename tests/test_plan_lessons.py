@@ -31,6 +31,12 @@ CARDS = {
     "interleaved-sends": {"boundaries": 15, "bytes per step": 180, "time at bw": 300},
     "tp": {"column shard rows": 8192, "column shard columns": 1024, "bytes per all-reduce per GPU": 112,
            "forward: 2 per layer": 17.5, "one all-reduce at bw": 2 * 7 / 8 * 64 * 2**20 / 600e9 * 1e3},
+    # 16,384 x 4Mi tokens x 2 bytes = 128 GiB; x 4 x 126 = 64,512 GiB = 69.27 TB; / 900 GB/s = 76.97 s; one GPU:
+    # 8 layers x 4 x 2 x 7/8 x 16,384 x 4Mi / 192 x 2 bytes = 40.1 GB, / 450 GB/s = 89 ms.
+    "tp-step": {"one all-reduce's payload": 128, "whole step, one TP group": 64512,
+                "whole step in TB": 64512 * 2**30 / 1e12, "at bw": 64512 * 2**30 / 900e9,
+                "per GPU per step": 8 * 4 * 2 * 7 / 8 * 16384 * 4 * 2**20 / 192 * 2 / 1e9,
+                "per GPU at its link": 8 * 4 * 2 * 7 / 8 * 16384 * 4 * 2**20 / 192 * 2 / 450e9 * 1e3},
     "gqa": {"query heads per rank": 8, "KV heads per rank": 1, "copies of each KV head": 1},
     "checkpoint": {"size": 980, "one writer": 98, "parallel writers": 98 / 64},
     "young": {"Young interval": math.sqrt(2 * 98 * 86400) / 60, "steps between checkpoints": math.sqrt(2 * 98 * 86400) / 10,

@@ -67,6 +67,20 @@ def _curves(rows: list[dict]) -> dict[str, list]:
     return out
 
 
+def plan_state(record: RunRecord) -> dict[str, object]:
+    """The explorer's state for the run's model, batch and layout (on the page's accelerator: the
+    plan of the same layout at scale, not of this run's CPU processes)."""
+    cfg, dims = record.config, record.dims
+    layout = {"tp": dims.tp, "pp": dims.pp, "cp": dims.cp, "zero": cfg.parallel.zero_stage,
+              "mb": cfg.train.micro_batch, "recompute": cfg.train.recompute}
+    if dims.pp > 1:
+        layout |= {"schedule": cfg.parallel.pp_schedule, "v": cfg.parallel.pp_virtual_stages}
+    if cfg.parallel.zero_stage >= 2:
+        layout["rep"] = dims.dp_replicate  # the page's HSDP replicas
+    return {"model": cfg.model.preset, "num_gpus": dims.world_size, "seq_len": cfg.data.seq_len,
+            "global_batch": cfg.train.global_batch, "precision": cfg.train.precision, "layout": layout}
+
+
 def run_page(root: Path | None, name: str) -> tuple[int, object]:
     """GET /api/runs/NAME: the run's curves, and predicted against measured bytes per rank."""
     if root is None:
@@ -81,7 +95,8 @@ def run_page(root: Path | None, name: str) -> tuple[int, object]:
     out: dict[str, object] = {"name": name, "model": record.config.model.preset, "backend": record.backend,
                               "precision": record.config.train.precision,
                               "layout": {k: getattr(record.dims, k) for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp")},
-                              "world": record.dims.world_size, "curves": _curves(_metrics(run))}
+                              "world": record.dims.world_size, "curves": _curves(_metrics(run)),
+                              "explore": plan_state(record)}
     from gridtrain.plan.check_run import ALL_RANKS, check_run
 
     try:

@@ -132,6 +132,16 @@ def _sends(act_gb, pp, m, v, bw):
     return [("boundaries", boundaries, ""), ("bytes per step", total / GB, "GB"), ("time at bw", total / (bw * GB) / ms, "ms")]
 
 
+def _tp_step(h, tokens_mi, bytes_per_value, layers, bw, tp, dp, pp, link_bw):
+    tokens = tokens_mi * 2**20
+    payload = h * tokens * bytes_per_value  # one all-reduce of the whole batch's activations
+    total = 4 * layers * payload  # 4 all-reduces per layer (2 forward, 2 backward), no ring factor
+    per_gpu = math.ceil(layers / pp) * comm.tp_bytes_per_layer(tokens / dp, int(h), int(tp), int(bytes_per_value))
+    return [("one all-reduce's payload", payload / GiB, "GiB"), ("whole step, one TP group", total / GiB, "GiB"),
+            ("whole step in TB", total / 1e12, "TB"), ("at bw", total / (bw * GB), "s"),
+            ("per GPU per step", per_gpu / GB, "GB"), ("per GPU at its link", per_gpu / (link_bw * GB) / ms, "ms")]
+
+
 def _tp(d, tp, s, b, bytes_per_value, layers, bw):
     rows, cols = tp_weight_shard(int(d), int(d), int(tp), "column")
     payload = s * b * d * bytes_per_value
@@ -250,8 +260,8 @@ CARDS: tuple[Card, ...] = (
          _bubble, "Huang et al. 2019 (GPipe); Narayanan et al. 2021, eq. 1", quoted="25%; 1F1B 6 GB, GPipe 24 GB",
          correction="25% is bubble over ideal time; as a share of the step it is 3/15 = 20%. 1F1B's first stage holds "
                     "p = 4 micro-batches (p-1 warm-up forwards and one more before its first backward): 8 GB",
-         explore={"model": "llama3-70b", "gpu": "h100", "num_gpus": 32, "seq_len": 4096, "global_batch": 96,
-                  "layout": {"tp": 8, "pp": 4, "mb": 1, "schedule": "1f1b"}}),
+         explore={"model": "llama3-70b", "gpu": "h100", "num_gpus": 32, "seq_len": 4096, "global_batch": 12,
+                  "layout": {"tp": 8, "pp": 4, "cp": 1, "mb": 1, "schedule": "1f1b"}}),  # dp 1: m = 12
     Card("interleaved-sends", "Interleaved pipeline: point-to-point sends", "pipeline parallelism",
          "(p v - 1) boundaries x 2 m sends (forward and backward) x activation bytes",
          (Input("act_gb", "activation per micro-batch", 0.5, "GB"), Input("pp", "stages p", 4, whole=True),
@@ -268,6 +278,22 @@ CARDS: tuple[Card, ...] = (
          correction="56 MB is one phase, (tp-1)/tp x M; a ring all-reduce moves both: 2 x 7/8 x 64 MiB = 112 MiB, "
                     "17.5 GiB over 160 forward all-reduces, 0.196 ms each at 600 GB/s",
          explore=SEVENTY_B | {"num_gpus": 64, "layout": {"tp": 8}}),
+    Card("tp-step", "Tensor parallelism's traffic in one step of Llama 3 405B", "tensor parallelism",
+         "one group: 4 all-reduces x layers x h x tokens x bytes; one GPU: ceil(layers / pp) x 4 x 2 (tp-1)/tp x "
+         "h x tokens / dp x bytes",
+         (Input("h", "hidden h", 16384, whole=True), Input("tokens_mi", "tokens per step", 4, "Mi"),
+          Input("bytes_per_value", "bytes per value", 2), Input("layers", "layers", 126, whole=True),
+          Input("bw", "bandwidth, whole-group figure", 900, "GB/s"), Input("tp", "TP", 8, whole=True),
+          Input("dp", "DP", 192, whole=True), Input("pp", "PP", 16, whole=True),
+          Input("link_bw", "NVLink per GPU, one direction", 450, "GB/s")), _tp_step,
+         "Shoeybi et al. 2019; Dubey et al. 2024 (Llama 3 405B: TP 8, PP 16, DP 192, 16M tokens at 8,192)",
+         quoted="64 TB per step, 71 s at 900 GB/s",
+         correction="126 x 4 x 128 GiB = 64,512 GiB, which is 69.3 TB, and 77 s at 900 GB/s: the quoted 71 s divides "
+                    "64e12 bytes by 900e9, mixing TiB and TB. It also puts every token of the batch through one TP group "
+                    "and every layer on one stage, without the ring's 2 (tp-1)/tp: one GPU (its replica's 1/192 of the "
+                    "tokens, its stage's 8 layers) sends 40.1 GB, 89 ms at 450 GB/s",
+         explore={"model": "llama3-405b", "gpu": "h100", "num_gpus": 24576, "seq_len": 8192, "global_batch": 1536,
+                  "layout": {"tp": 8, "pp": 16, "cp": 1}}),
     Card("gqa", "Grouped-query attention heads per TP rank", "tensor parallelism",
          "query heads / tp per rank; KV heads / tp, or each KV head copied tp / KV times when tp > KV heads",
          (Input("heads", "query heads", 64, whole=True), Input("kv", "KV heads", 8, whole=True), Input("tp", "TP", 8, whole=True)),

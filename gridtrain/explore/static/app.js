@@ -11,11 +11,11 @@ const PART_COLORS = {  // parts of the step
   optimizer: "#59a14f",
 };
 const PART_LABELS = {
-  compute: "compute", tp: "TP communication", cp: "CP communication", pp: "pipeline sends",
+  compute: "compute", tp: "TP communication", cp: "CP communication", ep: "EP all-to-alls", pp: "pipeline sends",
   bubble: "pipeline bubble", dp: "exposed DP/FSDP", optimizer: "optimizer step",
 };
 const BASE_KEYS = ["model", "gpu", "cluster", "num_gpus", "seq_len", "global_batch", "tokens", "precision", "implementation",
-                   "convention"];
+                   "convention", "hbm_usable"];
 const LAYOUT_KEYS = ["tp", "pp", "cp", "zero", "rep", "mb", "schedule", "v", "recompute"];
 const SHAPE_KEYS = ["dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size"];
 const DEFAULTS = { model: "llama3-8b", gpu: "h100", num_gpus: "8", seq_len: "4096", global_batch: "512",
@@ -92,6 +92,7 @@ function onInput(event) {
   if (k === "model") { for (const s of SHAPE_KEYS) delete state[s]; fillForm(); }
   if (k === "convention") conventionNote();
   clear($("best"));  // ranked for other inputs
+  $("why-first").textContent = "";
   rankRequest.abort();
   $("search-note").textContent = "";
   writeURL();
@@ -113,7 +114,9 @@ function requestBody(withLayout = true) {
   const body = { model: state.model, gpu: state.gpu, precision: state.precision, implementation: state.implementation,
                  convention: state.convention };
   if (state.cluster) body.cluster = state.cluster;
-  for (const k of ["num_gpus", "seq_len", "global_batch", "tokens"]) if (number(state[k]) !== undefined) body[k] = number(state[k]);
+  for (const k of ["num_gpus", "seq_len", "global_batch", "tokens", "hbm_usable"]) {
+    if (number(state[k]) !== undefined) body[k] = number(state[k]);
+  }
   const shape = {};
   for (const k of SHAPE_KEYS) if (number(state[k]) !== undefined) shape[k] = number(state[k]);
   if (Object.keys(shape).length) body.shape = shape;
@@ -328,23 +331,33 @@ function drawStepTime(cand) {
 
 function drawMetrics(plan, cand) {
   const table = clear($("metrics"));
-  const rows = [];
+  const rows = [];  // [name, value, where it comes from]
+  const p = plan.problem;
+  rows.push(["global batch", `${fmt(p.global_batch_seqs)} sequences = ${fmt(p.global_batch_tokens)} tokens`,
+             `${fmt(p.seq_len)} tokens per sequence`]);
   if (cand) {
-    rows.push(["step time", `${fmt(cand.step_s * 1e3)} ms`], ["MFU", `${fmt(cand.mfu * 100, 3)}%`],
-              ["tokens/s", fmt(cand.tokens_per_s)]);
-    for (const [name, s] of Object.entries(cand.parts_s)) rows.push([PART_LABELS[name] || name, `${fmt(s * 1e3)} ms`]);
-    rows.push(["EP communication", "0 ms (dense model)"]);
+    rows.push(["step time", `${fmt(cand.step_s * 1e3)} ms`, "the planner's model of this layout"],
+              ["MFU", `${fmt(cand.mfu * 100, 3)}%`, "model FLOPs per second against the dense bf16 peak"],
+              ["tokens/s", fmt(cand.tokens_per_s), ""],
+              ["model FLOPs per token", fmt(cand.model_flops_per_token), "6N + 12 L H Q T (attention counted in full)"],
+              ["model FLOPs per step", fmt(cand.model_flops_per_step), "per token x the global batch's tokens"]);
+    for (const [name, s] of Object.entries(cand.parts_s)) rows.push([PART_LABELS[name] || name, `${fmt(s * 1e3)} ms`, ""]);
   }
-  if (!cand) rows.push(["step time, MFU", "none: the layout does not fit, so it cannot run"]);
-  const b = plan.budget;
+  if (!cand) rows.push(["step time, MFU", "none: the layout does not fit, so it cannot run", ""]);
+  const b = plan.budget, a = plan.assumptions;
   if (b) {
-    rows.push(["training tokens", fmt(b.tokens)], ["days", fmt(b.days)], ["GPU-hours", fmt(b.gpu_hours)],
-              ["cost", `$${fmt(b.cost_usd)}`], ["energy", `${fmt(b.energy_kwh)} kWh`],
-              ["electricity", `$${fmt(b.electricity_usd)}`]);
+    const tokens = state.tokens ? "your token budget"
+      : `none given: Chinchilla-optimal, 20 per parameter (Hoffmann et al. 2022); give a token budget to change it`;
+    rows.push(["training tokens", fmt(b.tokens), tokens],
+              ["days", fmt(b.days), "training tokens / the predicted tokens/s, without failures"],
+              ["GPU-hours", fmt(b.gpu_hours), "GPUs x days x 24"],
+              ["cost", `$${fmt(b.cost_usd)}`, `at $${fmt(a.price_per_gpu_hour)} per GPU-hour (assumed)`],
+              ["energy", `${fmt(b.energy_kwh)} kWh`, `the GPUs' power x PUE ${fmt(a.pue)} (assumed)`],
+              ["electricity", `$${fmt(b.electricity_usd)}`, `at $${fmt(a.electricity_per_kwh)} per kWh (assumed)`]);
   }
-  for (const [k, v] of rows) {
+  for (const [k, v, source] of rows) {
     const tr = el("tr", { "data-metric": k });
-    tr.append(el("th", {}, k), el("td", {}, v));
+    tr.append(el("th", {}, k), el("td", {}, v), el("td", { class: "source" }, source));
     table.append(tr);
   }
 }
@@ -401,18 +414,33 @@ async function rankLayouts() {
   const s = data.plan.search;
   $("search-note").textContent = `${s.evaluated.toLocaleString()} of ${s.enumerated.toLocaleString()} layouts costed ` +
     `(${data.command}); click a row to apply it` + partialNote(data);
+  $("why-first").textContent = (data.plan.why_first || []).join(" ");
   const head = el("tr");
-  for (const h of ["#", "layout", "MFU", "tokens/s", "step", "peak GiB", ""]) head.append(el("th", {}, h));
+  for (const h of ["#", "layout", "MFU", "tokens/s", "step", "peak GiB", "differs from #1 in", "same time with", ""]) {
+    head.append(el("th", {}, h));
+  }
   table.appendChild(el("thead")).append(head);
   const body = table.appendChild(el("tbody"));
+  const first = data.plan.ranked[0].layout;
   data.plan.ranked.forEach((c, i) => {
     const tr = el("tr", { class: c.refused ? "refused" : "" });
+    const same = c.varies ? `${CHOICE_NAMES[c.varies] || c.varies} ${c.values.join(", ")}` : "";
     tr.append(el("td", {}, `${i + 1}`), el("th", {}, layoutLabel(c.layout)), el("td", {}, `${fmt(c.mfu * 100, 3)}%`),
               el("td", {}, fmt(c.tokens_per_s)), el("td", {}, `${fmt(c.step_s, 3)} s`), el("td", {}, fmt(c.peak_GiB, 3)),
+              el("td", { class: "differs" }, i ? differences(first, c.layout) : ""), el("td", {}, same),
               el("td", {}, c.refused ? `refused: ${c.refused}` : ""));
     tr.addEventListener("click", () => applyLayout(c.layout));
     body.append(tr);
   });
+}
+
+const CHOICE_NAMES = { tp: "tp", pp: "pp", cp: "cp", dp: "dp", dp_shard: "shards", zero_stage: "ZeRO", micro_batch: "mb",
+                       recompute: "recompute", pp_schedule: "schedule", pp_virtual_stages: "v" };
+
+// What a ranked layout changes against the first: "v 4 -> 6, ZeRO 3 -> 2".
+function differences(a, b) {
+  return Object.entries(CHOICE_NAMES).filter(([k]) => a[k] !== b[k]).map(([k, name]) => `${name} ${a[k]} -> ${b[k]}`)
+    .join(", ") || "nothing the table shows";
 }
 
 function applyLayout(l) {

@@ -26,6 +26,7 @@ async function loadCards() {
   const [status, cards] = await call("GET", "/api/cards");
   if (status !== 200) { box.textContent = cards.error; return; }
   box.dataset.loaded = "1";
+  drawCardIndex(cards);
   for (const c of cards) {
     const card = el("div", { class: "card", id: `card-${c.id}` });
     card.append(el("h3", {}, c.title), el("p", { class: "hint" }, `${c.topic}; ${c.source}`),
@@ -37,13 +38,22 @@ async function loadCards() {
       inputs.append(label);
     }
     card.append(inputs, el("table", { class: "numbers answers" }), el("p", { class: "error" }));
-    if (c.quoted) card.append(el("p", { class: "hint" }, `Usually quoted: ${c.quoted}`));
-    if (c.correction) card.append(el("p", { class: "correction" }, `Corrected: ${c.correction}`));
+    const notes = el("div", { class: "notes" });
+    const worked = c.inputs.map((i) => `${i.name} = ${fmt(i.default)}${i.unit ? ` ${i.unit}` : ""}`).join(", ");
+    notes.append(el("p", { class: "hint notes-for" }, ""));
+    if (c.quoted) notes.append(el("p", { class: "hint quoted" }, `Usually quoted: ${c.quoted}`));
+    if (c.correction) notes.append(el("p", { class: "correction" }, `Corrected: ${c.correction}`));
+    if (c.quoted || c.correction) card.append(notes);
     if (c.explore && Object.keys(c.explore).length) card.append(el("a", { href: stateQuery(c.explore), class: "to-explorer" }, "open in the explorer"));
     showAnswers(card, c.answers);
     let latest = 0;
     inputs.addEventListener("input", async () => {
       const mine = ++latest;
+      // The quoted and corrected notes are about the worked problem: say so once the inputs leave it.
+      const edited = [...inputs.querySelectorAll("input")].some((i) => Number(i.value) !== Number(i.defaultValue));
+      notes.classList.toggle("edited", edited);
+      notes.querySelector(".notes-for").textContent = edited
+        ? `These notes are about the worked problem (${worked}), not the inputs above; the answers above are.` : "";
       const body = {};
       const blank = [...inputs.querySelectorAll("input")].filter((input) => input.value === "").map((i) => i.name);
       for (const input of inputs.querySelectorAll("input")) if (input.value !== "") body[input.name] = Number(input.value);
@@ -62,6 +72,22 @@ async function loadCards() {
     box.append(card);
   }
   $("cards-convention").addEventListener("change", applyCardConvention);
+}
+
+// An index of the cards by topic; a click scrolls to the card (the hash keeps the view).
+function drawCardIndex(cards) {
+  const index = clear($("card-index"));
+  const topics = new Map();
+  for (const c of cards) topics.set(c.topic, [...(topics.get(c.topic) || []), c]);
+  for (const [topic, list] of topics) {
+    const item = el("li", {}, `${topic}: `);
+    list.forEach((c, i) => {
+      const link = el("a", { href: "#cards", "data-card": c.id }, c.title);
+      link.addEventListener("click", (event) => { event.preventDefault(); $(`card-${c.id}`).scrollIntoView(); });
+      item.append(...(i ? [", ", link] : [link]));
+    });
+    index.append(item);
+  }
 }
 
 // The bytes-per-parameter switch: cards that take w, g and K (weights, gradients, optimizer state)

@@ -7,9 +7,11 @@ const SVG = "http://www.w3.org/2000/svg";
 
 // ---- small helpers ----
 
+// Whole numbers print exactly (16,384, not 16,380); others to `digits` significant digits.
 function fmt(x, digits = 4) {
   if (x === null || x === undefined || !isFinite(x)) return "–";
   const a = Math.abs(x);
+  if (Number.isInteger(x) && a < 1e15) return x.toLocaleString("en-US");
   if (a !== 0 && (a >= 1e9 || a < 1e-3)) return x.toExponential(digits - 1).replace("e+", "e");
   return Number(x.toPrecision(digits)).toLocaleString("en-US", { maximumFractionDigits: 8 });
 }

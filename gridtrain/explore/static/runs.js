@@ -60,12 +60,38 @@ async function loadRun(name) {
   if (status !== 200) return;
   const l = run.layout;
   $("run-layout").textContent = `${run.model}, ${run.precision}, ${run.world} ranks on ${run.backend}: dp_replicate ` +
-    `${l.dp_replicate} x dp_shard ${l.dp_shard} x cp ${l.cp} x tp ${l.tp} x pp ${l.pp}`;
+    `${l.dp_replicate} x dp_shard ${l.dp_shard} x cp ${l.cp} x tp ${l.tp} x pp ${l.pp}. `;
+  if (run.explore) {
+    $("run-layout").append(el("a", { href: stateQuery(run.explore), class: "to-explorer" },
+                              "the plan of this layout in the explorer"));
+  }
   const c = run.curves;
   lineChart($("run-loss"), [{ name: "train loss", xs: c.step, ys: c.loss, color: "#4e79a7" },
                             { name: "validation loss", xs: c.val_step, ys: c.val_loss, color: "#e15759" }], 220);
   lineChart($("run-tps"), [{ name: "tokens/s", xs: c.step, ys: c.tokens_per_s, color: "#59a14f" }], 180);
   drawCheck(run);
+}
+
+// Bytes exactly, and in the binary unit that reads best.
+function byteText(x) {
+  if (x === null || x === undefined) return "–";
+  const units = [["GiB", 2 ** 30], ["MiB", 2 ** 20], ["KiB", 2 ** 10]];
+  const [unit, size] = units.find(([, s]) => Math.abs(x) >= s) || ["", 1];
+  return `${fmt(x)} bytes` + (unit ? ` (${fmt(x / size, 4)} ${unit})` : "");
+}
+
+// What a row of plan --check compares: a memory bucket (bytes held at the step's peak) or the
+// bytes one rank sent on a mesh axis over the accounted steps (key "axis/collective").
+function counts(key) {
+  const buckets = { weights: "parameters held, tensor by tensor (census.py)",
+                    gradients: "gradients held, tensor by tensor (census.py)",
+                    optimizer: "Adam's moments and step counts (census.py)",
+                    activations: "saved for backward at the peak (activations.py)",
+                    buffers: "communication buffers (memory.py's convention)" };
+  if (buckets[key]) return `bytes: ${buckets[key]}`;
+  const [axis, op] = key.split("/");
+  return op ? `payload bytes of the ${op.replace(/_bytes$/, "").replaceAll("_", "-")}s on the '${axis}' mesh axis ` +
+    "in one accounted step (run_collectives.py: exact where it models the layout, else marked an estimate)" : "";
 }
 
 function drawCheck(run) {
@@ -76,15 +102,17 @@ function drawCheck(run) {
   svg.setAttribute("height", rows.length ? rows.length * 18 + 24 : 20);
   if (!rows.length) return;
   const head = el("tr");
-  for (const h of ["rank", "bucket or collective", "predicted", "measured", "measured / predicted"]) head.append(el("th", {}, h));
+  for (const h of ["rank", "bucket or collective", "predicted", "measured", "measured / predicted", "what it counts"]) {
+    head.append(el("th", {}, h));
+  }
   table.append(head);
   rows.forEach((r, i) => {
     const ratio = r.predicted ? r.measured / r.predicted : NaN;
     const tr = el("tr", { "data-rank": r.rank, "data-key": r.key });
     const note = r.estimated ? " (estimate)" : r.routed && r.rank !== "all" ? " (expected under uniform routing)" : "";
     tr.append(el("td", {}, `${r.rank}`), el("th", {}, r.key + note),
-              el("td", {}, r.missing ? "missing: not predicted" : fmt(r.predicted, 6)), el("td", {}, fmt(r.measured, 6)),
-              el("td", {}, fmt(ratio, 5)));
+              el("td", {}, r.missing ? "missing: not predicted" : byteText(r.predicted)), el("td", {}, byteText(r.measured)),
+              el("td", {}, fmt(ratio, 5)), el("td", { class: "source" }, counts(r.key)));
     table.append(tr);
     const predicted = r.missing ? 0 : r.predicted;
     const y = 4 + i * 18, left = 230, width = 440, top = Math.max(predicted, r.measured) || 1;

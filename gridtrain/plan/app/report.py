@@ -49,6 +49,8 @@ def candidate_dict(cand: Candidate) -> dict[str, object]:
     st = cand.time
     return {"layout": layout_dict(cand.layout), "step_s": st.total_s, "parts_s": st.parts(),
             "tokens_per_s": st.tokens_per_s, "mfu": st.mfu, "hfu": st.hfu,
+            "model_flops_per_token": st.model_flops_per_token,
+            "model_flops_per_step": st.model_flops_per_token * cand.layout.global_batch_tokens,
             "model_tflops_per_gpu": st.model_tflops_per_gpu,
             "hardware_tflops_per_gpu": st.hardware_tflops_per_gpu,
             "peak_rank": cand.memory.rank, "peak_GiB": cand.memory.total / GiB}
