@@ -360,3 +360,22 @@ def test_the_server_keeps_the_interpreter_switching_fast_while_open():
     finally:
         srv.server_close()
     assert sys.getswitchinterval() == before
+
+
+@pytest.mark.parametrize("name, v", [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-zb", 2),
+                                     ("zbv", 2), ("dualpipev", 2)])
+def test_the_timeline_draws_every_schedule_as_the_planner_times_it(name, v):
+    from gridtrain.plan.replay import step_bubble
+
+    t = api.timeline({"pp": 4, "num_microbatches": 8, "pp_virtual_stages": v, "pp_schedule": name})
+    for rank in range(4):
+        for chunk in range(v):
+            mine = [(kind, mb) for r, mb, kind, _, _, c in t["ops"] if r == rank and c == chunk]
+            forwards = sorted(mb for kind, mb in mine if kind == "F")
+            assert forwards == list(range(8)), (rank, chunk)  # every micro-batch through each chunk once
+            # every micro-batch's gradient: a fused backward, or an input pass and a weight pass
+            assert sorted(mb for kind, mb in mine if kind in "BI") == forwards
+            assert sorted(mb for kind, mb in mine if kind == "W") == sorted(mb for kind, mb in mine if kind == "I")
+    assert t["bubble"] == pytest.approx(step_bubble(name, 4, v, 8), rel=1e-9)
+    if name in ("gpipe", "1f1b"):
+        assert t["bubble"] == pytest.approx(3 / 11)  # (p-1) / (m + p-1)

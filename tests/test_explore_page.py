@@ -122,6 +122,14 @@ def test_405b_on_128_gpus_fits_with_tp_pp_fsdp(page):
     ranks = {rank for rank, _ in bars(page)}
     assert ranks == {0, 3}  # the first pipeline rank (the peak) and the last
     page.screenshot(path=str(SHOTS / "preset-405b-128gpu.png"), full_page=True)
+    # 64 micro-batches (256 sequences over dp 4): each forward still at least 14 px wide, the chart scrolls.
+    page.fill("#in-global_batch", "256")
+    page.wait_for_function("() => JSON.parse(document.getElementById('verdict').dataset.request || '{}')"
+                           ".global_batch === 256")
+    settle(page)
+    assert "mb 1 x 64" in page.inner_text("#verdict")
+    widths = page.eval_on_selector_all("#timeline rect[data-kind='F']", "rs => rs.map(r => r.width.baseVal.value)")
+    assert len(widths) == 4 * 64 and min(widths) >= 13
 
 
 def test_405b_on_8_gpus_fits_no_layout_and_says_why(page):

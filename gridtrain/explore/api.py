@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 from gridtrain.model.args import DENSE_PRESETS, PRESETS
-from gridtrain.layout.schedules import BACKWARD, RUNTIME_SCHEDULES, schedule as row_of
+from gridtrain.layout.schedules import RUNTIME_SCHEDULES, schedule as row_of
 from gridtrain.names import PLAN_RECOMPUTE
-from gridtrain.plan import pipeline
+from gridtrain.plan.replay import replay
 from gridtrain.plan import stop
 from gridtrain.plan.search import PlanError
 from gridtrain.plan.specs import ACCELERATOR_ALIASES, ACCELERATORS, CLUSTERS
@@ -35,7 +35,7 @@ REQUEST_SECONDS = 10.0
 """How long one request may search at most: past it with nothing found the answer is a 503 saying
 so and naming the fix, rather than a thread kept busy for minutes (never "invalid": the inputs are)."""
 MAX_TIMELINE_OPS = 4096
-"""Pipeline timelines with more forward and backward ops than this are not drawn."""
+"""Pipeline timelines with more actions (forwards, backwards, weight passes) than this are not drawn."""
 
 
 class BadRequest(ValueError):
@@ -174,24 +174,22 @@ def run_plan_json(args: list[str]) -> tuple[dict | None, str]:
 
 
 def timeline(layout: dict) -> dict[str, object]:
-    """The pipeline schedule's ops for one step, from the planner's simulator (times in units of
-    one micro-batch's forward through a rank's layers, a backward costing the measured 1.95 of it)."""
+    """The pipeline schedule's actions for one step, as the planner times them: each rank's actions
+    in the runtime's (torch's) order, replayed with the measured costs (plan/replay.py): times in
+    units of one micro-batch's forward through a rank's layers; F forward, B fused backward, I and W
+    the zero-bubble schedules' input- and weight-gradient passes; chunk = stage // pp."""
     pp, m, v, name = (layout["pp"], layout["num_microbatches"], layout["pp_virtual_stages"], layout["pp_schedule"])
     if pp == 1:
         return {"ops": [], "note": "pp = 1: no pipeline, every micro-batch runs on each rank in turn"}
-    row = row_of(name)
-    if row.split_backward or (row.stages_per_rank != 1 and not row.rounds_of_pp):
-        return {"ops": [], "note": f"the simulator lays out GPipe, 1F1B and interleaved 1F1B; {name} is costed "
-                                   "by its measured bubble, not drawn"}
-    if 2 * pp * m * v > MAX_TIMELINE_OPS:
-        return {"ops": [], "note": f"{2 * pp * m * v:,} ops is too many to draw (at most {MAX_TIMELINE_OPS:,})"}
-
+    actions = (3 if row_of(name).split_backward else 2) * pp * m * row_of(name).virtual(v)
+    if actions > MAX_TIMELINE_OPS:
+        return {"ops": [], "note": f"{actions:,} actions is too many to draw (at most {MAX_TIMELINE_OPS:,})"}
     try:
-        ops = pipeline.simulate(name, pp, m, v, 1.0, BACKWARD)
+        step = replay(name, pp, v, m)
     except (ValueError, RuntimeError) as e:  # a leanest layout the schedule cannot run as given
         return {"ops": [], "note": f"not drawn: {e}"}
-    return {"ops": [[o.stage, o.microbatch, o.kind, o.start, o.end, o.chunk] for o in ops], "note": "",
-            "bubble": pipeline.simulated_bubble_fraction(ops, pp), "makespan": pipeline.makespan(ops)}
+    return {"ops": [[rank, mb, kind, start, end, stage // pp] for rank, kind, stage, mb, start, end in step.actions],
+            "note": "", "bubble": step.bubble, "makespan": step.span}
 
 
 def plan(body: object, cancelled: Callable[[], bool] = lambda: False) -> tuple[int, dict]:

@@ -373,31 +373,45 @@ function drawBytes(bytes) {
   }
 }
 
+const ACTIONS = {  // kind: [name, hue]
+  F: ["forward", 212], B: ["backward", 28], I: ["input-gradient pass", 28], W: ["weight-gradient pass", 130],
+};
+
 function drawTimeline(t) {
   const svg = clear($("timeline"));
   $("timeline-note").textContent = t ? t.note : "";
+  $("timeline-legend").textContent = "";
   svg.style.display = t && t.ops.length ? "" : "none";
   if (!t || !t.ops.length) return;
   const pp = Math.max(...t.ops.map((o) => o[0])) + 1;
-  const left = 60, width = 720 - left - 10, row = 20;
+  // The shortest forward at least MIN_FORWARD_PX wide, so 64 micro-batches stay readable: the chart scrolls.
+  const MIN_FORWARD_PX = 14;
+  const forward = Math.min(...t.ops.filter((o) => o[2] === "F").map((o) => o[4] - o[3]));
+  const left = 60, row = 20, width = Math.max(720 - left - 10, (t.makespan / forward) * MIN_FORWARD_PX);
   const scale = width / t.makespan;
-  svg.setAttribute("height", pp * row + 30);
+  svg.setAttribute("width", left + width + 10);
+  svg.setAttribute("height", pp * row + 8);
+  if (left + width + 10 > 720) $("timeline-note").textContent = "scroll right for the rest of the step";
   for (let r = 0; r < pp; r++) {
     svg.append(el("text", { x: 4, y: r * row + 15 }, `rank ${r}`));
     svg.append(el("rect", { x: left, y: r * row + 3, width, height: row - 4, fill: "#eee" }));
   }
-  for (const [stage, mb, kind, start, end, chunk] of t.ops) {
-    const light = 55 + 12 * chunk;
-    const fill = kind === "F" ? `hsl(212, 60%, ${light}%)` : `hsl(28, 85%, ${light}%)`;
-    const rect = el("rect", { x: left + start * scale, y: stage * row + 3, width: Math.max(0.5, (end - start) * scale - 0.5),
-                             height: row - 4, fill, "data-kind": kind });
-    rect.append(el("title", {}, `${kind === "F" ? "forward" : "backward"} of micro-batch ${mb}` +
-                              (chunk ? `, chunk ${chunk}` : "")));
+  for (const [rank, mb, kind, start, end, chunk] of t.ops) {
+    if (end <= start) continue;  // the first stage's input-gradient pass: nothing to compute
+    const [name, hue] = ACTIONS[kind];
+    const light = (kind === "I" ? 70 : 55) + 12 * chunk;
+    const rect = el("rect", { x: left + start * scale, y: rank * row + 3, width: Math.max(0.5, (end - start) * scale - 0.5),
+                             height: row - 4, fill: `hsl(${hue}, 60%, ${light}%)`, "data-kind": kind });
+    rect.append(el("title", {}, `${name} of micro-batch ${mb}` + (chunk ? `, chunk ${chunk}` : "")));
     svg.append(rect);
-    if ((end - start) * scale > 12) svg.append(el("text", { x: left + start * scale + 2, y: stage * row + 16 }, `${mb}`));
+    if ((end - start) * scale > 12) svg.append(el("text", { x: left + start * scale + 2, y: rank * row + 16 }, `${mb}`));
   }
-  svg.append(el("text", { x: left, y: pp * row + 20 },
-    `blue: forward, orange: backward, grey: idle; bubble ${fmt(t.bubble * 100, 3)}% of the step`));
+  const kinds = [...new Set(t.ops.map((o) => o[2]))];
+  const legend = { F: "blue: forward", B: "orange: backward", I: "light orange: input-gradient pass",
+                   W: "green: weight-gradient pass" };
+  $("timeline-legend").textContent = `${kinds.map((k) => legend[k]).join(", ")}, grey: idle (each rank's actions ` +
+    `in the runtime's order, replayed at their measured costs, as the planner times them); bubble ` +
+    `${fmt(t.bubble * 100, 3)}% of the step`;
 }
 
 // ---- best layouts ----
