@@ -51,9 +51,10 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
               file=sys.stderr)
         return 2
     dims = validate(cfg)  # every rank checks again, but nothing starts if this fails
-    for directory in job_dirs(cfg):  # another job trains into it: say whose, before anything starts
-        refuse_if_held(directory)
-    check_run_dir(cfg)  # before any rank writes into it
+    if "LOCAL_RANK" not in os.environ:  # under torchrun, the job's rank 0 decides for every rank (Trainer)
+        for directory in job_dirs(cfg):  # another job trains into it: say whose, before anything starts
+            refuse_if_held(directory)
+        check_run_dir(cfg)  # before any rank writes into it
     if cfg.parallel.nproc > 1 and "LOCAL_RANK" not in os.environ:
         return launch(cfg.parallel.nproc, sys.argv[1:] if args.argv is None else args.argv, args.max_restarts)
     if args.max_restarts:
@@ -72,6 +73,14 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
         final = trainer.run()
     except (CollectiveTimeout, TrainingDiverged, CheckpointSaveError, InvalidCheckpointError) as err:
         print(f"gridtrain: {one_line(err, anticipated=True)}", file=sys.stderr, flush=True)
+        if isinstance(err, CollectiveTimeout):
+            # A peer is gone or stalled: leaving the process group (or the interpreter's own
+            # clean-up of it) waits on that peer, and torchrun waited ~16 s to kill each such rank.
+            if trainer is not None:
+                trainer.release()
+            logging.shutdown()
+            sys.stdout.flush()
+            os._exit(1)
         shutdown()
         return 2 if isinstance(err, InvalidCheckpointError) else 1
     except Stopped as stopped:

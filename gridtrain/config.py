@@ -242,6 +242,11 @@ class FaultConfig:
     """This rank kills itself with SIGKILL at fault.at_step (-1: none)."""
     hang_rank: int = -1
     """This rank stops responding (sleeps) at fault.at_step (-1: none)."""
+    slow_rank: int = -1
+    """This rank computes fault.slow_factor times slower from fault.at_step on, in every attempt
+    (it burns CPU after each forward and backward): a straggler (-1: none)."""
+    slow_factor: float = 2.0
+    """How much slower fault.slow_rank computes (2: half speed)."""
 
 
 @dataclass
@@ -289,6 +294,9 @@ class MetricsConfig:
     """Show a progress bar when standard error is a terminal."""
     account_every: int = 50
     """Measure memory buckets and collective bytes on step 1 and every N steps; 0 turns it off."""
+    straggler_every: int = 50
+    """Every N steps log the spread of per-rank compute time per step and name a rank that was
+    the slowest, by over 1.2x the median, in 2 such windows in a row (a straggler); 0 turns it off."""
 
 
 @dataclass

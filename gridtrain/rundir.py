@@ -7,6 +7,14 @@
   the ones given now. A resumed checkpoint with another model would load what fits and drop the
   rest, and another tokenizer, corpus or sequence length would change what the sample offset
   means. Each difference is named (saved value, value now).
+- A job's own run is continued, whatever its flags: torchrun restarts a job's processes (every
+  node's, after any node's failure; a node started again joins the same job), and each attempt
+  finds the run its first attempt began. The decision is made once per attempt by rank 0 and
+  agreed by every rank (the Trainer), keyed by the job's identity: torchrun's rendezvous id
+  (`--rdzv-id`, a fresh one per `--standalone` launch), written into config.json. Not by
+  TORCHELASTIC_RESTART_COUNT: torchrun counts only the failed node's restarts, so a healthy node
+  restarted beside it, or a node started again, counts 0, refused its own run and spent a restart;
+  and a relaunch without --resume, refused on attempt 0, became a resume on attempt 1.
 
 Torch-free: the launcher checks before torchrun starts a process.
 """
@@ -49,12 +57,15 @@ class RunRecord:
     backend: str = "gloo"
     """What ran the collectives: 'gloo' (CPU: it has no reduce-scatter and all-reduces instead),
     'nccl', or 'fake' (a dry run: every collective as the code issues it)."""
+    job_id: str | None = None
+    """The job training into the run now (`job_id()`): its restarts continue the run."""
 
     def write(self, run_dir: Path) -> None:
         """Whole or not at all: a kill mid-write leaves the old record, and --resume still works."""
         record = {"config": dataclasses.asdict(self.config), "world_size": self.dims.world_size,
                   "dims": dataclasses.asdict(self.dims), "device": self.device, "threads": self.threads,
-                  "cpu_count": self.cpu_count, "peak_flops": self.peak_flops, "backend": self.backend}
+                  "cpu_count": self.cpu_count, "peak_flops": self.peak_flops, "backend": self.backend,
+                  "job_id": self.job_id}
         path = Path(run_dir) / "config.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp")
@@ -80,7 +91,7 @@ class RunRecord:
         if problems:
             raise BadInput(f"{path} describes a model gridtrain does not build: {'; '.join(problems)}")
         return cls(cfg, dims, record.get("device", "cpu"), record.get("threads") or 1, record.get("cpu_count"),
-                   record.get("peak_flops"), record.get("backend", "gloo"))
+                   record.get("peak_flops"), record.get("backend", "gloo"), record.get("job_id"))
 
 
 def saved_record(run_dir: Path) -> dict | None:
@@ -147,11 +158,23 @@ def unwritable(path: Path) -> str | None:
     return None
 
 
-def check_run_dir(cfg: Config) -> None:
-    """Refuse a run that would mix with the one already in `run_dir` (module docstring). Restarts
-    by torchrun resume by design and are not checked again."""
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
-        return
+def job_id() -> str | None:
+    """This job's identity: torchrun's rendezvous id (TORCHELASTIC_RUN_ID, the same on every node and
+    in every attempt of a job), or None outside torchrun or under its default id 'none', which
+    names no job."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    return run_id if run_id not in ("", "none") else None
+
+
+NEW, OWN, RESUME = "new", "own", "resume"
+"""The run-directory decisions: start a new run; continue this job's own run (a restart: from its
+newest checkpoint); resume another job's run (--resume, same model and data)."""
+
+
+def run_dir_decision(cfg: Config, job: str | None, restarted: bool) -> str:
+    """NEW, OWN or RESUME for a job `job` (`job_id()`) training into `cfg.run_dir`, or ConfigError
+    refusing it (module docstring). `restarted` (torchrun restarted some rank) decides what is
+    this job's own run only where the job has no identity (torchrun's default --rdzv-id)."""
     run_dir = Path(cfg.run_dir)
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError([f"run_dir {run_dir} is a file, not a directory: give another --run_dir"])
@@ -160,7 +183,9 @@ def check_run_dir(cfg: Config) -> None:
         raise ConfigError([f"run_dir {run_dir}: {why}: give another --run_dir"])
     record = saved_record(run_dir)
     if record is None:
-        return
+        return NEW
+    if (record.get("job_id") == job) if job is not None else restarted:
+        return OWN
     if not cfg.checkpoint.resume:
         raise ConfigError([f"run_dir {run_dir} already holds a run (its config.json): continue it with "
                            f"--resume, or train into a new --run_dir (or move {run_dir} aside first)"])
@@ -168,3 +193,10 @@ def check_run_dir(cfg: Config) -> None:
     if diffs:
         raise ConfigError([f"--resume would continue the run in {run_dir} with another model or data, which "
                            "it refuses (to train this configuration, give a new --run_dir):", *diffs])
+    return RESUME
+
+
+def check_run_dir(cfg: Config) -> None:
+    """Refuse, before any process starts, a run that would mix with the one already in `run_dir`
+    (module docstring): the launcher's check, for a job that has not started yet."""
+    run_dir_decision(cfg, None, False)

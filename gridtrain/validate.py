@@ -435,7 +435,11 @@ def _check_resilience(cfg: Config, dims: ParallelDims) -> list[str]:
     if t.collective_timeout_s <= 0:
         problems.append(f"train.collective_timeout_s = {t.collective_timeout_s} must be > 0")
     problems += _at_least("train.max_bad_steps", t.max_bad_steps, 1) + _at_least("train.spike_zscore", t.spike_zscore, 0)
-    for key, rank in (("fault.kill_rank", f.kill_rank), ("fault.hang_rank", f.hang_rank)):
+    problems += _at_least("metrics.straggler_every", cfg.metrics.straggler_every, 0)
+    if not 1 <= f.slow_factor < math.inf:
+        problems.append(f"fault.slow_factor = {f.slow_factor} must be >= 1 (2: half speed)")
+    for key, rank in (("fault.kill_rank", f.kill_rank), ("fault.hang_rank", f.hang_rank),
+                      ("fault.slow_rank", f.slow_rank)):
         if rank != -1 and not 0 <= rank < dims.world_size:
             problems.append(f"{key} = {rank} is not a rank of this world (0..{dims.world_size - 1}): "
                             f"pick one of them, or -1 for none")

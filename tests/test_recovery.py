@@ -5,6 +5,7 @@ within the collective timeout with an error naming it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -177,3 +178,70 @@ def test_sigterm_finishes_the_step_saves_and_says_how_to_resume(tmp_path, corpus
         run_dir / "checkpoints" / f"step-{step:07d}"
     resumed = train(tmp_path, corpus_dir, "run", nproc, "--resume", "--train.steps", str(step + 2))
     assert f"resumed from {found.group(2)} at step {step}" in resumed.stdout + resumed.stderr
+
+
+def _descendant_with_rank(pid: int, rank: int) -> int | None:
+    """The process under `pid` (any depth) whose environment says RANK=`rank`."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parents.setdefault(int(stat.read_text().rsplit(")", 1)[1].split()[1]), []).append(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    todo = list(parents.get(pid, []))
+    while todo:
+        child = todo.pop()
+        try:
+            if f"RANK={rank}".encode() in (Path("/proc") / str(child) / "environ").read_bytes().split(b"\0"):
+                return child
+        except OSError:
+            pass
+        todo += parents.get(child, [])
+    return None
+
+
+def test_a_straggler_is_named_then_a_stopped_rank_within_the_timeout(tmp_path, corpus_dir):
+    """Four processes (FSDP 4). Rank 2 computes at half speed (fault.slow_rank): after two windows
+    of 3 steps the log names it as a straggler. Rank 3 is then stopped with SIGSTOP (alive, its
+    sockets open, so no peer sees a connection drop): within train.collective_timeout_s (5 s) and
+    the roll call, one line names rank 3, the collective and the step, and every live rank writes
+    its flight recorder for torch's analyser."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "gridtrain", "train", "--nproc", "4", "--model.preset", "tiny",
+           "--data.corpus", str(corpus_dir), "--data.cache_dir", str(tmp_path / "cache"), "--data.seq_len", "32",
+           "--train.global_batch", "4", "--train.micro_batch", "1", "--train.steps", "100000",
+           "--train.warmup_steps", "1", "--train.val_every", "0", "--checkpoint.interval", "0",
+           "--checkpoint.final", "false", "--metrics.tensorboard", "false", "--metrics.progress", "false",
+           "--metrics.account_every", "0", "--metrics.straggler_every", "3", "--fault.slow_rank", "2",
+           "--fault.at_step", "1", "--train.collective_timeout_s", "5", "--run_dir", str(run_dir)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    log_path = tmp_path / "log"
+    stopped = None
+    with open(log_path, "w") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 240
+        while "straggler: rank" not in log_path.read_text() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert re.search(r"straggler: rank 2 was the slowest in the last 2 windows of 3 steps, [\d.]+x the median",
+                         log_path.read_text()), log_path.read_text()[-3000:]
+        stopped = _descendant_with_rank(proc.pid, 3)
+        os.kill(stopped, signal.SIGSTOP)
+        start = time.monotonic()
+        named = None
+        while named is None and time.monotonic() - start < 60:
+            named = re.search(r"gridtrain: rank [012] gave up on (\S+) over '(\w+)' .* (?:at|after) step (\d+).* after 5 s "
+                              r"\(train.collective_timeout_s\): rank 3 (started step (\d+) but went silent inside it|"
+                              r"never reached step (\d+))", log_path.read_text())
+            time.sleep(0.2)
+        elapsed = time.monotonic() - start
+    finally:
+        if stopped:  # torchrun kills it once the others have exited
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(stopped, signal.SIGKILL)
+        proc.wait(timeout=120)
+    log = log_path.read_text()
+    assert named, log[-4000:]
+    assert named.group(3) == (named.group(5) or named.group(6))
+    assert elapsed < 5 + 3 + 10, elapsed  # the timeout, the roll call, a loaded machine
+    assert {p.name for p in (run_dir / "failures").glob("fr_trace_*")} >= {"fr_trace_0", "fr_trace_1", "fr_trace_2"}

@@ -6,9 +6,11 @@ import json
 import logging
 import math
 import re
+import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from gridtrain.config import ConfigError, FaultConfig
 from gridtrain.config_load import load_config
@@ -68,7 +70,8 @@ def test_fault_fires_only_on_its_step_and_first_attempt(monkeypatch):
 
 def test_resilience_settings_are_validated():
     cfg = load_config(None, {"checkpoint.interval": "sometimes", "checkpoint.on_save_error": "retry",
-                             "fault.kill_rank": 2, "train.collective_timeout_s": 0, "checkpoint.mtbf_hours": -1})
+                             "fault.kill_rank": 2, "train.collective_timeout_s": 0, "checkpoint.mtbf_hours": -1,
+                             "fault.slow_rank": 0, "fault.slow_factor": 0.5, "metrics.straggler_every": -1})
     with pytest.raises(ConfigError) as err:
         validate(cfg)
     text = str(err.value)
@@ -77,6 +80,9 @@ def test_resilience_settings_are_validated():
     assert "fault.kill_rank = 2 is not a rank of this world (0..0)" in text
     assert "train.collective_timeout_s = 0.0 must be > 0" in text
     assert "checkpoint.mtbf_hours = -1.0 must be > 0" in text
+    assert "fault.slow_factor = 0.5 must be >= 1 (2: half speed)" in text
+    assert "fault.slow_rank = 0 needs fault.at_step in [1, train.steps" in text
+    assert "metrics.straggler_every" in text
     assert load_config(None, {"checkpoint.interval": "auto"}).checkpoint.interval == "auto"
     assert load_config(None, {"checkpoint.interval": "12"}).checkpoint.interval == 12
 
@@ -222,3 +228,60 @@ def test_ctrl_c_commits_the_checkpoint_being_written_and_says_how_to_resume(tmp_
     assert f"interrupted after step 2; the newest checkpoint is {step2}: continue with the same command and --resume" in err
     assert "Traceback" not in err
     assert latest_valid_checkpoint(run_dir / "checkpoints")[0] == step2
+
+
+def test_a_lost_store_is_named_as_such_not_as_peers_behind(tmp_path, monkeypatch):
+    """Node 0's agent (or rank 0) hosts the job's store: when it is killed, the survivors' error
+    used to say every other rank "never reached step 24". Now, with the store answering, the rank
+    behind is named; with the store gone, the lost store is."""
+    import datetime
+
+    from gridtrain.train.resilience import ProgressBoard, collective_failure
+
+    host = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(host.port))
+    board = ProgressBoard.__new__(ProgressBoard)
+    board.rank, board.world_size = 1, 2
+    board.store = dist.TCPStore("127.0.0.1", host.port, 1, is_master=False, timeout=datetime.timedelta(seconds=5))
+    board.post(24)
+    board.store.set(f"{ProgressBoard.PREFIX}0", "23")
+    err = RuntimeError("Connection closed by peer [127.0.0.1]:1234")
+    behind = collective_failure(err, 1, 24, 5.0, board, None, tmp_path, "at step 24")
+    assert "rank 0 never reached step 24 (last started: step 23)" in str(behind)
+    del host  # the store's host is gone
+    lost = str(collective_failure(err, 1, 24, 5.0, board, None, tmp_path, "at step 24"))
+    assert f"the job's store at 127.0.0.1:{board.store.port} no longer answers" in lost, lost
+    assert "never reached" not in lost and "lost a peer in a collective at step 24" in lost
+    assert json.loads((tmp_path / "failures" / "rank1.json").read_text())["ranks_last_step"] is None
+
+
+def test_a_straggler_is_the_slowest_rank_in_two_windows_in_a_row(caplog):
+    """Hand-made per-rank CPU seconds per step: the spread is (slowest - fastest) / median; one
+    slow window is noise, two in a row by the same rank over 1.2x the median name it, a window in
+    which another rank (or nobody) is slowest starts the count again."""
+    from gridtrain.train.stragglers import StragglerWatch
+
+    watch = StragglerWatch(every=10, rank=0, world_size=4)
+    caplog.set_level(logging.INFO, logger="gridtrain")
+    first = watch.judge(10, [0.10, 0.10, 0.20, 0.12])
+    assert first["straggler/spread_pct"] == pytest.approx(100 * (0.20 - 0.10) / 0.11)
+    assert (first["straggler/slowest_rank"], first["straggler/flagged_rank"]) == (2.0, -1.0)
+    assert watch.judge(20, [0.10, 0.10, 0.21, 0.10])["straggler/flagged_rank"] == 2.0
+    assert "straggler: rank 2 was the slowest in the last 2 windows of 10 steps, 2.10x the median" in caplog.text
+    assert watch.judge(30, [0.10, 0.30, 0.10, 0.10])["straggler/flagged_rank"] == -1.0  # another rank: count anew
+    assert watch.judge(40, [0.10, 0.11, 0.10, 0.10])["straggler/flagged_rank"] == -1.0  # within 1.2x: nobody
+    assert watch.judge(50, [0.10, 0.30, 0.10, 0.10])["straggler/flagged_rank"] == -1.0
+    assert watch.judge(60, [0.10, 0.30, 0.10, 0.10])["straggler/flagged_rank"] == 1.0
+
+
+def test_the_straggler_fault_burns_the_cpu_it_says(monkeypatch):
+    from gridtrain.train.resilience import slow_down
+
+    fault = FaultConfig(at_step=3, slow_rank=1, slow_factor=3.0)
+    start = time.process_time()
+    slow_down(fault, 1, 2, 0.05)  # before its step
+    slow_down(fault, 0, 3, 0.05)  # another rank
+    assert time.process_time() - start < 0.02
+    slow_down(fault, 1, 4, 0.05)
+    assert time.process_time() - start >= 0.1

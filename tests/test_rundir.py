@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from gridtrain.config import ConfigError
+
 from conftest import cli_train
 
 
@@ -60,3 +62,34 @@ def test_a_file_as_run_dir_is_refused(tmp_path, corpus_dir, capsys):
     assert cli_train(path, corpus_dir) == 2
     assert "is a file, not a directory" in capsys.readouterr().err
     assert path.read_text() == "mine"
+
+
+
+def test_a_jobs_own_run_continues_and_another_jobs_needs_resume(tmp_path, make_config, monkeypatch):
+    """The decision is keyed by the job's rendezvous id, not by torchrun's restart count: any
+    attempt of job A (a healthy node restarted beside a failed one, or a node started again, counts
+    0 restarts) continues A's run with or without --resume; a new job B is refused without --resume
+    on every attempt (its restart count grows), and --resume makes it a resume. torchrun's default
+    id 'none' names no job: then a restart of any rank decides."""
+    from gridtrain.rundir import NEW, OWN, RESUME, RunRecord, job_id, run_dir_decision
+    from gridtrain.validate import validate
+
+    cfg = make_config(tmp_path, run_dir=str(tmp_path / "run"))
+    resumed = make_config(tmp_path, run_dir=str(tmp_path / "run"), **{"checkpoint.resume": True})
+    assert run_dir_decision(cfg, "job-A", restarted=False) == NEW
+    RunRecord(cfg, validate(cfg), job_id="job-A").write(tmp_path / "run")
+    assert RunRecord.load(tmp_path / "run").job_id == "job-A"
+    assert run_dir_decision(cfg, "job-A", restarted=False) == OWN
+    assert run_dir_decision(resumed, "job-A", restarted=True) == OWN
+    for restarted in (False, True):
+        with pytest.raises(ConfigError, match="already holds a run"):
+            run_dir_decision(cfg, "job-B", restarted)
+        assert run_dir_decision(resumed, "job-B", restarted) == RESUME
+    RunRecord(cfg, validate(cfg)).write(tmp_path / "run")  # written outside torchrun: no job
+    assert run_dir_decision(cfg, None, restarted=True) == OWN
+    for job, restarted in ((None, False), ("job-B", True)):
+        with pytest.raises(ConfigError, match="already holds a run"):
+            run_dir_decision(cfg, job, restarted)
+    for value, expected in (("", None), ("none", None), ("4711", "4711")):
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", value)
+        assert job_id() == expected

@@ -82,6 +82,15 @@ def any_rank(flag: bool) -> bool:
     return bool(t.item())
 
 
+def from_rank0(value: object) -> object:
+    """Rank 0's `value` on every rank (a broadcast of one pickled object over the world)."""
+    if not dist.is_initialized():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def shutdown(finished: bool = False) -> None:
     """Leave the process group. After a finished run every rank first waits for the others:
     a rank that tears its gloo connections down while a peer still completes the last collective

@@ -18,6 +18,7 @@ import threading
 import time
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from gridtrain.config import FaultConfig
@@ -49,6 +50,16 @@ def inject_fault(fault: FaultConfig, rank: int, step: int, restarted: bool) -> N
         log.warning("fault injection: rank %d stops responding at the start of step %d", rank, step)
         while True:
             time.sleep(3600)
+
+
+def slow_down(fault: FaultConfig, rank: int, step: int, cpu_seconds: float) -> None:
+    """A straggler for the tests: fault.slow_rank, from fault.at_step on (every attempt), burns
+    (fault.slow_factor - 1) x the CPU seconds its forward and backward took, after them."""
+    if rank != fault.slow_rank or fault.at_step == 0 or step < fault.at_step:
+        return
+    end = time.process_time() + (fault.slow_factor - 1) * cpu_seconds
+    while time.process_time() < end:
+        pass
 
 
 class TrainingDiverged(RuntimeError):
@@ -119,9 +130,12 @@ def is_comm_failure(err: BaseException) -> bool:
 
 class ProgressBoard:
     """Each rank posts the step it starts to the rendezvous store (one small write per step), so
-    that a rank whose collective timed out can tell which peers never reached that step."""
+    that a rank whose collective timed out can tell which peers never reached that step; and on a
+    failure each rank answers a roll call there, so that a peer which reached the step but went
+    silent inside it (stopped with SIGSTOP, or dead) is named too."""
 
     PREFIX = "gridtrain/progress/"
+    FAILED = "gridtrain/failed/"
 
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank, self.world_size = rank, world_size
@@ -130,9 +144,9 @@ class ProgressBoard:
     def post(self, step: int) -> None:
         self.store.set(f"{self.PREFIX}{self.rank}", str(step))
 
-    def last_steps(self) -> dict[int, int | None]:
-        """Each rank's last posted step (None: never posted, or the store did not answer within
-        5 s: after a failure its host may be gone)."""
+    def last_steps(self) -> dict[int, int | None] | None:
+        """Each rank's last posted step (None: never posted), or None if the store did not answer
+        within 5 s: its host is gone (node 0's torchrun agent or rank 0, which host it)."""
         steps: dict[int, int | None] = dict.fromkeys(range(self.world_size))
         try:
             self.store.set_timeout(datetime.timedelta(seconds=5))
@@ -140,9 +154,31 @@ class ProgressBoard:
             posted = [r for r, key in enumerate(keys) if self.store.check([key])]
             for r, value in zip(posted, self.store.multi_get([keys[r] for r in posted])):
                 steps[r] = int(value)
-        except Exception:  # report what we know
-            pass
+        except Exception:  # a store that cannot be reached (or answers garbage) tells nothing of the peers
+            return None
         return steps
+
+
+    def roll_call(self, wait_s: float) -> set[int] | None:
+        """Answer the failure roll call, and the ranks that answered within `wait_s` (every live
+        rank's collective fails within about the same time); None if the store does not answer."""
+        keys = [f"{self.FAILED}{r}" for r in range(self.world_size)]
+        try:
+            self.store.set_timeout(datetime.timedelta(seconds=5))
+            self.store.set(keys[self.rank], "1")
+            deadline = time.monotonic() + wait_s
+            while True:
+                answered = {r for r, key in enumerate(keys) if self.store.check([key])}
+                if len(answered) == self.world_size or time.monotonic() > deadline:
+                    return answered
+                time.sleep(0.2)
+        except Exception:  # the store's host is gone: last_steps says so
+            return None
+
+
+def store_address() -> str:
+    """Where this job's store is (MASTER_ADDR:MASTER_PORT, what torchrun gives every rank)."""
+    return f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
 
 
 def collective_failure(err: BaseException, rank: int, step: int, timeout_s: float, board: ProgressBoard | None,
@@ -150,8 +186,15 @@ def collective_failure(err: BaseException, rank: int, step: int, timeout_s: floa
     """Write this rank's last collectives to <run_dir>/failures/rank<r>.json and build the error;
     `step` is the last step any rank may have started, `doing` what this rank was at."""
     records = comm_log.last(20) if comm_log else []
+    timed_out = "timed out" in str(err).lower()
+    # A timeout ends every live rank's wait at about the same time: a roll call tells the silent
+    # one. A lost connection reaches the ranks one after another: there it would name the slow.
+    answered = board.roll_call(min(max(3.0, timeout_s / 2), 30.0)) if board and timed_out else None
     steps = board.last_steps() if board else {}
-    stalled = {r: s for r, s in steps.items() if r != rank and (s is None or s < step)}
+    store_lost = steps is None
+    stalled = {r: s for r, s in (steps or {}).items() if r != rank and (s is None or s < step)}
+    silent = sorted(r for r in (steps or {}) if r not in stalled and answered is not None and r not in answered)
+    dump_flight_recorder(Path(run_dir) / "failures", rank)
     path = Path(run_dir) / "failures" / f"rank{rank}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"rank": rank, "step": step, "doing": doing, "error": str(err)[:2000],
@@ -162,12 +205,29 @@ def collective_failure(err: BaseException, rank: int, step: int, timeout_s: floa
             if last else "a collective")
     who = "; ".join(f"rank {r} never reached step {step} (last started: "
                     f"{'none' if s is None else f'step {s}'})" for r, s in sorted(stalled.items()))
-    timed_out = "timed out" in str(err).lower()
+    if silent and not stalled:
+        who = "; ".join(f"rank {r} started step {step} but went silent inside it (stopped or dead: every other "
+                        "rank's collective failed, it never said so)" for r in silent)
+    if store_lost:
+        who = (f"the job's store at {store_address()} no longer answers: node 0 (its torchrun agent or rank 0, "
+               "which host the store and the rendezvous) is gone, which ends the job on every node; start it "
+               "again with --resume")
     how = (f"gave up on {what} {doing} after {timeout_s:g} s (train.collective_timeout_s)" if timed_out
            else f"lost a peer in {what} {doing}")
     return CollectiveTimeout(
         f"rank {rank} {how}: {who or 'no peer is behind: a peer failed inside the step'}. "
         f"This rank's last collectives: {path}. Cause: {str(err).splitlines()[0][:300]}")
+
+
+def dump_flight_recorder(folder: Path, rank: int) -> None:
+    """This rank's flight recorder (torch's own pickle, with stack traces) as
+    <folder>/fr_trace_<rank>, what torch's analyser reads: `python -m
+    torch.distributed.flight_recorder.fr_trace <folder> --prefix fr_trace_`."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"fr_trace_{rank}").write_bytes(torch._C._distributed_c10d._dump_fr_trace(True, True, False))
+    except Exception as err:  # the error being reported matters more than its trace
+        log.warning("flight recorder of rank %d not written: %s", rank, err)
 
 
 # -- checkpoint cadence -----------------------------------------------------------------------

@@ -33,8 +33,8 @@ from gridtrain.parallel.float8 import precompute_scales
 from gridtrain.parallel.grads import clip_grad_norm, settle_partial_grads
 from gridtrain.parallel.mesh import build_mesh, group
 from gridtrain.parallel.tensor_parallel import loss_context
-from gridtrain.rundir import RunRecord
-from gridtrain.runlock import RunDirInUse, RunLock, job_dirs
+from gridtrain.rundir import OWN, RunRecord, job_id
+from gridtrain.runlock import job_dirs
 from gridtrain.train.balance import balance_step, set_loss_scale
 from gridtrain.train.build import build_data, loss_fn, scalar
 from gridtrain.train.calibrate import cpu_peak_flops, peak_flops
@@ -42,13 +42,15 @@ from gridtrain.train.checkpoint_state import InvalidCheckpointError
 from gridtrain.train.checkpointer import Checkpointer
 from gridtrain.train.device import device_name, memory_gib
 from gridtrain.train.distributed import any_rank, init_world
+from gridtrain.train.jobstart import agree_on_run_dir, hold_run_dir
 from gridtrain.train.evaluate import Evaluator
 from gridtrain.train.metrics import MetricsWriter
 from gridtrain.train.optim import build_optimizer, lr_at, set_lr
 from gridtrain.train.precision import Precision
 from gridtrain.train.resilience import (Guard, ProgressBoard, TrainingDiverged, collective_failure, inject_fault,
-                                        is_comm_failure, restart_count, set_timeouts)
+                                        is_comm_failure, set_timeouts, slow_down)
 from gridtrain.train.step_account import Accountant
+from gridtrain.train.stragglers import StragglerWatch
 from gridtrain.train.units import run_summary
 from gridtrain.validate import validate
 
@@ -94,24 +96,6 @@ def forward_backward(pmodel: ParallelModel, read: Callable[[int, int], tuple[tor
     return loss_sum
 
 
-def hold_run_dir(dirs: list[Path], rank: int) -> list[RunLock]:
-    """Rank 0 takes the lock of the run directory (and of a checkpoint directory outside it) for
-    the job's lifetime (runlock.RunLock); every rank raises RunDirInUse if it cannot (an
-    all-reduce of one flag), before anything is written."""
-    locks: list[RunLock] = []
-    error = None
-    if rank == 0:
-        try:
-            locks = [RunLock.acquire(d) for d in dirs]
-        except RunDirInUse as err:
-            error = err
-            for lock in locks:
-                lock.release()
-    if any_rank(error is not None):
-        raise error or RunDirInUse(f"run_dir {dirs[0]} is in use by another gridtrain job (rank 0 names it)")
-    return locks
-
-
 class Trainer:
     """Trains one rank's share of the run: any layout of ParallelDims, or a world of one."""
 
@@ -122,6 +106,9 @@ class Trainer:
         self.world = init_world(max(1800.0, cfg.train.collective_timeout_s))
         self.locks = hold_run_dir(job_dirs(cfg), self.world.rank)
         try:
+            self.decision, restarted = agree_on_run_dir(cfg, self.world.rank)
+            # A restart continues the job's own run, and its injected fault does not fire again.
+            self.restarted = restarted or self.decision == OWN
             self.build(cfg)
         except BaseException:
             self.release()  # a start that fails lets the directory go at once
@@ -178,13 +165,13 @@ class Trainer:
         self.accountant = Accountant(cfg.metrics.account_every, Path(cfg.run_dir), self.world.rank, self.coords,
                                      self.pmodel, self.comm_log)
         self.guard = Guard(t.max_bad_steps, t.spike_zscore)
+        self.stragglers = StragglerWatch(cfg.metrics.straggler_every, self.world.rank, self.world.world_size)
         self.checkpointer = Checkpointer(cfg.checkpoint, cfg.checkpoint_dir, self.pmodel.parts, self.optimizers,
                                          self.trainer_state, self.world.distributed, self.world.rank)
-        # Across nodes only the failed node counts a restart: every rank must resume if any does.
-        self.restarted = any_rank(restart_count() > 0)
-        if cfg.checkpoint.resume or self.restarted:
-            if self.restarted and self.world.rank == 0:
-                log.warning("torchrun restarted the run: resuming from the newest intact checkpoint")
+        if cfg.checkpoint.resume or self.decision == OWN:
+            if self.decision == OWN and self.world.rank == 0:
+                log.warning("torchrun restarted the run: resuming from the newest intact checkpoint (job %s "
+                            "trains into %s)", job_id() or "of the default --rdzv-id", cfg.run_dir)
             self.resume()
         self.board = None
         if self.mesh:
@@ -241,7 +228,7 @@ class Trainer:
         inject_fault(self.cfg.fault, self.world.rank, self.step + 1, self.restarted)
         if self.board:
             self.board.post(self.step + 1)
-        t, start = self.cfg.train, time.perf_counter()
+        t, start, cpu_start = self.cfg.train, time.perf_counter(), time.process_time()
         lr = lr_at(self.step, t)
         for opt in self.optimizers:
             set_lr(opt, lr)
@@ -250,6 +237,7 @@ class Trainer:
         set_loss_scale(self.pmodel.parts, self.precision.step_scale / self.loss_shares)
         with account.forward_backward():
             loss = self.forward_backward()
+        slow_down(self.cfg.fault, self.world.rank, self.step + 1, time.process_time() - cpu_start)
         settle_partial_grads(self.pmodel.parameters())
         for opt in self.optimizers:
             self.precision.unscale_(opt, group(self.mesh, "world"))
@@ -274,7 +262,8 @@ class Trainer:
             opt.zero_grad(set_to_none=True)
         self.step += 1
         self.accountant.write(self.step, accounting)
-        return {"loss/train": loss_value, "grad/norm": grad_norm, "lr": lr, **self.speed(time.perf_counter() - start),
+        stragglers = self.stragglers.observe(self.step, time.process_time() - cpu_start)
+        return {**stragglers, "loss/train": loss_value, "grad/norm": grad_norm, "lr": lr, **self.speed(time.perf_counter() - start),
                 "optim/skipped_steps": float(not stepped), **self.guard.metrics(), **memory_gib(self.device),
                 **accounting, **self.precision.metrics(), **balance, **self.data.metrics(self.step * self.global_batch)}
 
@@ -309,7 +298,7 @@ class Trainer:
 
     def write_record(self) -> None:
         RunRecord(self.cfg, self.dims, device_name(self.device), torch.get_num_threads(), os.cpu_count(),
-                  self.peak, "gloo" if self.device.type == "cpu" else "nccl").write(Path(self.cfg.run_dir))
+                  self.peak, "gloo" if self.device.type == "cpu" else "nccl", job_id()).write(Path(self.cfg.run_dir))
 
     def should(self, interval: int) -> bool:
         return interval > 0 and (self.step % interval == 0 or self.step == self.cfg.train.steps)
@@ -347,7 +336,7 @@ class Trainer:
                 if writer:
                     writer.write(self.step, metrics, echo=self.should(cfg.metrics.log_every) or "loss/val" in metrics)
                     writer.advance(metrics["loss/train"])
-                phase = Phase(self.step, f"while saving the checkpoint of step {self.step}")
+                phase = Phase(self.step, f"after step {self.step} (its stop-signal check or checkpoint save)")
                 self.stop_if_signalled()
                 checkpointer.after_step(self.step, cfg.train.steps, metrics["time/step_s"])
             checkpointer.check_last_saved(self.step)
