@@ -10,8 +10,10 @@ same rank (the table `gridtrain plan --check` prints for a run directory).
 
 The layouts: Llama 3 8B on 8 ranks (FSDP 8); 70B on 64 ranks (TP 8 with sequence parallelism,
 PP 4, data parallel 2); 405B with the published layout (TP 8, PP 16 with one layer fewer on the
-first and last stage, data parallel 128: 16,384 GPUs), its first and its last pipeline rank. All
-at sequence length 8192, micro-batch 1, bf16, and global batches of 8, 16 and 2048 sequences.
+first and last stage, data parallel 128: 16,384 GPUs), its first and its last pipeline rank;
+Mixtral 8x7B on 64 ranks (PP 8, FSDP 8 = EP 8: one expert of each layer per rank), routed by the
+dry run's fixed balanced rule (train/dry_routing.py). All at sequence length 8192, micro-batch 1,
+bf16, and global batches of 8, 16, 2048 and 64 sequences.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ LAYOUTS = {
     "405b": (16384, [0, 16383], ["--model.preset=llama3-405b", "--train.global_batch=2048", "--parallel.tp=8",
                                  "--parallel.pp=16", "--parallel.pp_fewer_edge_layers=1",
                                  "--parallel.sequence_parallel=true"]),
+    "mixtral": (64, [0, 63], ["--model.preset=mixtral-8x7b", "--train.global_batch=64", "--parallel.pp=8",
+                              "--parallel.dp_shard=8", "--parallel.ep=8"]),
 }
 
 

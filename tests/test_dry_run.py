@@ -114,3 +114,35 @@ def test_a_dry_run_hides_the_accelerators_from_itself_and_gives_them_back(tmp_pa
     assert code == 0, capsys.readouterr().err
     assert seen == {"CUDA_VISIBLE_DEVICES": "", "HIP_VISIBLE_DEVICES": ""}
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1" and "HIP_VISIBLE_DEVICES" not in os.environ
+
+
+MIXTRAL_EP8 = ["--model.preset=mixtral-8x7b", "--model.n_layers=8", "--data.seq_len=4096", "--train.global_batch=16",
+               "--parallel.pp=2", "--parallel.dp_shard=8", "--parallel.ep=8", "--train.recompute=none"]
+
+
+def test_mixtral_expert_parallel_rank_is_the_plan(tmp_path):
+    """Mixtral 8x7B's width (8 of its 32 layers) on PP 2 x FSDP 8 = EP 8, one expert per rank and
+    layer: the dry run routes every token by a fixed balanced rule (train/dry_routing.py), so each
+    bucket and each collective, the all-to-alls included, is the planner's expectation to the byte;
+    and the planner's search (memory.rank_memory, what `gridtrain plan` ranks by) holds the same
+    state bytes and, routing balanced, the same activations."""
+    from gridtrain.model.args import model_args
+    from gridtrain.plan import memory
+    from gridtrain.plan.layout import Layout
+    from gridtrain.plan.shape import from_args
+    from gridtrain.plan.state import StateBytes
+
+    out = dry_run(tmp_path / "run", 16, 0, MIXTRAL_EP8[:3] + ["--train.micro_batch=1"] + MIXTRAL_EP8[3:])
+    assert peak_rss_gib(out) < 1.5
+    rows = check_run(tmp_path / "run")
+    assert {r.bucket for r in rows} >= {"activations", "dp_cp/all_to_all_bytes", "dp_shard/all_gather_bytes"}
+    for row in rows:
+        assert row.measured == row.predicted, (row.bucket, row.predicted, row.measured)
+    record = json.loads((tmp_path / "run" / "accounting" / "rank0.jsonl").read_text())
+    shape = from_args(model_args("mixtral-8x7b", n_layers=8))
+    layout = Layout(pp=2, dp_shard=8, ep=8, zero_stage=3, micro_batch=1, seq_len=4096, num_microbatches=2)
+    planned = memory.rank_memory(shape, layout, StateBytes.gridtrain("bf16"), 2, ranks=(0,))[0]
+    for bucket in ("weights", "gradients", "optimizer"):
+        assert getattr(planned, bucket) == record[f"memory/{bucket}_bytes"], bucket
+    # The search plans routed rows at the imbalance allowance: above the balanced dry run's bytes.
+    assert planned.activations > record["memory/activations_bytes"]

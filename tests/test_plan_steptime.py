@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from gridtrain.model.args import llama3_8b, llama3_405b
-from gridtrain.plan import comm, flops, placement, shape, specs, steptime
+from gridtrain.plan import comm, dptime, flops, placement, shape, specs, steptime
 from gridtrain.plan.layout import Layout
 from gridtrain.plan.memory import layer_activation_bytes
 from gridtrain.plan.pipeline import bubble_fraction
@@ -33,11 +33,11 @@ def test_layer_flops_add_up_to_hardware_flops(model, recompute):
 def test_overlap_closed_form(comm_s, compute_s, chunks):
     # The closed form equals the bucket-by-bucket timelines of comm.py for equal buckets, both after
     # compute (DDP buckets in backward) and before it (FSDP prefetch in forward).
-    got = steptime.overlapped(comm_s, compute_s, chunks)
+    got = dptime.overlapped(comm_s, compute_s, chunks)
     after = comm.exposed_after_compute([compute_s / chunks] * chunks, [comm_s / chunks] * chunks)
     before = comm.exposed_before_compute([comm_s / chunks] * chunks, [compute_s / chunks] * chunks)
     assert got == approx(after) and got == approx(before)
-    assert steptime.overlapped(0.0, 1.0, 4) == 0.0
+    assert dptime.overlapped(0.0, 1.0, 4) == 0.0
 
 
 def test_axis_levels_on_grand_teton():

@@ -199,14 +199,20 @@ class MoE(nn.Module):
         self.counting = True
         """Whether this forward's routing counts toward the step (off while a pipeline stage runs a
         forward only to learn its tensors' shapes)."""
+        self.fixed_routing: Callable[[int], tuple[torch.Tensor, ...]] | None = None
+        """A dry run's routing without values (train/dry_run.py): tokens -> (experts, order, kept
+        counts, counts), the counts as real tensors whose values a fake forward can read."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a, (B, T, D) = self.args, x.shape
         tokens = x.reshape(-1, D)
         bias = self.expert_bias if a.balance == "bias" else None
         logits, scores, gates, experts = self.router(tokens, bias)
-        order, kept_counts = dispatch_order(experts, a.num_experts, a.capacity(tokens.shape[0]))
-        counts = torch.bincount(experts.flatten(), minlength=a.num_experts)
+        if self.fixed_routing is not None:
+            experts, order, kept_counts, counts = self.fixed_routing(tokens.shape[0])
+        else:
+            order, kept_counts = dispatch_order(experts, a.num_experts, a.capacity(tokens.shape[0]))
+            counts = torch.bincount(experts.flatten(), minlength=a.num_experts)
         routed = self.experts(tokens[order // a.top_k], kept_counts)
         # Back to (token, choice) order; dropped assignments stay zero.
         placed = routed.new_zeros(experts.numel(), D).index_copy(0, order, routed)

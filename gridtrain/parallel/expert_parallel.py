@@ -73,17 +73,21 @@ class ExpertParallelExperts(nn.Module):
             weight = getattr(experts, name)
             self.register_parameter(name, nn.Parameter(distribute_tensor(weight.data, mesh, [Shard(0)])))
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def exchange(self, counts: torch.Tensor) -> tuple[list[int], list[int], torch.Tensor, torch.Tensor]:
+        """The counts' all-to-all: (rows this rank sends to each rank, rows it receives from each,
+        rows it receives per local expert, the expert-major order of the rows as they arrive)."""
         local = counts.numel() // self.ep
         in_splits = counts.view(self.ep, local).sum(dim=1).tolist()
         received = torch.empty_like(counts)
         dist.all_to_all_single(received, counts, group=self.group)  # [source rank, local expert]
         received = received.view(self.ep, local)
-        out_splits = received.sum(dim=1).tolist()
+        return in_splits, received.sum(dim=1).tolist(), received.sum(dim=0), expert_major(received)
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        in_splits, out_splits, local_counts, order = self.exchange(counts)
         rows = _AllToAll.apply(x, out_splits, in_splits, self.group)
-        order = expert_major(received)
         weights = [w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3)]
-        out = experts_forward(rows[order], received.sum(dim=0), *weights, self.grouped)
+        out = experts_forward(rows[order], local_counts, *weights, self.grouped)
         out = torch.empty_like(out).index_copy(0, order, out)  # rank-major again
         return _AllToAll.apply(out, in_splits, out_splits, self.group)
 

@@ -68,18 +68,23 @@ def _class(precision: str) -> str:
     return "fp32" if precision == "fp32" else "16bit"
 
 
-def moe_ffn_bytes_per_token(shape: ModelShape, precision: str, recompute: str) -> float:
+def moe_ffn_bytes_per_token(shape: ModelShape, precision: str, recompute: str, ep: int = 1,
+                            imbalance: float = 1.0) -> float:
     """What an MoE block saves per token beyond the attention's part of the census (module
-    docstring), on every tensor-parallel rank alike."""
+    docstring), on every tensor-parallel rank alike. Under expert parallelism (ep > 1) each row a
+    rank receives adds an int64 index and one h-wide tensor of the compute dtype (the arrival
+    order's regrouping; measured by dry runs), and the routed terms are scaled by `imbalance`,
+    the rows the rank receives over its own assignments (1: their expectation)."""
     h, e, k, f, shared = shape.hidden, shape.num_experts, shape.top_k, shape.expert_ffn, shape.num_shared_experts
     wide = 4 if _class(precision) == "fp32" else 2
     if recompute == "full":
         return 0.0
     if recompute == "selective":
         loop = 0 if shape.moe_grouped else k * (2 * wide * f + wide * h)
-        return -wide * h + 4 * e + (2 * wide * shared * f + wide * h if shared else 0) + loop
+        return -wide * h + 4 * e + (2 * wide * shared * f + wide * h if shared else 0) + loop * imbalance
     norm = 4 if shape.moe_normalize else 0
-    routed = k * (3 * wide * h + 4 * wide * f + (28 if wide == 4 else 26) + norm)
+    received = wide * h + 8 if ep > 1 else 0
+    routed = k * (3 * wide * h + 4 * wide * f + (28 if wide == 4 else 26) + norm + received) * imbalance
     router = 4 * e + norm + (4 * e + 4 if shape.router_z_loss else 0)
     router += 4 if shape.router_aux_loss and shape.router_sigmoid else 0  # the per-token normaliser
     experts_shared = (16 * shared * f if wide == 4 else 8 * shared * f + 4 * h) if shared else 0
@@ -88,14 +93,15 @@ def moe_ffn_bytes_per_token(shape: ModelShape, precision: str, recompute: str) -
 
 @functools.lru_cache(maxsize=4096)
 def block_bytes_per_token(shape: ModelShape, precision: str, recompute: str, tp: int = 1,
-                          sequence_parallel: bool = False, moe: bool = False) -> float:
+                          sequence_parallel: bool = False, moe: bool = False, ep: int = 1,
+                          imbalance: float = 1.0) -> float:
     """Bytes one block saves per token of a micro-batch on one tensor-parallel rank (with
     `moe`, a mixture-of-experts block)."""
     terms = (shape.hidden, shape.kv_width, 0 if moe else shape.ffn, shape.num_heads, 1)
     replicated, sequence, heads = (sum(c * x for c, x in zip(row, terms))
                                    for row in COEFFICIENTS[(_class(precision), recompute)])
     dense = replicated + sequence / (tp if sequence_parallel else 1) + heads / tp
-    return dense + (moe_ffn_bytes_per_token(shape, precision, recompute) if moe else 0.0)
+    return dense + (moe_ffn_bytes_per_token(shape, precision, recompute, ep, imbalance) if moe else 0.0)
 
 
 def ring_selective_bytes_per_token(shape: ModelShape, precision: str, recompute: str, tp: int, cp: int,
@@ -121,12 +127,13 @@ def head_bytes_per_token(shape: ModelShape, precision: str, tp: int = 1, sequenc
     return (8 * shape.hidden + 4) / sp + head_input + 4 * shape.vocab / tp
 
 
-def moe_forward_bytes(shape: ModelShape, recompute: str) -> float:
+def moe_forward_bytes(shape: ModelShape, recompute: str, ep: int = 1) -> float:
     """What an MoE block saves once per forward, whatever its tokens: the grouped matmul's int32
-    offsets (4E) and the auxiliary loss's score sums and token count (4E + 4)."""
+    offsets (4 per expert of the rank) and the auxiliary loss's score sums and token count (4E + 4)."""
     if recompute != "none":
         return 0.0
-    return 4 * shape.num_experts * shape.moe_grouped + (4 * shape.num_experts + 4) * shape.router_aux_loss
+    e = shape.num_experts
+    return 4 * e // ep * shape.moe_grouped + (4 * e + 4) * shape.router_aux_loss
 
 
 def weight_cast_bytes(shape: ModelShape, layers: int, last: bool, tp: int = 1, moe_layers: int = 0) -> float:
@@ -151,14 +158,16 @@ def moe_cast_bytes(shape: ModelShape, moe_layers: int, fsdp: bool, ep: int) -> f
 
 
 def stage_bytes(shape: ModelShape, layers: int, last: bool, tokens: int, precision: str, recompute: str,
-                tp: int = 1, sequence_parallel: bool = False, moe_layers: int = 0) -> float:
+                tp: int = 1, sequence_parallel: bool = False, moe_layers: int = 0, ep: int = 1,
+                imbalance: float = 1.0) -> float:
     """One forward of one micro-batch of `tokens` tokens through a stage of `layers` blocks, of
     which `moe_layers` have a mixture of experts (and the head when `last`), without token ids
     and weight casts."""
     dense = block_bytes_per_token(shape, precision, recompute, tp, sequence_parallel)
-    moe = block_bytes_per_token(shape, precision, recompute, tp, sequence_parallel, True) if moe_layers else 0.0
+    moe = block_bytes_per_token(shape, precision, recompute, tp, sequence_parallel, True, ep,
+                                imbalance) if moe_layers else 0.0
     out = tokens * ((layers - moe_layers) * dense + moe_layers * moe)
-    out += moe_layers * moe_forward_bytes(shape, recompute)
+    out += moe_layers * moe_forward_bytes(shape, recompute, ep)
     if last:
         out += tokens * head_bytes_per_token(shape, precision, tp, sequence_parallel) + 4
     return out
@@ -192,15 +201,17 @@ def stage_moe_layers(shape: ModelShape, stage_layers: list[int] | tuple[int, ...
 
 def held_bytes(shape: ModelShape, held: dict[int, int], stage_layers: list[int], tokens: int, precision: str,
                recompute: str, tp: int = 1, sequence_parallel: bool = False, fsdp: bool = False,
-               ep: int = 1) -> float:
+               ep: int = 1, imbalance: float = 1.0) -> float:
     """Activations of `held[s]` forwards of each stage s (stage_layers[s] blocks; the last stage
-    has the head), with their extras; token ids aside."""
+    has the head), with their extras; token ids aside. Under expert parallelism the routed rows
+    a rank receives are `imbalance` times its own assignments (1: their expectation)."""
     last_stage = len(stage_layers) - 1
     moe = stage_moe_layers(shape, stage_layers)
     total = 0.0
     for stage, count in held.items():
         last, n = stage == last_stage, stage_layers[stage]
         per_region, per_forward = forward_extras(shape, n, last, precision, recompute, tp, fsdp, moe[stage], ep)
-        forward = stage_bytes(shape, n, last, tokens, precision, recompute, tp, sequence_parallel, moe[stage])
+        forward = stage_bytes(shape, n, last, tokens, precision, recompute, tp, sequence_parallel, moe[stage], ep,
+                              imbalance)
         total += count * (forward + per_forward) + (per_region if count else 0.0)
     return total

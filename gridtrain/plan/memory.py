@@ -370,13 +370,15 @@ def census_activations(shape: ModelShape, layout: Layout, rank: int, act_bytes: 
     """A pipeline rank's activations at its peak, as gridtrain saves them: the forwards each of
     its stages holds then (schedules.forwards_held on torch's schedules) times what a forward
     saves (activations.held_bytes), and the token ids and targets of its micro-batches."""
+    from gridtrain.plan.moe_cost import imbalance  # it times the all-to-alls by placement, which imports comm
+
     v = layout.pp_virtual_stages if layout.pp > 1 else 1
     counts = stage_counts(shape.num_layers, layout.pp * v, layout.fewer_edge_layers)
     held = forwards_held(layout.pp_schedule, layout.pp, v, layout.num_microbatches, rank, peak=True)
     tokens = layout.micro_batch * layout.seq_len / layout.cp
     precision = "fp32" if act_bytes == 4 else "bf16"
     acts = held_bytes(shape, held, counts, tokens, precision, layout.recompute,
-                      layout.tp, layout.sequence_parallel, fsdp_gathers(layout), layout.ep)
+                      layout.tp, layout.sequence_parallel, fsdp_gathers(layout), layout.ep, imbalance(layout))
     # The last CP rank keeps the most of ring attention under selective recomputation.
     ring = ring_selective_bytes_per_token(shape, precision, layout.recompute, layout.tp, layout.cp, layout.cp - 1)
     acts += ring * tokens * sum(n * counts[s] for s, n in held.items())

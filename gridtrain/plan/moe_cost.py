@@ -73,7 +73,7 @@ def all_to_all_payloads(shape: ModelShape, layout: Layout, act_bytes: int) -> li
 
 def ep_levels(cluster: ClusterSpec, layout: Layout, intra: float, inter: float) -> tuple[placement.Level, ...]:
     """Where the expert-parallel group lands: its context-parallel ranks (tp apart), then its
-    data-parallel ranks (tp x cp x pp apart), as steptime.grad_levels places them."""
+    data-parallel ranks (tp x cp x pp apart), as dptime.grad_levels places them."""
     cp = placement.axis_levels(cluster, layout.cp, layout.tp, intra, inter)
     return cp + placement.axis_levels(cluster, layout.dp, layout.tp * layout.cp * layout.pp, intra, inter)
 

@@ -22,11 +22,8 @@ One step on the slowest pipeline rank:
   (pipeline.split_cost);
 - pipeline sends: forward activation and backward gradient of every micro-batch on every chunk,
   1/tp of the activation per GPU (Megatron's scatter/gather, Narayanan et al. 2021 sec. 4.1);
-- DP: ZeRO 0/1 all-reduce gradients once, in buckets overlapped with the last micro-batch's
-  backward; ZeRO 2 reduce-scatters every micro-batch (overlapped with its backward) and all-gathers
-  the parameters once (prefetched behind the first forward); ZeRO 3 all-gathers every block in
-  forward (prefetched) and backward and reduce-scatters its gradients (overlapped); HSDP adds the
-  replicate axis's all-reduce of the 1/shard slice;
+- DP: the data-parallel collectives as gridtrain issues them, less what the compute hides
+  (dptime.py);
 - optimizer: AdamW is memory-bound: it reads the gradient, reads and writes master weights and
   both moments, writes the 16-bit weights, for the parameters this rank updates;
 - a mixture-of-experts layer (moe_cost.py): its feed-forward's FLOPs whole on every TP rank (the
@@ -38,22 +35,20 @@ One step on the slowest pipeline rank:
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass, replace
 
-from gridtrain.layout.schedules import schedule
 from gridtrain.plan import placement
-from gridtrain.plan.float8 import gathered_bytes, matmul_peak
+from gridtrain.plan.dptime import dp_time
+from gridtrain.plan.float8 import matmul_peak
 from gridtrain.plan.flops import flops_per_token, hardware_flops_per_token
 from gridtrain.plan.layout import Layout
-from gridtrain.plan.memory import (DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES, edge_ranks, kv_heads_per_rank,
-                                   layer_activation_bytes, layers_per_rank, moe_layers_per_rank, rank_expert_params,
-                                   rank_params)
-from gridtrain.plan.pipeline import schedule_bubble, split_cost
-from gridtrain.plan.state import StateBytes
+from gridtrain.plan.memory import (edge_ranks, kv_heads_per_rank, layer_activation_bytes, layers_per_rank,
+                                   moe_layers_per_rank, rank_expert_params, rank_params)
 from gridtrain.plan.moe_cost import ROUTING_IMBALANCE, ep_seconds, moe_ffn_flops_per_token
+from gridtrain.plan.pipeline import schedule_bubble, split_cost
 from gridtrain.plan.shape import (ModelShape, attention_params, block_params, matmul_params, moe_block_active_params,
                                   norm_params)
+from gridtrain.plan.state import StateBytes
 from gridtrain.plan.specs import ClusterSpec
 
 GB = 1e9
@@ -240,15 +235,6 @@ def head_seconds(shape: ModelShape, cluster: ClusterSpec, eff: Efficiency, layou
     return flops / (acc.peak_flops * eff.matmul) + logits / (acc.hbm_gb_per_s * GB * eff.hbm)
 
 
-def overlapped(comm_s: float, compute_s: float, chunks: int) -> float:
-    """Communication left exposed when it is issued in `chunks` equal buckets, each after (or,
-    prefetched, before) an equal slice of `compute_s`: the closed form of
-    comm.exposed_after_compute for uniform lists, max(one bucket, comm - compute + one slice)."""
-    if comm_s <= 0:
-        return 0.0
-    return max(comm_s / chunks, comm_s - compute_s + compute_s / chunks)
-
-
 @dataclass(frozen=True)
 class StepTime:
     """One optimizer step on the slowest pipeline rank, by part (seconds)."""
@@ -370,102 +356,6 @@ def pipeline_time(shape: ModelShape, layout: Layout, cluster: ClusterSpec, eff: 
         bubble_s = frac / (1 - frac) * m * micro
     return PipelineTime(micro, lc, critical, counts[critical], head if critical == last else 0.0,
                         pp_s, bubble_s, moe[critical], moe_lc)
-
-
-def grad_levels(layout: Layout, cluster: ClusterSpec, eff: Efficiency) -> tuple[
-        tuple[placement.Level, ...], tuple[placement.Level, ...]]:
-    """(shard levels, replicate levels) of the gradient reduction. Context-parallel ranks hold the
-    same weights, so their gradients are summed too: under ZeRO 2/3 FSDP shards over dp_shard x cp
-    (as gridtrain's runtime and torchtitan do; the cp axis innermost), under ZeRO 0/1 the cp axis
-    joins the all-reduce over DP."""
-    cp = placement.axis_levels(cluster, layout.cp, layout.tp, eff.intra_node, eff.inter_node)
-    inner = layout.tp * layout.cp * layout.pp
-    if layout.zero_stage in (0, 1):
-        return (), cp + placement.axis_levels(cluster, layout.dp, inner, eff.intra_node, eff.inter_node)
-    shard = placement.axis_levels(cluster, layout.dp_shard, inner, eff.intra_node, eff.inter_node)
-    rep = placement.axis_levels(cluster, layout.dp_replicate, inner * layout.dp_shard,
-                                eff.intra_node, eff.inter_node)
-    return cp + shard, rep
-
-
-def dp_time(shape: ModelShape, layout: Layout, cluster: ClusterSpec, eff: Efficiency, pt: PipelineTime,
-            state: StateBytes = StateBytes()) -> tuple[float, float]:
-    """(exposed, total) seconds of data-parallel communication per step on the critical rank, the
-    exposed part with the compute the hidden part slows down (Efficiency.overlap_slowdown)."""
-    exposed, total = _dp_overlap(shape, layout, cluster, eff, pt, state)
-    return exposed + eff.overlap_slowdown * (total - exposed), total
-
-
-def ddp_buckets(grad_bytes: float) -> int:
-    """All-reduce calls DDP makes for `grad_bytes` of gradients: a first bucket of 1 MiB, then 25 MiB each."""
-    return 1 + max(0, math.ceil((grad_bytes - DDP_FIRST_BUCKET_BYTES) / DDP_BUCKET_BYTES))
-
-
-def fsdp_gather_passes(layout: Layout) -> tuple[int, int]:
-    """(forward, backward) all-gathers of a rank's FSDP units per step under ZeRO-3, as gridtrain's
-    runtime makes them (run_collectives.dp_collectives, measured by dry runs): without a pipeline
-    every micro-batch gathers in forward and again in backward; a one-stage-per-rank schedule
-    gathers in every forward and in the first backward; the multi-stage schedules once each way,
-    and with a split backward only in forward."""
-    m = layout.num_microbatches
-    if layout.pp == 1:
-        return m, m
-    row = schedule(layout.pp_schedule)
-    if row.split_backward:
-        return 1, 0
-    return (m, 1) if row.stages_per_rank == 1 else (1, 1)
-
-
-def _dp_overlap(shape: ModelShape, layout: Layout, cluster: ClusterSpec, eff: Efficiency, pt: PipelineTime,
-                state: StateBytes) -> tuple[float, float]:
-    """(exposed, total) seconds of data-parallel communication per step on the critical rank,
-    whose P parameters (this pipeline rank's, 1/tp of each matrix) weigh G = P x gradient bytes
-    and W = P x weight bytes, each collective as often as gridtrain's runtime issues it. Gradients
-    are reduced once per micro-batch without a pipeline and once per step with one (syncs).
-    DDP (ZeRO 0/1 on DP alone): one all-reduce of G over cp x dp in its buckets, and ZeRO-1's
-    broadcast of the updated parameters after the step (the bytes of an all-gather of P in fp32).
-    FSDP replication (ZeRO-0 beside TP or PP): an all-reduce of G per sync. ZeRO 2: per sync an
-    all-gather of W and a reduce-scatter of G over dp_shard (x cp). ZeRO 3: W gathered
-    fsdp_gather_passes times, G reduce-scattered per sync. ZeRO 2/3 add an all-reduce of the
-    shard G / (dp_shard x cp) over dp_replicate per sync (HSDP). FSDP's collectives are issued
-    unit by unit (one per layer), DDP's bucket by bucket; every call pays its latency."""
-    if layout.dp * layout.cp == 1:
-        return 0.0, 0.0
-    # Under expert parallelism a rank's experts are its own: neither gathered nor reduced.
-    params = rank_params(shape, layout, pt.critical_rank, pt.layers) - (
-        rank_expert_params(shape, layout, pt.critical_rank) if layout.ep > 1 else 0.0)
-    weights = gathered_bytes(shape, params, pt.layers, layout.tp, state.compute, layout.float8, layout.zero_stage,
-                             layout.zero_shard_degree)
-    grads = params * state.gradients
-    m, chunks = layout.num_microbatches, max(pt.layers, 1)
-    syncs = 1 if layout.pp > 1 else m
-    backward = pt.micro_s * pt.layer.backward_share
-    forward = pt.micro_s - backward
-    shard, rep = grad_levels(layout, cluster, eff)
-    if layout.zero_stage in (0, 1):
-        if layout.zero_stage == 0 and (layout.tp > 1 or layout.pp > 1):
-            passes = 1 if eff.grads_once_per_step else syncs
-            one = placement.all_reduce_time(grads, rep, chunks)
-            return passes * overlapped(one, backward, chunks), passes * one
-        calls = ddp_buckets(grads)
-        total = placement.all_reduce_time(grads, rep, calls)
-        exposed = overlapped(total, backward, min(calls, chunks))
-        if layout.zero_stage == 1:
-            after = placement.all_gather_time(params * 4, rep, chunks)
-            return exposed + after, total + after
-        return exposed, total
-    rs = placement.reduce_scatter_time(grads, shard, chunks)
-    ag = placement.all_gather_time(weights, shard, chunks)
-    ar = placement.all_reduce_time(grads / layout.zero_shard_degree, rep, chunks)
-    if layout.zero_stage == 2:
-        exposed = syncs * overlapped(ag, forward, chunks) + (syncs - 1) * overlapped(rs + ar, backward, chunks)
-        return exposed + overlapped(rs + ar, backward, chunks), syncs * (ag + rs + ar)
-    ag_forward, ag_backward = fsdp_gather_passes(layout)
-    if layout.pp == 1:  # each micro-batch's backward gathers, reduces and (HSDP) all-reduces
-        exposed = m * overlapped(ag, forward, chunks) + m * overlapped(ag + rs + ar, backward, chunks)
-        return exposed, m * (2 * ag + rs + ar)
-    exposed = ag_forward * overlapped(ag, forward, chunks) + overlapped(ag_backward * ag + rs + ar, backward, chunks)
-    return exposed, (ag_forward + ag_backward) * ag + rs + ar
 
 
 def optimizer_seconds(shape: ModelShape, layout: Layout, cluster: ClusterSpec, eff: Efficiency,

@@ -35,16 +35,9 @@ def balance_step(parts: list[nn.Module], groups: list[dist.ProcessGroup], shares
     by `shares`, the micro-batches times the context-parallel degree, since each context-parallel
     rank holds its micro-batch's whole auxiliary loss and a 1 / cp part of its z-loss)."""
     layers = [(name, layer) for part in parts for name, layer in moe_layers(part)]
-    # Per layer of the model: (load, dropped, assigned); then the two losses. A stage fills its rows.
-    device = next(p for part in parts for p in part.parameters()).device
-    table = torch.zeros(3 * n_layers + 2, dtype=torch.float64, device=device)
+    table = metrics_table(parts, n_layers)
     if layers:
-        # Exact integers: (layers, experts + 1), the last column the dropped assignments.
-        counts = torch.stack([torch.cat([layer.tokens_per_expert, layer.dropped.view(1)]) for _, layer in layers])
-        losses = torch.stack([layer.balance_losses for _, layer in layers])
-        for group in groups:
-            dist.all_reduce(counts, group=group)
-            dist.all_reduce(losses, group=group)
+        counts, losses = reduce_routing(layers, groups)
         for (name, layer), row in zip(layers, counts):
             load = row[:-1].double()
             if stepped:
@@ -65,6 +58,23 @@ def balance_step(parts: list[nn.Module], groups: list[dist.ProcessGroup], shares
     metrics["moe/aux_loss"] = float(table[-2]) / shares
     metrics["moe/z_loss"] = float(table[-1]) / shares
     return metrics
+
+
+def metrics_table(parts: list[nn.Module], n_layers: int) -> torch.Tensor:
+    """Per layer of the model (load, dropped, assigned), then the two losses: a stage fills its rows."""
+    device = next(p for part in parts for p in part.parameters()).device
+    return torch.zeros(3 * n_layers + 2, dtype=torch.float64, device=device)
+
+
+def reduce_routing(layers: list[tuple[str, MoE]], groups: list[dist.ProcessGroup]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's counts (exact integers: layers x (experts + 1), the last column the dropped
+    assignments) and losses (layers x 2) of this rank's MoE layers, summed over `groups`."""
+    counts = torch.stack([torch.cat([layer.tokens_per_expert, layer.dropped.view(1)]) for _, layer in layers])
+    losses = torch.stack([layer.balance_losses for _, layer in layers])
+    for group in groups:
+        dist.all_reduce(counts, group=group)
+        dist.all_reduce(losses, group=group)
+    return counts, losses
 
 
 def _move_bias(layer: MoE, load: torch.Tensor) -> None:

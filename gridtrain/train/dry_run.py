@@ -41,7 +41,9 @@ from gridtrain.parallel.grads import clip_grad_norm, settle_partial_grads
 from gridtrain.parallel.mesh import build_mesh, group
 from gridtrain.parallel.parallelize import ParallelModel, parallelize
 from gridtrain.rundir import RunRecord, differences, saved_record
+from gridtrain.train.balance import set_loss_scale
 from gridtrain.train.build import loss_fn
+from gridtrain.train.dry_routing import balance_collectives, fix_routing
 from gridtrain.train.live_bytes import LiveBytes
 from gridtrain.train.optim import build_optimizer
 from gridtrain.train.precision import Precision
@@ -98,14 +100,17 @@ def forget_meshes() -> None:
 def check_dry_run(cfg: Config, dims: ParallelDims, rank: int) -> None:
     """What a dry run refuses, before it starts: a rank outside the job, a run_dir that holds a
     real run or another job's dry run (its records would mix), and FP8, whose float8 gathers and
-    amax all-reduces the planner's collectives do not model yet."""
+    amax all-reduces the planner's collectives do not model yet. A mixture of experts is routed
+    by a fixed balanced rule (dry_routing.py), its grouped matmul in bf16 only."""
     problems = []
     if cfg.train.float8 != "none":
         problems.append(f"a dry run of train.float8 = '{cfg.train.float8}' would measure float8 gathers and scale "
                         "all-reduces the planner does not predict yet: dry-run the layout with train.float8 = 'none'")
-    if cfg.model.args().moe is not None:
-        problems.append(f"model.preset '{cfg.model.preset}' is a mixture of experts, whose all-to-alls and expert "
-                        "state the planner does not predict yet: dry-run a dense preset")
+    moe = cfg.model.args().moe
+    if moe is not None and moe.grouped_mm and cfg.train.precision != "bf16":
+        problems.append(f"a dry run of a mixture of experts in {cfg.train.precision} cannot run torch._grouped_mm on "
+                        "fake tensors (its meta kernel takes bf16 only): dry-run it with train.precision = 'bf16', "
+                        "or with model.moe.grouped_mm = false (the expert loop)")
     if not 0 <= rank < dims.world_size:
         problems.append(f"--rank {rank} is not a rank of a {dims.world_size}-rank job: give 0 to {dims.world_size - 1}")
     record = saved_record(Path(cfg.run_dir))
@@ -131,6 +136,8 @@ def _step(cfg: Config, dims: ParallelDims) -> dict[str, float]:
         return precision.scaler.scale(loss_fn(logits, targets) / micro_batches)
 
     pmodel = parallelize(build_meta(cfg.model.args()), cfg, dims, mesh, pipeline_loss, accum, CPU, fake=fake)
+    fix_routing(pmodel.parts)
+    set_loss_scale(pmodel.parts, 1.0 / micro_batches)
     optimizers = [build_optimizer(part, t, mesh, cfg.parallel.zero_stage, dims.dp) for part in pmodel.parts]
     comm = DispatchedCollectives(mesh.axis_groups())
     account = StepAccount(True, pmodel, comm)
@@ -160,6 +167,9 @@ def _step(cfg: Config, dims: ParallelDims) -> dict[str, float]:
         account.optimizer_begins()
         for opt in optimizers:
             opt.step()
+        if cfg.model.args().moe is not None:  # the Trainer's balance step, inside the step's accounting
+            data = [g for g in (group(mesh, axis) for axis in ("dp", "cp")) if g is not None]
+            balance_collectives(pmodel.parts, data, cfg.model.args().n_layers, group(mesh, "pp"))
         record = account.finish(optimizers)
     record["memory/built_bytes"] = float(built)
     record["memory/peak_bytes"] = float(live.peak)
@@ -179,7 +189,7 @@ def give_stage_shapes(pmodel: ParallelModel, micro_batch: int, seq_len: int, dim
     stages = getattr(schedule, "_stages", None) or [schedule._stage]
     for stage in stages:
         x = read(0, micro_batch)[0] if stage.is_first else torch.empty(micro_batch, seq_len // seq_split, dim)
-        with torch.no_grad():
+        with torch.no_grad(), autocast():  # as the step runs it (an MoE's grouped matmul has no fp32 meta kernel)
             y = stage.submod(x)
         # What the stage receives and sends is differentiable: its gradient travels back.
         x, y = (t if not t.is_floating_point() else t.detach().requires_grad_() for t in (x, y))

@@ -16,7 +16,8 @@ from gridtrain.plan.memory import GiB, layer_activation_bytes, rank_params
 from gridtrain.plan.pipeline import bubble_fraction, bubble_scale, schedule_bubble, split_cost
 from gridtrain.plan.search import Candidate, Problem
 from gridtrain.plan.shape import matmul_params
-from gridtrain.plan.steptime import (HBM_PASSES, RECOMPUTE_PASSES, grad_levels, layer_attention_flops_per_token,
+from gridtrain.plan.dptime import grad_levels
+from gridtrain.plan.steptime import (HBM_PASSES, RECOMPUTE_PASSES, layer_attention_flops_per_token,
                                      layer_hardware_flops_per_token, pipeline_time)
 
 
