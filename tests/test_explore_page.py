@@ -268,11 +268,11 @@ def test_the_bytes_per_parameter_switch_gives_the_notes_and_the_runtimes_bytes(p
     page.wait_for_selector("#card-zero-memory tr[data-answer]")
     page.select_option("#cards-convention", "no-master")
     page.wait_for_function("() => document.querySelector('#card-zero-memory tr[data-answer=\"no ZeRO\"] .value')"
-                           ".dataset.value === '84'")
+                           "?.dataset.value === '84'")
     page.fill("#card-zero-memory input[name='P']", "405")
     page.fill("#card-zero-memory input[name='N']", "1024")
     page.wait_for_function("() => document.querySelector('#card-zero-memory tr[data-answer=\"ZeRO-3\"] .value')"
-                           ".textContent === '4.746'")
+                           "?.textContent === '4.746'")
     assert card_answers(page, "zero-memory")["ZeRO-3"] == pytest.approx(405 * 12 / 1024)
 
 
@@ -290,6 +290,7 @@ def test_every_card_shows_the_worked_answers_and_answers_new_inputs(page):
         assert {k: shown[card][k] for k in expected} == pytest.approx(expected, rel=1e-9), card
     page.screenshot(path=str(SHOTS / "cards.png"))
     all_ids = page.eval_on_selector_all(".card", "cs => cs.map(c => c.id.slice(5))")
+    assert page.eval_on_selector_all("#card-roofline polyline[data-roof='accelerator']", "ps => ps.length") == 1
     index = page.eval_on_selector_all("#card-index a", "as => as.map(a => a.dataset.card)")
     assert sorted(index) == sorted(all_ids)
     assert sorted(all_ids) == sorted(CARDS)  # no card left untested
@@ -298,7 +299,7 @@ def test_every_card_shows_the_worked_answers_and_answers_new_inputs(page):
     assert "one phase" in page.inner_text("#card-tp .correction")
     # Typing recomputes: 16 GPUs -> 2 x 2 GB x 15/16 = 3.75 GB per GPU.
     page.fill("#card-ring input[name='N']", "16")
-    page.wait_for_function("() => document.querySelector('#card-ring tr[data-answer=\"steps\"] .value').dataset.value === '30'")
+    page.wait_for_function("() => document.querySelector('#card-ring tr[data-answer=\"steps\"] .value')?.dataset.value === '30'")
     assert card_answers(page, "ring")["bytes each GPU sends"] == pytest.approx(3.75)
     # A card's link opens its explorer state.
     page.click("#card-zero-memory a.to-explorer")

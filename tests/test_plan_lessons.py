@@ -37,6 +37,11 @@ CARDS = {
                 "whole step in TB": 64512 * 2**30 / 1e12, "at bw": 64512 * 2**30 / 900e9,
                 "per GPU per step": 8 * 4 * 2 * 7 / 8 * 16384 * 4 * 2**20 / 192 * 2 / 1e9,
                 "per GPU at its link": 8 * 4 * 2 * 7 / 8 * 16384 * 4 * 2**20 / 192 * 2 / 450e9 * 1e3},
+    # 989e12 / 3352e9 = 295.05; decode at batch 1 in 2-byte weights: 2 FLOPs per 2 bytes = 1, 3.352 TFLOP/s,
+    # 0.339% of peak, 16 GB / 3352 GB/s = 4.77 ms a token; 4096 x 4096 / (2 x 4096 + 4096) = 1365.3, past the ridge.
+    "roofline": {"ridge point": 989e12 / 3352e9, "decode intensity": 1, "decode reaches": 3.352,
+                 "decode share of peak": 3.352 / 989 * 100, "decode time per token": 16e9 / 3352e9 * 1e3,
+                 "training matmul intensity": 4096 / 3, "training matmul reaches": 989},
     "gqa": {"query heads per rank": 8, "KV heads per rank": 1, "copies of each KV head": 1},
     "checkpoint": {"size": 980, "one writer": 98, "parallel writers": 98 / 64},
     "young": {"Young interval": math.sqrt(2 * 98 * 86400) / 60, "steps between checkpoints": math.sqrt(2 * 98 * 86400) / 10,
@@ -76,3 +81,20 @@ def test_cards_refuse_what_their_formula_cannot_answer():
     assert cards.answer("gqa", {"heads": 8, "kv": 64})[0] == 422
     interleaved = {a["label"]: a["value"] for a in cards.answer("interleaved-sends", {"pp": 1})[1]["answers"]}
     assert interleaved["boundaries"] == 0 and interleaved["bytes per step"] == 0
+
+
+def test_the_roofline_card_draws_this_machines_roof_from_the_calibration(tmp_path, monkeypatch):
+    import json
+
+    from gridtrain.plan.machine import machine_key
+
+    monkeypatch.setenv("GRIDTRAIN_CACHE", str(tmp_path))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert cards.machine_roof() is None  # not calibrated: no roof drawn
+    entry = {"peak_flops": {"fp32": 1e11, "bf16": 4e11}, "memory_bytes_per_s": 4e10}
+    (tmp_path / "calibration.json").write_text(json.dumps({machine_key(1): entry}))
+    roof = cards.machine_roof()
+    assert roof["ridge"] == pytest.approx(10.0) and roof["precision"] == "bf16"  # 4e11 / 4e10
+    assert roof["peak_tflops"]["bf16"] == pytest.approx(0.4) and roof["bw_gb_per_s"] == pytest.approx(40)
+    listed = next(c for c in cards.card_list() if c["id"] == "roofline")
+    assert listed["machine"] == roof

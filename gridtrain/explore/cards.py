@@ -17,12 +17,34 @@ one): no worked problem of distributed training needs more."""
 
 
 def card_list() -> list[dict[str, object]]:
-    """GET /api/cards: every card with its inputs, formula, sources and the answers at its defaults."""
-    return [{"id": c.id, "title": c.title, "topic": c.topic, "formula": c.formula, "source": c.source,
-             "quoted": c.quoted, "correction": c.correction, "explore": c.explore,
-             "inputs": [{"name": i.name, "label": i.label, "default": i.default, "unit": i.unit, "whole": i.whole}
-                        for i in c.inputs],
-             "answers": _answers(c.answer({}))} for c in CARDS]
+    """GET /api/cards: every card with its inputs, formula, sources and the answers at its defaults;
+    the roofline card also with this machine's roof as `gridtrain calibrate` measured it."""
+    out = [{"id": c.id, "title": c.title, "topic": c.topic, "formula": c.formula, "source": c.source,
+            "quoted": c.quoted, "correction": c.correction, "explore": c.explore,
+            "inputs": [{"name": i.name, "label": i.label, "default": i.default, "unit": i.unit, "whole": i.whole}
+                       for i in c.inputs],
+            "answers": _answers(c.answer({}))} for c in CARDS]
+    for c in out:
+        if c["id"] == "roofline":
+            c["machine"] = machine_roof()
+    return out
+
+
+def machine_roof() -> dict[str, object] | None:
+    """This machine's roof from `gridtrain calibrate`'s cache (one process's threads, else one): its measured
+    matmul peak in each precision and memory bandwidth, and the ridge they make; None if not
+    calibrated."""
+    from gridtrain.plan.local import rank_threads
+    from gridtrain.plan.machine import cached_entry
+
+    for threads in dict.fromkeys((rank_threads(1), 1)):  # all the cores, else one (calibrate's default)
+        entry = cached_entry(threads)
+        peaks, bandwidth = entry.get("peak_flops") or {}, entry.get("memory_bytes_per_s")
+        if peaks and bandwidth:
+            best = max(peaks, key=peaks.get)
+            return {"peak_tflops": {k: v / 1e12 for k, v in peaks.items()}, "bw_gb_per_s": bandwidth / 1e9,
+                    "ridge": peaks[best] / bandwidth, "precision": best, "threads": threads}
+    return None
 
 
 def _answers(rows: list[tuple[str, float, str]]) -> list[dict[str, object]]:

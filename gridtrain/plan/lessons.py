@@ -132,6 +132,17 @@ def _sends(act_gb, pp, m, v, bw):
     return [("boundaries", boundaries, ""), ("bytes per step", total / GB, "GB"), ("time at bw", total / (bw * GB) / ms, "ms")]
 
 
+def _roofline(peak_tflops, bw, P, b, bytes_per_value, T, d):
+    ridge = peak_tflops * 1e12 / (bw * GB)
+    decode = 2 * b / bytes_per_value  # 2 P b FLOPs per step over the P x bytes of weights read once
+    matmul = T * d / (2 * T + d) * 2 / bytes_per_value  # [T, d] x [d, d]: 2 T d^2 FLOPs, (2 T d + d^2) values
+    reach = lambda intensity: min(peak_tflops, intensity * bw / 1e3)  # noqa: E731  (TFLOP/s)
+    return [("ridge point", ridge, "FLOP/byte"), ("decode intensity", decode, "FLOP/byte"),
+            ("decode reaches", reach(decode), "TFLOP/s"), ("decode share of peak", reach(decode) / peak_tflops * 100, "%"),
+            ("decode time per token", P * 1e9 * bytes_per_value / (bw * GB) / ms, "ms"),
+            ("training matmul intensity", matmul, "FLOP/byte"), ("training matmul reaches", reach(matmul), "TFLOP/s")]
+
+
 def _tp_step(h, tokens_mi, bytes_per_value, layers, bw, tp, dp, pp, link_bw):
     tokens = tokens_mi * 2**20
     payload = h * tokens * bytes_per_value  # one all-reduce of the whole batch's activations
@@ -294,6 +305,16 @@ CARDS: tuple[Card, ...] = (
                     "tokens, its stage's 8 layers) sends 40.1 GB, 89 ms at 450 GB/s",
          explore={"model": "llama3-405b", "gpu": "h100", "num_gpus": 24576, "seq_len": 8192, "global_batch": 1536,
                   "layout": {"tp": 8, "pp": 16, "cp": 1}}),
+    Card("roofline", "Roofline: decode against prefill and training", "the accelerator",
+         "ridge = peak / HBM bandwidth; decode: 2 P b FLOPs over P x bytes read, 2b / bytes FLOP/byte; a [T, d] x "
+         "[d, d] matmul: T d / (2T + d) x 2 / bytes; reached = min(peak, intensity x bandwidth)",
+         (Input("peak_tflops", "peak (dense 16-bit)", 989, "TFLOP/s"), Input("bw", "HBM bandwidth", 3352, "GB/s"),
+          Input("P", "parameters", 8, "B"), Input("b", "decode batch", 1, "seq", True),
+          Input("bytes_per_value", "bytes per value", 2), Input("T", "tokens per micro-batch", 4096, whole=True),
+          Input("d", "hidden d", 4096, whole=True)), _roofline,
+         "Williams et al. 2009; H100 SXM: 989 TFLOP/s, 3.35 TB/s",
+         quoted="ridge ~295 FLOP/byte; decode at batch 1 ~1 FLOP/byte: memory-bound, under 1% of peak; training "
+                "compute-bound"),
     Card("gqa", "Grouped-query attention heads per TP rank", "tensor parallelism",
          "query heads / tp per rank; KV heads / tp, or each KV head copied tp / KV times when tp > KV heads",
          (Input("heads", "query heads", 64, whole=True), Input("kv", "KV heads", 8, whole=True), Input("tp", "TP", 8, whole=True)),

@@ -46,6 +46,10 @@ async function loadCards() {
     if (c.quoted || c.correction) card.append(notes);
     if (c.explore && Object.keys(c.explore).length) card.append(el("a", { href: stateQuery(c.explore), class: "to-explorer" }, "open in the explorer"));
     showAnswers(card, c.answers);
+    if (c.id === "roofline") {
+      card.append(el("svg", { class: "chart roofline", width: 720, height: 260 }));
+      drawRoofline(card, c.answers, c.machine);
+    }
     let latest = 0;
     inputs.addEventListener("input", async () => {
       const mine = ++latest;
@@ -68,10 +72,44 @@ async function loadCards() {
       error.textContent = st === 200 ? "" : data.error;
       if (st === 200) showAnswers(card, data.answers);
       else clear(card.querySelector("table"));
+      if (st === 200 && c.id === "roofline") drawRoofline(card, data.answers, c.machine);
     });
     box.append(card);
   }
   $("cards-convention").addEventListener("change", applyCardConvention);
+}
+
+// The roofline on log-log axes: the accelerator's roof (up at slope 1 to the ridge, then flat at the
+// peak), decode and the training matmul on it, and this machine's roof as gridtrain calibrate measured it.
+function drawRoofline(card, answers, machine) {
+  const a = Object.fromEntries(answers.map((x) => [x.label, x.value]));
+  const svg = clear(card.querySelector("svg.roofline"));
+  const peak = Number(card.querySelector("input[name='peak_tflops']").value);
+  const left = 60, right = 700, top = 10, bottom = 220;
+  const [x0, x1, y0, y1] = [-2, 5, -4, 4];  // decades of FLOP/byte and of TFLOP/s
+  const px = (v) => left + (Math.log10(v) - x0) / (x1 - x0) * (right - left);
+  const py = (v) => bottom - (Math.log10(v) - y0) / (y1 - y0) * (bottom - top);
+  for (let e = x0; e <= x1; e++) svg.append(el("text", { x: px(10 ** e) - 8, y: bottom + 14 }, `1e${e}`));
+  for (let e = y0; e <= y1; e += 2) svg.append(el("text", { x: 4, y: py(10 ** e) + 4 }, `1e${e}`));
+  svg.append(el("text", { x: left, y: bottom + 30 }, "FLOP per byte of memory traffic (log)"));
+  svg.append(el("text", { x: left + 4, y: top + 10 }, "TFLOP/s (log)"));
+  const roof = (ridge, top, color, name) => {
+    const start = 10 ** x0;
+    svg.append(el("polyline", { points: `${px(start)},${py(top * start / ridge)} ${px(ridge)},${py(top)} ${px(10 ** x1)},${py(top)}`,
+                                fill: "none", stroke: color, "stroke-width": 2, "data-roof": name }));
+    svg.append(el("text", { x: px(ridge) + 4, y: py(top) - 4, style: `fill: ${color}` },
+                  `${name}: ridge ${fmt(ridge, 3)} FLOP/byte`));
+  };
+  if (peak > 0) roof(a["ridge point"], peak, "#1f4e89", "accelerator");
+  if (machine) {
+    const p = machine.peak_tflops[machine.precision];
+    roof(machine.ridge, p, "#b07aa1", `this machine (${machine.precision}, ${machine.threads} thread(s), measured)`);
+  }
+  for (const [label, x, y, color] of [["decode", a["decode intensity"], a["decode reaches"], "#e15759"],
+                                      ["training matmul", a["training matmul intensity"], a["training matmul reaches"], "#59a14f"]]) {
+    svg.append(el("circle", { cx: px(x), cy: py(y), r: 5, fill: color, "data-point": label }));
+    svg.append(el("text", { x: px(x) + 7, y: py(y) + 14, style: `fill: ${color}` }, label));
+  }
 }
 
 // An index of the cards by topic; a click scrolls to the card (the hash keeps the view).

@@ -17,7 +17,7 @@ function fmt(x, digits = 4) {
 }
 
 function el(tag, attrs = {}, text = "") {
-  const node = ["svg", "rect", "line", "text", "g", "polyline", "title"].includes(tag)
+  const node = ["svg", "rect", "line", "text", "g", "polyline", "title", "circle"].includes(tag)
     ? document.createElementNS(SVG, tag) : document.createElement(tag);
   for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, v);
   if (text !== "") node.textContent = text;
