@@ -161,6 +161,23 @@ def test_a_layout_the_planner_refuses_is_a_422_with_its_reason():
     assert "tp=3 cannot split this model" in data["error"] and "choose tp among [1, 2, 4, 8]" in data["error"]
 
 
+def test_a_mixture_of_experts_is_planned_with_its_ep():
+    """The page's ep input is live for a mixture of experts: the options list its experts, a fixed
+    ep comes back in the layout with its all-to-alls as a part of the step, and an ep that does not
+    divide the experts is a 422 naming the relation."""
+    models = api.options()["models"]
+    assert models["mixtral-8x7b"]["experts"] == 8 and models["llama3-8b"]["experts"] == 0
+    assert models["mixtral-8x7b"]["active_params"] < models["mixtral-8x7b"]["params"]
+    status, data = api.plan({"model": "mixtral-8x7b", "num_gpus": 64, "seq_len": 4096, "global_batch": 256,
+                             "layout": {"ep": 8}})
+    assert status == 200, data
+    chosen = data["plan"]["chosen"]
+    assert chosen["layout"]["ep"] == 8 and chosen["parts_s"]["ep"] > 0
+    assert any(note.startswith("expert parallelism: ep 8") for note in data["plan"]["notes"])
+    status, data = api.plan({"model": "mixtral-8x7b", "num_gpus": 64, "layout": {"ep": 3}})
+    assert status == 422 and "ep (3) must divide the 8 experts" in data["error"], data
+
+
 @pytest.mark.parametrize("body, field", [
     ({"num_gpus": 8}, "model: missing"),
     ({"model": "llama3-8b"}, "num_gpus: missing"),

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from gridtrain.model.args import DENSE_PRESETS, PRESETS
+from gridtrain.model.args import PLANNED_PRESETS, PRESETS
 from gridtrain.layout.schedules import RUNTIME_SCHEDULES, schedule as row_of
 from gridtrain.names import PLAN_RECOMPUTE
 from gridtrain.plan.replay import replay
@@ -60,7 +60,7 @@ def _gpu_names() -> tuple[str, ...]:
 
 
 FIELDS: dict[str, Field] = {
-    "model": Field("choice", choices=DENSE_PRESETS, flag="--model"),
+    "model": Field("choice", choices=PLANNED_PRESETS, flag="--model"),
     "arch": Field("choice", choices=("llama", "gpt"), flag="--arch"),
     "gpu": Field("choice", choices=_gpu_names(), flag="--gpu"),
     "cluster": Field("choice", choices=tuple(CLUSTERS), flag="--cluster"),
@@ -86,7 +86,7 @@ SHAPE: dict[str, Field] = {
 LAYOUT: dict[str, Field] = {
     "tp": Field("int", 1, 1024), "pp": Field("int", 1, 1024), "cp": Field("int", 1, 1024),
     "dp": Field("int", 1, MAX_GPUS), "dp_shard": Field("int", 1, MAX_GPUS), "zero": Field("int", 0, 3),
-    "mb": Field("int", 1, 1 << 16), "v": Field("int", 1, 64),
+    "mb": Field("int", 1, 1 << 16), "v": Field("int", 1, 64), "ep": Field("int", 1, 1024),
     "schedule": Field("choice", choices=RUNTIME_SCHEDULES), "recompute": Field("choice", choices=PLAN_RECOMPUTE),
 }
 
@@ -286,11 +286,13 @@ def options() -> dict[str, object]:
     from gridtrain.plan.shape import from_args, param_counts
 
     models = {}
-    for name in DENSE_PRESETS:
+    for name in PLANNED_PRESETS:
         a = PRESETS[name]()
+        counts = param_counts(from_args(a))
         models[name] = {"dim": a.dim, "n_layers": a.n_layers, "n_heads": a.n_heads, "n_kv_heads": a.n_kv_heads,
                         "ffn_dim": a.hidden_dim, "vocab_size": a.vocab_size, "max_seq_len": a.max_seq_len,
-                        "tie_embeddings": a.tie_embeddings, "params": param_counts(from_args(a)).total}
+                        "tie_embeddings": a.tie_embeddings, "params": counts.total, "active_params": counts.active,
+                        "experts": a.moe.num_experts if a.moe else 0}
     accelerators = {name: {"hbm_gb": acc.hbm_gb, "peak_tflops": acc.bf16_tflops}
                     for name, acc in ACCELERATORS.items()}
     return {"models": models, "gpus": _gpu_names(), "accelerators": accelerators, "clusters": list(CLUSTERS),

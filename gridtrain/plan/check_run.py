@@ -104,7 +104,7 @@ def check_run(run_dir: Path) -> list[CheckRow]:
     record = RunRecord.load(run_dir)
     cfg, dims, args = record.config, record.dims, record.config.model.args()
     routed, moe = routed_keys(args, dims), args.moe is not None
-    rows = []
+    rows, all_exact = [], True
     for path in sorted((run_dir / "accounting").glob("rank*.jsonl")):
         measured = json.loads(path.read_text().splitlines()[-1])
         predicted = predict_rank(args, dims, cfg, measured["rank"])
@@ -118,6 +118,7 @@ def check_run(run_dir: Path) -> list[CheckRow]:
         rows.append(CheckRow(measured["rank"], "activations", acts, measured["memory/activations_bytes"],
                              moe and not routed_exactly(args), routed=moe and dims.ep > 1))
         predicted, exact = collectives(args, dims, cfg, pp_rank, gloo=record.backend == "gloo")
+        all_exact = all_exact and exact  # the summed rows are exact only if every rank's are
         for key, value in predicted.items():
             rows.append(CheckRow(measured["rank"], key, value, measured.get(f"comm/{key}", 0.0), not exact,
                                  routed=key in routed))
@@ -126,7 +127,7 @@ def check_run(run_dir: Path) -> list[CheckRow]:
                 rows.append(CheckRow(measured["rank"], key, math.nan, value, missing=True))
     if not rows:
         raise FileNotFoundError(f"{run_dir}/accounting has no rank records: was metrics.account_every 0?")
-    return rows + ranks_summed(rows, routed, exact and routed_exactly(args))
+    return rows + ranks_summed(rows, routed, all_exact and routed_exactly(args))
 
 
 def ranks_summed(rows: list[CheckRow], keys: set[str], exact: bool) -> list[CheckRow]:
