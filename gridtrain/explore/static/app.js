@@ -4,7 +4,7 @@
 
 const BASE_KEYS = ["model", "gpu", "cluster", "num_gpus", "seq_len", "global_batch", "tokens", "precision", "implementation",
                    "convention", "hbm_usable"];
-const LAYOUT_KEYS = ["tp", "pp", "cp", "zero", "rep", "mb", "schedule", "v", "recompute"];
+const LAYOUT_KEYS = ["tp", "pp", "cp", "zero", "rep", "mb", "schedule", "v", "recompute", "ep"];
 const SHAPE_KEYS = ["dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size"];
 const DEFAULTS = { model: "llama3-8b", gpu: "h100", num_gpus: "8", seq_len: "4096", global_batch: "512",
                    tokens: "", precision: "bf16", implementation: "eager", convention: "gridtrain" };
@@ -24,6 +24,7 @@ function layoutLabel(l) {
   if (l.zero_stage >= 2 && l.dp_replicate * l.dp_shard > 1) parts[3] += ` (${l.dp_replicate} replicas x ${l.dp_shard} shards)`;
   parts.push(`ZeRO ${l.zero_stage}`, `mb ${l.micro_batch} x ${l.num_microbatches}`);
   if (l.pp > 1) parts.push(l.pp_schedule + (l.pp_virtual_stages > 1 ? ` v${l.pp_virtual_stages}` : ""));
+  if (l.ep > 1) parts.push(`ep ${l.ep}`);
   if (l.sequence_parallel) parts.push("SP");
   if (l.recompute !== "none") parts.push(`recompute ${l.recompute}`);
   return parts.join(", ");
@@ -64,7 +65,22 @@ function fillForm() {
   for (const k of SHAPE_KEYS) form.elements[k].value = state[k] ?? shape[k] ?? "";
   $("shape-box").open = SHAPE_KEYS.some((k) => state[k] !== undefined);
   conventionNote();
-  $("model-params").textContent = shape.params ? `preset: ${fmt(shape.params / 1e9, 3)}B parameters, context ${shape.max_seq_len}` : "";
+  expertChoices(shape.experts || 0);
+  const active = shape.experts ? `, ${fmt(shape.active_params / 1e9, 3)}B active (${shape.experts} experts)` : "";
+  $("model-params").textContent = shape.params ? `preset: ${fmt(shape.params / 1e9, 3)}B parameters${active}, context ${shape.max_seq_len}` : "";
+}
+
+function expertChoices(experts) {
+  // Expert parallelism splits a mixture of experts' routed experts: ep divides their number.
+  const select = $("in-ep");
+  clear(select);
+  select.append(el("option", { value: "" }, experts ? "auto" : "1 (dense)"));
+  for (let ep = 2; ep <= experts; ep++) if (experts % ep === 0) select.append(el("option", { value: String(ep) }, String(ep)));
+  if (!experts && state.ep) delete state.ep;
+  select.disabled = !experts;
+  select.title = experts ? "expert parallelism: ep = dp x cp ranks, each holding E / ep experts of every MoE layer"
+                         : "expert parallelism needs a mixture-of-experts model";
+  select.value = state.ep ?? "";
 }
 
 function onInput(event) {
@@ -110,7 +126,7 @@ function requestBody(withLayout = true) {
   if (Object.keys(shape).length) body.shape = shape;
   if (!withLayout) { body.top = 10; return body; }
   const layout = {};
-  for (const k of ["tp", "pp", "cp", "zero", "mb", "v"]) if (number(state[k]) !== undefined) layout[k] = number(state[k]);
+  for (const k of ["tp", "pp", "cp", "zero", "mb", "v", "ep"]) if (number(state[k]) !== undefined) layout[k] = number(state[k]);
   for (const k of ["schedule", "recompute"]) if (state[k]) layout[k] = state[k];
   const note = [];
   const fixed = ["tp", "pp", "cp"].every((k) => layout[k] !== undefined);
@@ -257,7 +273,7 @@ async function rankLayouts() {
 }
 
 const CHOICE_NAMES = { tp: "tp", pp: "pp", cp: "cp", dp: "dp", dp_shard: "shards", zero_stage: "ZeRO", micro_batch: "mb",
-                       recompute: "recompute", pp_schedule: "schedule", pp_virtual_stages: "v" };
+                       recompute: "recompute", pp_schedule: "schedule", pp_virtual_stages: "v", ep: "ep" };
 
 // What a ranked layout changes against the first: "v 4 -> 6, ZeRO 3 -> 2".
 function differences(a, b) {
@@ -268,7 +284,7 @@ function differences(a, b) {
 function applyLayout(l) {
   Object.assign(state, { tp: l.tp, pp: l.pp, cp: l.cp, zero: l.zero_stage, mb: l.micro_batch,
                          schedule: l.pp_schedule, v: l.pp_virtual_stages, recompute: l.recompute,
-                         rep: l.zero_stage >= 2 ? l.dp_replicate : "" });
+                         rep: l.zero_stage >= 2 ? l.dp_replicate : "", ep: (l.ep || 1) > 1 ? l.ep : "" });
   for (const k of LAYOUT_KEYS) state[k] = String(state[k]);
   fillForm();
   writeURL();
