@@ -204,6 +204,25 @@ def test_an_invalid_choice_shows_the_planners_reason(page):
     assert "tp=16 cannot split this model" in page.inner_text("#reason")
 
 
+def test_the_ep_input_is_live_for_a_mixture_of_experts(page):
+    """A dense model leaves ep at 1 (disabled); Mixtral offers its experts' divisors, and ep 8 is
+    planned: the command carries it and the step shows the all-to-alls."""
+    assert page.is_disabled("#in-ep")
+    page.select_option("#in-model", "mixtral-8x7b")
+    page.fill("#in-num_gpus", "64")
+    settle(page)
+    assert not page.is_disabled("#in-ep")
+    assert page.eval_on_selector_all("#in-ep option", "os => os.map(o => o.value)") == ["", "2", "4", "8"]
+    assert "12.9B active (8 experts)" in page.inner_text("#model-params")
+    page.select_option("#in-ep", "8")
+    page.wait_for_function("() => document.getElementById('command').textContent.includes('ep=8')")
+    settle(page)
+    assert "EP all-to-alls" in page.inner_text("#outputs")
+    page.select_option("#in-model", "llama3-8b")
+    settle(page)
+    assert page.is_disabled("#in-ep") and "ep=" not in page.inner_text("#command")
+
+
 RECORD_VERDICTS = """() => {
   window.verdicts = [];
   const v = document.getElementById('verdict');
