@@ -142,6 +142,10 @@ def render_budget(r: dict) -> list[str]:
         f"  checkpoint every {k['daly_s'] / 60:.1f} min (Daly; Young {k['young_s'] / 60:.1f} min) = every "
         f"{k['steps_between']:,.0f} steps; {k['waste_fraction']:.1%} of time lost to checkpoints and "
         f"rework; ${k['cost_per_failure_usd']:,.0f} per failure",
+        f"  goodput {k['goodput_restart']:.2%} restarting the job on each failure (restart {k['restart_s']:.0f} s: "
+        f"{a['restart_overhead_s']:g} s start-up + reading the checkpoint); {k['goodput_ft']:.2%} with "
+        f"{k['ft_replicas']:.0f} fault-tolerant replica groups (torchft: the others keep stepping, the failed group "
+        f"rejoins from a live peer in {k['ft_recovery_s']:.0f} s at {a['peer_gb_per_s']:g} GB/s per GPU)",
     ]
 
 

@@ -36,6 +36,17 @@ class Assumptions:
     """Checkpoint write bandwidth of one writing rank, GB/s."""
     storage_gb_per_s: float = 2000.0
     """Aggregate bandwidth of the checkpoint storage, GB/s (Llama 3's Tectonic: 2 TB/s sustained)."""
+    restart_overhead_s: float = 12.0
+    """Seconds from a failure to training again, besides reading the state: the failure noticed,
+    processes started, the rendezvous, the process groups. Measured: 12 s from kill -9 of a worker
+    to the next step (tests/test_multinode.py, two torchrun agents on one 2-core host); a
+    16,384-GPU job's start-up takes longer."""
+    ft_replicas: int = 8
+    """Fault-tolerant replica groups (torchft over HSDP's replicate axis) the with-replicas goodput
+    assumes; the layout's data-parallel ranks split into this many groups (memory not re-checked)."""
+    peer_gb_per_s: float = 50.0
+    """Network bandwidth of one GPU for a rejoining replica's state from a live peer, GB/s (a 400
+    Gb/s NIC per GPU, Llama 3's RoCE fabric)."""
 
 
 def layout_dict(layout: Layout) -> dict[str, object]:
@@ -145,7 +156,22 @@ def checkpoint_dict(problem: Problem, cand: Candidate, days: float, a: Assumptio
             "waste_fraction": reliability.waste_fraction(daly, write_s, mtbf_s),
             "expected_failures": reliability.expected_failures(days * 86_400, mtbf_s),
             "cost_per_failure_usd": reliability.cost_per_failure(
-                problem.num_gpus, a.price_per_gpu_hour, daly, restart_s=write_s)}
+                problem.num_gpus, a.price_per_gpu_hour, daly, restart_s=write_s),
+            **goodput_dict(problem, cand, size, write_s, daly, mtbf_s, a)}
+
+
+def goodput_dict(problem: Problem, cand: Candidate, size: float, write_s: float, daly: float, mtbf_s: float,
+                 a: Assumptions) -> dict[str, float]:
+    """Goodput when each failure restarts the job from its checkpoint (reading it back as fast as
+    it was written), and with `a.ft_replicas` fault-tolerant replica groups (a failed group
+    fetches the state of one replica from a live peer, every rank of the group in parallel)."""
+    restart_s = a.restart_overhead_s + write_s
+    group_gpus = max(1, problem.num_gpus // a.ft_replicas)
+    recovery_s = a.restart_overhead_s + size / (group_gpus * a.peer_gb_per_s * 1e9)
+    return {"restart_s": restart_s, "ft_recovery_s": recovery_s, "ft_replicas": float(a.ft_replicas),
+            "goodput_restart": reliability.goodput_restarting(daly, write_s, mtbf_s, restart_s),
+            "goodput_ft": reliability.goodput_with_replicas(daly, write_s, mtbf_s, cand.time.total_s, recovery_s,
+                                                            a.ft_replicas)}
 
 
 def problem_dict(problem: Problem, model_name: str) -> dict[str, object]:
