@@ -61,8 +61,9 @@ def train_command(model_keys: tuple[tuple[str, object], ...], global_batch_seqs:
     if layout.num_gpus <= gpus_per_node:
         return f"gridtrain train --nproc {layout.num_gpus} {flags}"
     nodes = layout.num_gpus // gpus_per_node
+    # --rdzv-id names the job: its restarts continue the run directory (gridtrain/rundir.py)
     return (f"torchrun --nnodes {nodes} --nproc-per-node {gpus_per_node} --node-rank $NODE_RANK "
-            f"--rdzv-backend c10d --rdzv-endpoint $HEAD_NODE:29500 -m gridtrain train {flags}")
+            f"--rdzv-backend c10d --rdzv-id $JOB_ID --rdzv-endpoint $HEAD_NODE:29500 -m gridtrain train {flags}")
 
 
 def _default(key: str, value: object) -> bool:
