@@ -253,6 +253,25 @@ def test_a_card_answers_new_inputs(server):
     assert answers["steps"] == 30
 
 
+def test_a_mixture_of_experts_run_shows_its_expert_load(tmp_path, corpus_dir):
+    """The runs view draws each MoE layer's load over the steps, as the trainer logged it, and links
+    the run's layout, ep included, to its plan."""
+    from conftest import tiny_overrides
+
+    from gridtrain.explore.runs import run_page
+
+    items = tiny_overrides(tmp_path, corpus_dir) | {"model.preset": "tiny-moe", "run_dir": str(tmp_path / "runs" / "moe"),
+                                                   "metrics.log_every": 1}
+    assert main(["train", *[a for k, v in items.items() for a in (f"--{k}", str(v).lower())]]) == 0
+    status, run = run_page(tmp_path / "runs", "moe")
+    assert status == 200, run
+    loads = run["curves"]["expert_load"]
+    assert sorted(loads) == ["layer0", "layer1"] and len(loads["layer0"]) == len(run["curves"]["step"])
+    logged = [json.loads(line) for line in (tmp_path / "runs" / "moe" / "metrics.jsonl").read_text().splitlines()]
+    assert loads["layer1"] == [r["moe/load/layer1"] for r in logged if "moe/load/layer1" in r]
+    assert all(1 <= x <= 8 / 2 for x in loads["layer0"])  # max / mean of 8 experts at top-2
+
+
 def test_the_runs_view_without_a_folder_says_how_to_give_one():
     from gridtrain.explore import runs
     status, data = runs.run_list(None)

@@ -64,6 +64,9 @@ def _curves(rows: list[dict]) -> dict[str, list]:
         out[name] = [_finite(r.get(key)) for r in kept]
     vals = [(r["step"], _finite(r["loss/val"])) for r in rows if "loss/val" in r]  # every validation point
     out["val_step"], out["val_loss"] = [s for s, _ in vals], [v for _, v in vals]
+    # A mixture of experts: each MoE layer's load (its busiest expert's tokens over the mean) per step.
+    layers = sorted({k for r in kept for k in r if k.startswith("moe/load/layer")}, key=lambda k: int(k[14:]))
+    out["expert_load"] = {k[len("moe/load/"):]: [_finite(r.get(k)) for r in kept] for k in layers}
     return out
 
 
@@ -73,6 +76,8 @@ def plan_state(record: RunRecord) -> dict[str, object]:
     cfg, dims = record.config, record.dims
     layout = {"tp": dims.tp, "pp": dims.pp, "cp": dims.cp, "zero": cfg.parallel.zero_stage,
               "mb": cfg.train.micro_batch, "recompute": cfg.train.recompute}
+    if dims.ep > 1:
+        layout["ep"] = dims.ep
     if dims.pp > 1:
         layout |= {"schedule": cfg.parallel.pp_schedule, "v": cfg.parallel.pp_virtual_stages}
     if cfg.parallel.zero_stage >= 2:
@@ -94,7 +99,7 @@ def run_page(root: Path | None, name: str) -> tuple[int, object]:
         return 422, {"error": str(e)}
     out: dict[str, object] = {"name": name, "model": record.config.model.preset, "backend": record.backend,
                               "precision": record.config.train.precision,
-                              "layout": {k: getattr(record.dims, k) for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp")},
+                              "layout": {k: getattr(record.dims, k) for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")},
                               "world": record.dims.world_size, "curves": _curves(_metrics(run)),
                               "explore": plan_state(record)}
     from gridtrain.plan.check_run import ALL_RANKS, check_run

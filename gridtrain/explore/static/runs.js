@@ -47,7 +47,8 @@ async function loadRuns() {
 }
 
 function clearRun() {
-  for (const id of ["run-loss", "run-tps", "run-check", "check"]) clear($(id));
+  for (const id of ["run-loss", "run-tps", "run-load", "run-check", "check"]) clear($(id));
+  $("run-load-box").hidden = true;
   for (const id of ["run-layout", "check-note"]) $(id).textContent = "";
 }
 
@@ -60,7 +61,7 @@ async function loadRun(name) {
   if (status !== 200) return;
   const l = run.layout;
   $("run-layout").textContent = `${run.model}, ${run.precision}, ${run.world} ranks on ${run.backend}: dp_replicate ` +
-    `${l.dp_replicate} x dp_shard ${l.dp_shard} x cp ${l.cp} x tp ${l.tp} x pp ${l.pp}. `;
+    `${l.dp_replicate} x dp_shard ${l.dp_shard} x cp ${l.cp} x tp ${l.tp} x pp ${l.pp}` + (l.ep > 1 ? `, ep ${l.ep}. ` : ". ");
   if (run.explore) {
     $("run-layout").append(el("a", { href: stateQuery(run.explore), class: "to-explorer" },
                               "the plan of this layout in the explorer"));
@@ -69,6 +70,12 @@ async function loadRun(name) {
   lineChart($("run-loss"), [{ name: "train loss", xs: c.step, ys: c.loss, color: "#4e79a7" },
                             { name: "validation loss", xs: c.val_step, ys: c.val_loss, color: "#e15759" }], 220);
   lineChart($("run-tps"), [{ name: "tokens/s", xs: c.step, ys: c.tokens_per_s, color: "#59a14f" }], 180);
+  const layers = Object.entries(c.expert_load || {});
+  $("run-load-box").hidden = !layers.length;
+  const colors = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7"];
+  if (layers.length) {
+    lineChart($("run-load"), layers.map(([name, ys], i) => ({ name: `${name} load`, xs: c.step, ys, color: colors[i % colors.length] })), 200);
+  }
   drawCheck(run);
 }
 
