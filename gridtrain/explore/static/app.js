@@ -213,7 +213,7 @@ function renderPlan(status, data) {
     const fix = (plan.fixes || [])[0];
     verdict.textContent = (cand ? `does not fit: the leanest layout needs ${fmt(mem.total_GiB, 3)} GiB of ` +
       `${fmt(mem.limit_GiB, 3)} GiB usable` : "does not fit: no layout can run these inputs") +
-      (fix ? `; best fix: ${fix.change}` : "");
+      (fix ? `; best fix: ${fix.change}` : "") + partialNote(data);
   }
   drawFixes(plan.fits ? [] : plan.fixes || []);
   $("model-params").textContent = `${fmt(plan.problem.params / 1e9, 4)}B parameters (${plan.problem.model}` +
