@@ -142,3 +142,35 @@ def test_resume_mid_mixture_reads_the_same_next_batches(tmp_path, sources, make_
     other = mix.replace("=0.3", "=0.4")
     with pytest.raises(InvalidCheckpointError, match="resume with the data.mix"):
         Trainer(make_config(tmp_path / "b", **{**common, "data.mix": other, "checkpoint.resume": True}))
+
+
+@pytest.mark.dist
+def test_a_mixture_checkpoint_of_fsdp2_continues_in_one_process(tmp_path, sources, make_config):
+    """`gridtrain train --nproc 2` (FSDP 2) on a mixture saves step 2; one process resumes it and
+    reads, for steps 3 and 4, the batches an uninterrupted one-process run reads, bit for bit (and its
+    losses match the FSDP 2 run's within fp32 tolerance: the same data)."""
+    import shutil
+
+    from gridtrain.train.trainer import Trainer
+    from tests.test_recovery import losses, train
+
+    mix = ",".join(f"{sources[c]}={w}" for c, w in zip(LETTERS, (0.5, 0.3, 0.2)))
+    train(tmp_path, sources["x"], "fsdp2", 2, "--data.corpus", "none", "--data.mix", mix, "--train.steps", "4",
+          "--data.val_fraction", "0.1")
+    reference = losses(tmp_path / "fsdp2")
+    (tmp_path / "one" / "checkpoints").mkdir(parents=True)
+    shutil.copytree(tmp_path / "fsdp2" / "checkpoints" / "step-0000002", tmp_path / "one" / "checkpoints" / "step-0000002")
+    common = {"data.corpus": None, "data.mix": mix, "train.steps": 4, "data.val_fraction": 0.1,
+              "data.cache_dir": str(tmp_path / "cache")}
+    straight = Trainer(make_config(tmp_path / "straight", **common))
+    seen = recording(straight)
+    for _ in range(4):
+        straight.train_step()
+    straight.release()
+    resumed = Trainer(make_config(tmp_path, **common, run_dir=str(tmp_path / "one"), **{"checkpoint.resume": True}))
+    assert resumed.step == 2
+    again = recording(resumed)
+    for step in (3, 4):
+        assert resumed.train_step()["loss/train"] == pytest.approx(reference[step], rel=1e-5), step
+    resumed.release()
+    assert torch.equal(torch.cat([x for _, x in again]), torch.cat([x for first, x in seen if first >= 8]))
