@@ -216,8 +216,11 @@ function renderPlan(status, data) {
       (fix ? `; best fix: ${fix.change}` : "") + partialNote(data);
   }
   drawFixes(plan.fits ? [] : plan.fixes || []);
-  $("model-params").textContent = `${fmt(plan.problem.params / 1e9, 4)}B parameters (${plan.problem.model}` +
-    `${Object.keys(requestBody(false).shape || {}).length ? ", custom shape" : ""})`;
+  const custom = Object.keys(requestBody(false).shape || {}).length > 0;
+  const shape = presetShape();  // a preset's active parameters and experts (a custom shape's are not known here)
+  const active = shape.experts && !custom ? `, ${fmt(shape.active_params / 1e9, 3)}B active (${shape.experts} experts)` : "";
+  $("model-params").textContent = `${fmt(plan.problem.params / 1e9, 4)}B parameters${active} (${plan.problem.model}` +
+    `${custom ? ", custom shape" : ""})`;
   drawMemory(mem);
   drawStateLine(plan);
   // A layout that does not fit has no step time and no MFU: it cannot run.
