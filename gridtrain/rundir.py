@@ -35,7 +35,7 @@ from gridtrain.inputs import read_json
 from gridtrain.layout.dims import ParallelDims
 from gridtrain.validate import model_problems
 
-DATA_KEYS = ("corpus", "tokenizer", "seq_len", "val_fraction")
+DATA_KEYS = ("corpus", "tokenizer", "seq_len", "val_fraction", "text_column", "mix")
 """The data settings a resume must keep: they decide which sample each step reads."""
 
 
