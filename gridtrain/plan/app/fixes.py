@@ -23,9 +23,9 @@ from gridtrain.plan.search import Candidate, Constraints, Problem, SearchResult,
 from gridtrain.plan.shape import param_counts
 
 PLANNER_ERROR = 0.05
-"""Relative MFU difference below which two fixes tie: the planner's step times are within 3.9% of
-the published runs it is checked against (the SC21 rows, plan/reference.py), so a smaller
-difference is not a ranking the planner can stand behind."""
+"""Relative MFU difference below which two fixes tie: the planner's throughput is within 4.6% of
+the published runs it is checked against (`gridtrain plan --reference`: Megatron-LM's SC21 Table 1
+and torchtitan's H100 benchmark), so a smaller difference is not a ranking it can stand behind."""
 CHOICES = ("tp", "pp", "cp", "dp", "zero_stage", "micro_batch", "recompute", "pp_schedule", "pp_virtual_stages")
 """The layout's choices a fix may change (dp_shard follows the ZeRO stage; counted with it)."""
 NAMES = {"tp": "tensor parallelism", "pp": "a pipeline", "cp": "context parallelism", "zero_stage": "ZeRO",
