@@ -41,6 +41,8 @@ TABLE = [  # (relation, arguments after `gridtrain plan`, what the refusal must 
     ("shard_sizes", B8 + ["--num-gpus", "24", "--global-batch", "48", "--layout", "tp=1,pp=1,cp=1,zero=3,dp_shard=3"],
      ["dp_shard=3", "power of two or all of dp=24", "[2, 4, 8, 24]"]),
     ("zero1_runtime", B8 + ["--num-gpus", "16", "--layout", "tp=2,zero=1"], ["zero=1 with tp=2", "without tp and pp"]),
+    ("zero1_moe", ["--model", "mixtral-8x7b", "--gpu", "h100", "--num-gpus", "64", "--layout", "zero=1"],
+     ["zero=1 with a mixture of experts (8 experts)", "choose zero=2"]),
     ("cp_zero", B8 + ["--num-gpus", "16", "--seq-len", "8192", "--layout", "cp=2,zero=0"], ["cp=2 with zero=0"]),
     ("v_pipeline", B8 + ["--num-gpus", "8", "--layout", "pp=1,v=2"], ["v=2", "pp=1"]),
     # An interleaved or V schedule with v = 1 (the 405B / 128-GPU preset's layout): v, not dp_shard.

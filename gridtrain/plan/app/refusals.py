@@ -27,6 +27,7 @@ RELATIONS: dict[str, str] = {
     "replicas": "under ZeRO 2 or 3, replicas x shards = dp with at least 2 shards (or cp > 1)",
     "shard_sizes": "the search shards over a power of two or all of dp",
     "zero1_runtime": "gridtrain train runs ZeRO-1 without tp and pp",
+    "zero1_moe": "gridtrain train runs a mixture of experts under ZeRO 0, 2 or 3, not ZeRO-1",
     "cp_zero": "gridtrain train sums context parallelism's gradients with FSDP (ZeRO 2 or 3)",
     "v_pipeline": "virtual stages need a pipeline (pp > 1)",
     "v_schedule": "the schedule's stages per rank: 1 (GPipe, 1F1B), 2 or more (interleaved), exactly 2 (V)",
@@ -126,6 +127,11 @@ def _zero(problem: Problem, c: Constraints) -> tuple[str, str] | None:
         shards = [s for s in _divisors(dp) if s > 1 and (s & (s - 1) == 0 or s == dp)]
         return "shard_sizes", (f"dp_shard={shard}: the search shards over a power of two or all of dp={dp}; choose "
                                f"dp_shard among {shards}")
+    if problem.filters_runnable and stage == 1 and problem.shape.num_experts and (dp is None or dp > 1):
+        return "zero1_moe", (f"zero=1 with a mixture of experts ({problem.shape.num_experts} experts): gridtrain train "
+                             "has not compared ZeRO-1 with one process for one (validate._check_moe); choose zero=2 "
+                             "(the same sharded optimizer state, gradients sharded too), 0 or 3, or --any-layout to "
+                             "plan it anyway")
     if problem.filters_runnable and stage == 1 and ((c.tp or 1) > 1 or (c.pp or 1) > 1):
         return "zero1_runtime", (f"zero=1 with tp={c.tp or 1}, pp={c.pp or 1}: gridtrain train runs ZeRO-1 "
                                  "(a sharded optimizer over DDP) without tp and pp only; choose zero=2 (the same "
