@@ -160,7 +160,9 @@ def _resume_state(work: Path, settings: dict[str, Any]) -> dict[str, Any]:
     state = fresh
     try:
         found = json.loads((work / PROGRESS_FILE).read_text())
-        if found["settings"] == settings and all(
+        if found["settings"] != settings:
+            logger.warning("%s holds an interrupted prepare of other settings: starting again", work)
+        elif all(
                 (work / s["file"]).stat().st_size == s["num_tokens"] * np.dtype(settings["dtype"]).itemsize
                 and (work / s["docs_file"]).is_file() for shards in found["shards"].values() for s in shards):
             state = found

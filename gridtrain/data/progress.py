@@ -36,6 +36,7 @@ class Progress:
         self.done_bytes = 0
         self.file: Path | None = None
         self.file_chars = 0
+        self.share0 = 0.0
         self.start = self.last = time.perf_counter()
 
     def name(self, file: Path) -> str:
@@ -50,6 +51,8 @@ class Progress:
             self.file, self.file_chars = file, 0
         self.file_chars += len(text)
         self.records += 1
+        if self.records == self.skip:  # a resumed prepare's rate counts what it reads itself
+            self.share0, self.start = self.fraction(), time.perf_counter()
 
     def add(self, tokens: np.ndarray | None) -> None:
         """A document written (None: an empty one skipped)."""
@@ -68,7 +71,8 @@ class Progress:
     def line(self, now: float) -> str:
         seconds = max(now - self.start, 1e-9)
         share = self.fraction()
-        eta = seconds * (1 - share) / share if share > 0 else float("nan")
+        done = share - self.share0
+        eta = seconds * (1 - share) / done if done > 0 else float("nan")
         resumed = f" (resumed after {self.skip:,} records)" if self.skip else ""
         return (f"{self.docs:,} documents ({self.docs / seconds:,.0f}/s), {self.tokens:,} tokens "
                 f"({self.tokens / seconds:,.0f}/s), {100 * share:.0f}% of {self.total_bytes / 1e6:,.1f} MB read, "
