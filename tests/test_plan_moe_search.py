@@ -168,3 +168,14 @@ def test_step_bytes_under_expert_parallelism():
     ratio = (plain["dp_shard_cp"] - ep["dp_shard_cp"]) / ep["dp_shard_cp"]
     held = memory.rank_params(MIXTRAL, Layout(ep=8, **base), 0, 4) - memory.rank_expert_params(MIXTRAL, Layout(ep=8, **base), 0)
     assert ratio == pytest.approx(experts_per_rank / held, rel=1e-9)
+
+
+def test_the_ep_note_says_what_the_chosen_layout_does_with_the_experts():
+    """small-moe on 8 H100s plans plain DDP (zero 0, 8 replicas) at ep 1: no FSDP gathers the
+    experts there, every replica holds them all and all-reduces their gradients; Mixtral on 64
+    chooses ZeRO-2, whose FSDP gathers them."""
+    for model, gpus, says in (("small-moe", "8", "every data-parallel rank holds all the experts"),
+                              ("mixtral-8x7b", "64", "FSDP (ZeRO-2) gathers the experts")):
+        rc, out, _ = _plan("--model", model, "--num-gpus", gpus)
+        note = next(line for line in out.splitlines() if line.startswith("note: expert parallelism: ep 1"))
+        assert rc == 0 and says in note, note

@@ -63,7 +63,20 @@ def ep_note(problem: Problem, constraints: Constraints, chosen: Candidate) -> st
     return (f"expert parallelism: ep 1, because the best layout with it ({_label(other)}: "
             f"{other.time.total_s:.3f} s a step against {chosen.time.total_s:.3f} s) spends "
             f"{_differences(chosen, other)}: gridtrain's all-to-alls run in line with compute, and {allowance}; "
-            "without expert parallelism FSDP gathers the experts, which a step of this many tokens per rank hides")
+            f"{_without_ep(chosen)}")
+
+
+def _without_ep(chosen: Candidate) -> str:
+    """What becomes of the experts in the chosen layout without expert parallelism."""
+    lay = chosen.layout
+    if lay.dp * lay.cp == 1:
+        return "without data- or context-parallel ranks to borrow, each rank runs all the experts of its layers"
+    if lay.zero_stage >= 2 and lay.zero_shard_degree > 1:
+        return (f"without expert parallelism FSDP (ZeRO-{lay.zero_stage}) gathers the experts with their blocks, "
+                "its time counted in exposed DP/FSDP above")
+    return ("without expert parallelism every data-parallel rank holds all the experts and their gradients are "
+            f"{'all-reduced' if lay.zero_stage == 0 else 'reduced'} with the other weights (ZeRO-{lay.zero_stage}), "
+            "counted in exposed DP/FSDP above")
 
 
 def ep_refusal(problem: Problem, c: Constraints) -> str | None:
