@@ -179,3 +179,15 @@ def test_the_ep_note_says_what_the_chosen_layout_does_with_the_experts():
         rc, out, _ = _plan("--model", model, "--num-gpus", gpus)
         note = next(line for line in out.splitlines() if line.startswith("note: expert parallelism: ep 1"))
         assert rc == 0 and says in note, note
+
+
+def test_an_ep_group_of_cp_and_dp_ranks_in_one_node_shares_its_nvlink():
+    """ep 8 = cp 2 x dp 4 on one DGX H100 node: of 1 GB each rank sends, 1/8 stays and 7/8 crosses
+    NVLink (450 GB/s x 0.6), the CP rank's share and the 6 DP ranks' on the same link: 7/8 / 270 s,
+    plus NCCL's base latency and one NVLink step (8.4 + 3.4 us); as the same 8 ranks as one group."""
+    from gridtrain.plan.moe_cost import ep_levels
+
+    cluster = specs.cluster("dgx-h100")
+    levels = ep_levels(cluster, Layout(cp=2, dp_shard=4, zero_stage=3, ep=8, seq_len=4096), 0.6, 0.8)
+    assert [level.ranks for level in levels] == [2, 4]
+    assert placement.all_to_all_time(1e9, levels) == pytest.approx(7 / 8 / 270 + 8.4e-6 + 3.4e-6)

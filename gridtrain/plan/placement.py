@@ -187,19 +187,21 @@ def all_to_all_time(payload: float, levels: tuple[Level, ...]) -> float:
     once (NCCL posts every send together), so the slowest level sets the time, plus NCCL's base
     latency and one step of the slowest link. Over gloo (local ranks) the n - 1 exchanges run one
     after another. Worked example: 64 ranks, 8 per node, 1 GB each: 7/64 GB over NVLink and 56/64
-    over the NIC, which sets the pace."""
+    over the NIC, which sets the pace. Levels of one kind (an expert-parallel group's context- and
+    data-parallel parts both inside a node, or both across nodes) share their link: their shares add."""
     n = math.prod(level.ranks for level in levels)
     if n <= 1:
         return 0.0
-    wires, inner = [], 1
+    wires: dict[str, float] = {}  # by link: two levels of one kind (an EP group's CP and DP parts) share it
+    inner = 1
     for level in levels:
         share = payload * (inner * level.ranks - inner) / n
-        wires.append(share / level.link.effective)
+        wires[level.name] = wires.get(level.name, 0.0) + share / level.link.effective
         inner *= level.ranks
     if levels[0].gloo_step_s is not None:
-        return sum(wires) + (n - 1) * levels[0].gloo_step_s
+        return sum(wires.values()) + (n - 1) * levels[0].gloo_step_s
     step = NCCL_RING_STEP_S["net" if any(level.name != "node" for level in levels) else "nvlink"]
-    return max(wires) + NCCL_BASE_S + step
+    return max(wires.values()) + NCCL_BASE_S + step
 
 
 def p2p_time(payload: float, cluster: ClusterSpec, degree: int, stride: int, intra_efficiency: float,
