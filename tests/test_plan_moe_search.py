@@ -191,3 +191,19 @@ def test_an_ep_group_of_cp_and_dp_ranks_in_one_node_shares_its_nvlink():
     levels = ep_levels(cluster, Layout(cp=2, dp_shard=4, zero_stage=3, ep=8, seq_len=4096), 0.6, 0.8)
     assert [level.ranks for level in levels] == [2, 4]
     assert placement.all_to_all_time(1e9, levels) == pytest.approx(7 / 8 / 270 + 8.4e-6 + 3.4e-6)
+
+
+def test_sequence_parallelism_adds_the_mixtures_gathers():
+    """Under SP an MoE layer's TP traffic is the attention's (2 all-reduces, as without SP) plus the
+    mixture's all-gathers, as dry runs of tiny-moe at tp 2 log them (per layer and micro-batch 2
+    all-gathers and no reduce-scatter where a dense MLP has 2 of each; 1 more under recomputation):
+    its input, fp32 (4 x 4,096 x 4,096 bytes for Mixtral's 4,096 tokens), and its output's bf16
+    gradient (2 x 4,096 x 4,096)."""
+    cluster = specs.cluster("dgx-h100")
+    eff = steptime.CALIBRATED
+    levels = placement.axis_levels(cluster, 2, 1, eff.intra_node, eff.inter_node)
+    gather = {b: placement.all_gather_time(b * 4096 * 4096, levels) for b in (4, 2)}
+    for recompute, fp32_gathers in (("none", 1), ("selective", 2), ("full", 2)):
+        sp, plain = (steptime.layer_cost(MIXTRAL, cluster, eff, 4096, 1, 2, 1, s, recompute, True, moe=True).tp_s
+                     for s in (True, False))
+        assert sp - plain == pytest.approx(fp32_gathers * gather[4] + gather[2], rel=1e-12), recompute

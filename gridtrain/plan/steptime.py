@@ -184,8 +184,11 @@ def layer_cost(shape: ModelShape, cluster: ClusterSpec, eff: Efficiency, seq_len
 
     With `moe`, a mixture-of-experts layer: its feed-forward runs whole on every TP rank
     (moe_cost.moe_ffn_flops_per_token, the routed experts at the imbalance allowance when ep > 1),
-    so only the attention's 2 all-reduces (3 with full recomputation) cross the tp axis; its
-    all-to-alls (ep_s) are added by pipeline_time, which knows the layout's data-parallel ranks."""
+    so only the attention's 2 all-reduces (3 with full recomputation) cross the tp axis, and under
+    sequence parallelism the mixture's own all-gathers: its fp32 input along the sequence forward
+    (again where the forward is recomputed) and its output's gradient backward (act_bytes), as
+    dry runs of tiny-moe at tp 2 log them; its all-to-alls (ep_s) are added by pipeline_time,
+    which knows the layout's data-parallel ranks."""
     acc = cluster.accelerator
     tokens = micro_batch * seq_len / cp
     if moe:
@@ -208,6 +211,11 @@ def layer_cost(shape: ModelShape, cluster: ClusterSpec, eff: Efficiency, seq_len
         levels = placement.axis_levels(cluster, tp, 1, eff.intra_node, eff.inter_node)
         count = (6 if recompute == "full" else 4) // (2 if moe else 1)
         tp_s = count * placement.all_reduce_time(tokens * shape.hidden * act_bytes, levels)
+        if moe and sequence_parallel:  # the mixture's own gathers (parallel/tensor_parallel.moe_plan)
+            rows = tokens * shape.hidden
+            again = recompute != "none"  # a recomputed forward gathers again (dry runs: selective too)
+            tp_s += ((1 + again) * placement.all_gather_time(4 * rows, levels)
+                     + placement.all_gather_time(act_bytes * rows, levels))
     cp_s = 0.0
     if cp > 1:
         # The ring's messages (comm.ring_attention_payloads): keys and values, (1 + forwards) x
