@@ -174,3 +174,24 @@ def test_a_mixture_checkpoint_of_fsdp2_continues_in_one_process(tmp_path, source
         assert resumed.train_step()["loss/train"] == pytest.approx(reference[step], rel=1e-5), step
     resumed.release()
     assert torch.equal(torch.cat([x for _, x in again]), torch.cat([x for first, x in seen if first >= 8]))
+
+
+def test_plan_check_shows_the_data_wait_beside_the_step(tmp_path):
+    """plan --check's step-time line gives the median wait of the plain steps (not the first, not one
+    that validated) beside the measured step."""
+    import json
+
+    from gridtrain.plan.check_run import CheckRow, format_step_time, measured_data_wait
+
+    records = [{"step": 1, "time/step_s": 1.0, "time/data_wait_s": 0.01},
+               {"step": 2, "time/step_s": 0.5, "time/data_wait_s": 0.002},
+               {"step": 3, "time/step_s": 0.5, "time/data_wait_s": 0.009, "loss/val": 2.0},
+               {"step": 4, "time/step_s": 0.5, "time/data_wait_s": 0.003}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    wait = measured_data_wait(tmp_path)
+    assert wait == pytest.approx(0.0025)
+    line = format_step_time(CheckRow(0, "step_time_s", 0.4, 0.5, data_wait=wait), {"compute_s": 0.4})
+    assert "measured 0.5000 s (median of plain steps, of which waiting for data 0.0025 s (0.50%))" in line
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 2, "time/step_s": 0.5}) + "\n")  # an older run
+    assert "waiting" not in format_step_time(CheckRow(0, "step_time_s", 0.4, 0.5, data_wait=measured_data_wait(tmp_path)),
+                                             {"compute_s": 0.4})

@@ -10,7 +10,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from gridtrain.plan.check_run import CheckRow, measured_step_seconds
+from gridtrain.plan.check_run import CheckRow, measured_data_wait, measured_step_seconds
 from gridtrain.plan.memory import rank_memory
 from gridtrain.plan.reference_gpu import ONE_GPU
 from gridtrain.plan.run_collectives import run_layout
@@ -42,7 +42,8 @@ def check_device_step_time(run_dir: Path) -> tuple[CheckRow, dict[str, float], s
              "optimizer_s": st.optimizer_s}
     source = (f"{implementation}, {'one GPU as gridtrain measured it' if one else 'as torchtitan published'}: "
               f"matmul share {eff.matmul:.3f} of {spec.name}'s {spec.peak_flops / 1e12:.0f} TFLOP/s")
-    return CheckRow(0, "step_time_s", st.total_s, measured_step_seconds(run_dir)), parts, source
+    return CheckRow(0, "step_time_s", st.total_s, measured_step_seconds(run_dir),
+                    data_wait=measured_data_wait(run_dir)), parts, source
 
 
 def check_device_memory(run_dir: Path) -> list[str]:

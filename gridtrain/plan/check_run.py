@@ -88,6 +88,9 @@ class CheckRow:
     routed: bool = False
     """The bytes depend on routing: the prediction is the rank's expectation under uniform routing
     (on the all-ranks row, rank ALL_RANKS, the ranks' sum: exact for dropless routing)."""
+    data_wait: float = float("nan")
+    """On the step-time row: the measured seconds a step waited for its batch (median), nan where
+    the run did not log it."""
 
     @property
     def ratio(self) -> float:
@@ -164,6 +167,16 @@ def measured_step_seconds(run_dir: Path) -> float:
     return statistics.median(times)
 
 
+def measured_data_wait(run_dir: Path) -> float:
+    """Median `time/data_wait_s` of the steps measured_step_seconds times; nan for a run that did not log it."""
+    waits = []
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if rec["step"] > 1 and "time/data_wait_s" in rec and "loss/val" not in rec and "memory/weights_bytes" not in rec:
+            waits.append(rec["time/data_wait_s"])
+    return statistics.median(waits) if waits else float("nan")
+
+
 def check_step_time(run_dir: Path, calibration: dict | None = None) -> tuple[CheckRow, dict[str, float]]:
     """Predicted (slowest rank, localtime.py) against measured (median) seconds per step, and the
     prediction's parts. `calibration`: this machine's entry at the run's threads per rank; by
@@ -188,13 +201,16 @@ def check_step_time(run_dir: Path, calibration: dict | None = None) -> tuple[Che
     slowest = max(steps, key=lambda s: s.compute_s if math.isnan(s.total_s) else s.total_s)
     parts = {"compute_s": slowest.compute_s, "bubble_s": slowest.bubble_s, "comm_s": slowest.comm_s,
              "optimizer_s": slowest.optimizer_s}
-    return CheckRow(0, "step_time_s", slowest.total_s, measured_step_seconds(run_dir)), parts
+    return CheckRow(0, "step_time_s", slowest.total_s, measured_step_seconds(run_dir),
+                    data_wait=measured_data_wait(run_dir)), parts
 
 
 def format_step_time(row: CheckRow, parts: dict[str, float], where: str = "on this machine") -> str:
     detail = ", ".join(f"{k[:-2]} not modelled" if math.isnan(v) else f"{k[:-2]} {v:.4f}" for k, v in parts.items())
+    waited = "" if math.isnan(row.data_wait) else (
+        f", of which waiting for data {row.data_wait:.4f} s ({100 * row.data_wait / row.measured:.2f}%)")
     return (f"step time {where}: predicted {row.predicted:.4f} s ({detail}), measured "
-            f"{row.measured:.4f} s (median of plain steps), measured/predicted {row.ratio:.3f}")
+            f"{row.measured:.4f} s (median of plain steps{waited}), measured/predicted {row.ratio:.3f}")
 
 
 def format_check(rows: list[CheckRow]) -> str:
