@@ -146,7 +146,7 @@ class ProgressBoard:
 
     def last_steps(self) -> dict[int, int | None] | None:
         """Each rank's last posted step (None: never posted), or None if the store did not answer
-        within 5 s: its host is gone (node 0's torchrun agent or rank 0, which host it)."""
+        within 5 s: its host is gone or stopped (rank 0, or node 0's torchrun agent)."""
         steps: dict[int, int | None] = dict.fromkeys(range(self.world_size))
         try:
             self.store.set_timeout(datetime.timedelta(seconds=5))
@@ -209,9 +209,9 @@ def collective_failure(err: BaseException, rank: int, step: int, timeout_s: floa
         who = "; ".join(f"rank {r} started step {step} but went silent inside it (stopped or dead: every other "
                         "rank's collective failed, it never said so)" for r in silent)
     if store_lost:
-        who = (f"the job's store at {store_address()} no longer answers: node 0 (its torchrun agent or rank 0, "
-               "which host the store and the rendezvous) is gone, which ends the job on every node; start it "
-               "again with --resume")
+        who = (f"the job's store at {store_address()} no longer answers: its host (rank 0's process, or node 0's "
+               "torchrun agent) is gone or stopped; without node 0's agent no node can restart the job: start "
+               "it again with --resume")
     how = (f"gave up on {what} {doing} after {timeout_s:g} s (train.collective_timeout_s)" if timed_out
            else f"lost a peer in {what} {doing}")
     return CollectiveTimeout(
