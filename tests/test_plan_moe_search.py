@@ -207,3 +207,18 @@ def test_sequence_parallelism_adds_the_mixtures_gathers():
         sp, plain = (steptime.layer_cost(MIXTRAL, cluster, eff, 4096, 1, 2, 1, s, recompute, True, moe=True).tp_s
                      for s in (True, False))
         assert sp - plain == pytest.approx(fp32_gathers * gather[4] + gather[2], rel=1e-12), recompute
+
+
+def test_step_tp_bytes_of_a_mixture():
+    """Mixtral on tp 2 (its 32 layers all MoE), one micro-batch of 4,096 tokens: per layer the
+    attention's 2 ring all-reduces of 4,096 x 4,096 bf16 values, each sending 1/2 x 2 x 32 MiB,
+    not a dense layer's 4; with SP 1/2 of the fp32 input's gather (64 MiB) and of the bf16
+    gradient's (32 MiB) more; with full recomputation a third all-reduce and a second input gather."""
+    from gridtrain.plan import comm
+
+    mib = 2**20
+    base = dict(tp=2, dp_shard=4, zero_stage=3, seq_len=4096, num_microbatches=1)
+    assert comm.bytes_per_step(MIXTRAL, Layout(**base))["tp"] == 32 * 2 * 32 * mib
+    assert comm.bytes_per_step(MIXTRAL, Layout(sequence_parallel=True, **base))["tp"] == 32 * (2 * 32 + 48) * mib
+    full = Layout(sequence_parallel=True, recompute="full", **base)
+    assert comm.bytes_per_step(MIXTRAL, full)["tp"] == 32 * (3 * 32 + 80) * mib

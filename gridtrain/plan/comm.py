@@ -193,6 +193,20 @@ def tp_bytes_per_layer(tokens: int, hidden: int, tp: int, act_bytes: int = 2,
     return count * ring_all_reduce_bytes(tokens * hidden * act_bytes, tp)
 
 
+def moe_tp_bytes_per_layer(tokens: int, hidden: int, tp: int, act_bytes: int, recompute: str,
+                           sequence_parallel: bool) -> float:
+    """Bytes one TP rank sends per mixture-of-experts layer per micro-batch: the attention's 2
+    all-reduces (3 with full recomputation; the mixture runs whole on every TP rank), and under
+    sequence parallelism the mixture's all-gathers, (tp - 1) / tp of each gathered tensor: its fp32
+    input forward (again where the forward is recomputed) and its output's gradient backward
+    (parallel/tensor_parallel.moe_plan; steptime.layer_cost times the same)."""
+    size = tokens * hidden
+    out = (3 if recompute == "full" else 2) * ring_all_reduce_bytes(size * act_bytes, tp)
+    if sequence_parallel:
+        out += (tp - 1) / tp * size * (4 * (1 + (recompute != "none")) + act_bytes)
+    return out
+
+
 def pp_bytes_per_step(tokens: int, hidden: int, num_microbatches: int, virtual: int = 1,
                       act_bytes: int = 2, tp: int = 1, sequence_parallel: bool = False) -> float:
     """Bytes one pipeline rank sends per step: each of its `virtual` chunks sends its output
@@ -260,7 +274,7 @@ def bytes_per_step(shape: ModelShape, layout: Layout, rank: int = 0, state: Stat
     """Bytes one GPU on pipeline rank `rank` sends per optimizer step, by mesh axis, from the
     per-axis functions above: 'dp' (stages 0/1: all-reduce over all DP ranks), or 'dp_shard' (under
     CP 'dp_shard_cp', FSDP's dp_shard x cp ranks) and 'dp_replicate' (stages 2/3, HSDP); 'tp' (4 or 6
-    all-reduces per layer per micro-batch); 'pp' (activation sends); 'cp' (KV blocks); 'ep' (the
+    all-reduces per layer per micro-batch, an MoE layer's moe_tp_bytes_per_layer); 'pp' (activation sends); 'cp' (KV blocks); 'ep' (the
     expert-parallel all-to-alls of the rank's MoE layers). Axes of degree 1 are left out."""
     # Under expert parallelism the rank's own experts are neither gathered nor reduced over DP.
     params = rank_params(shape, layout, rank, rank_layers(shape, layout)[rank]) - (
@@ -282,8 +296,10 @@ def bytes_per_step(shape: ModelShape, layout: Layout, rank: int = 0, state: Stat
         if layout.dp_replicate > 1:
             out["dp_replicate"] = ring_all_reduce_bytes(grads / shards, layout.dp_replicate)
     if layout.tp > 1:
-        out["tp"] = layers * m * tp_bytes_per_layer(tokens // layout.cp, shape.hidden, layout.tp,
-                                                    act_bytes, full)
+        moe = rank_moe_layers(shape, layout, rank)
+        dense = tp_bytes_per_layer(tokens // layout.cp, shape.hidden, layout.tp, act_bytes, full)
+        out["tp"] = m * ((layers - moe) * dense + moe * moe_tp_bytes_per_layer(
+            tokens // layout.cp, shape.hidden, layout.tp, act_bytes, layout.recompute, layout.sequence_parallel))
     if layout.pp > 1:
         out["pp"] = pp_bytes_per_step(tokens // layout.cp, shape.hidden, m, layout.pp_virtual_stages,
                                       act_bytes, layout.tp, layout.sequence_parallel)
