@@ -150,6 +150,9 @@ def test_plan_says_why_about_expert_parallelism():
         assert rc == 2 and words in err, err
     rc, _, err = _plan("--model", "llama3-8b", "--num-gpus", "8", "--layout", "ep=2")
     assert rc == 2 and "dense" in err
+    # GPT blocks are dense: a mixture of experts is refused, not planned without its experts.
+    rc, out, err = _plan("--model", "mixtral-8x7b", "--num-gpus", "64", "--arch", "gpt")
+    assert rc == 2 and out == "" and "is a mixture of experts (8 experts, top 2): drop --arch gpt" in err, err
 
 
 def test_step_bytes_under_expert_parallelism():

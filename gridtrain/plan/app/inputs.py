@@ -151,6 +151,9 @@ def resolve_model(preset: str, overrides: dict[str, str], arch: str = "llama") -
         raise PlanError(f"model {preset!r} has heads wider than dim / n_heads or QK-norm, which the planner does not "
                         f"plan yet (its activation census assumes neither): plan one of {', '.join(PLANNED_PRESETS)}, "
                         "or train it and read its metrics")
+    if arch == "gpt" and margs.moe is not None:
+        raise PlanError(f"--arch gpt plans dense GPT blocks, and model {preset!r} is a mixture of experts "
+                        f"({margs.moe.num_experts} experts, top {margs.moe.top_k}): drop --arch gpt, or plan a dense preset")
     if arch == "gpt":
         ffn = margs.ffn_dim or 4 * margs.dim
         s = shape.gpt(margs.dim, margs.n_layers, margs.n_heads, margs.vocab_size, margs.max_seq_len, ffn)
