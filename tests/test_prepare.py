@@ -15,7 +15,7 @@ from gridtrain.cli import main
 from gridtrain.data.prepare import PROGRESS_FILE, prepare
 from gridtrain.data.shards import TokenStore, load_index
 from gridtrain.data.tokenizer import BPETokenizer, ByteTokenizer
-from tests.test_data_sources import DOCS, save_dataset, write_jsonl, write_parquet
+from tests.test_data_sources import save_dataset, write_jsonl, write_parquet
 
 TEXTS = [f"record {i} " + "alpha beta gamma " * (i % 11) for i in range(300)] + ["", "", "tail"]
 

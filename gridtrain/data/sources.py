@@ -89,7 +89,7 @@ def check_record_file(path: Path, column: str) -> None:
     if kind == "parquet":
         _text_column_index(_open_parquet(path).schema_arrow, column, path)
     elif kind == "arrow":
-        with _open_arrow(path) as reader:
+        with _ArrowBatches(path) as reader:
             _text_column_index(reader.schema, column, path)
 
 
@@ -115,7 +115,7 @@ def _parquet_texts(path: Path, column: str) -> Iterator[str]:
         raise BadInput(f"{path} is not a readable parquet file ({_first_line(err)})") from None
 
 
-class _open_arrow:
+class _ArrowBatches:
     """A `datasets` Arrow file (IPC stream; or IPC file format) opened memory-mapped."""
 
     def __init__(self, path: Path) -> None:
@@ -156,7 +156,7 @@ class _FileBatches:
 def _arrow_texts(path: Path, column: str) -> Iterator[str]:
     import pyarrow as pa
 
-    with _open_arrow(path) as reader:
+    with _ArrowBatches(path) as reader:
         index = _text_column_index(reader.schema, column, path)
         try:
             for batch in reader:
