@@ -154,6 +154,9 @@ def test_a_128k_llama3_style_tokenizer_json(tmp_path, corpora):
     docs = stream_docs(out, "train") + stream_docs(out, "val")
     assert max(max(d) for d in docs) > 65535
     assert sorted(tok.decode(d[:-1]) for d in docs) == sorted(t for t in TEXTS if t)
+    # transformers' save_pretrained writes tokenizer_config.json beside it: its eos_token decides.
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "<|reserved_special_token_3|>"}}))
+    assert BPETokenizer.load(path).eos_id == 128002 + 3
 
 
 def test_prepare_ends_with_counts_and_stats_draws_the_lengths(tmp_path, corpora, capsys):
