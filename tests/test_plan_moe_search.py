@@ -225,3 +225,20 @@ def test_step_tp_bytes_of_a_mixture():
     assert comm.bytes_per_step(MIXTRAL, Layout(sequence_parallel=True, **base))["tp"] == 32 * (2 * 32 + 48) * mib
     full = Layout(sequence_parallel=True, recompute="full", **base)
     assert comm.bytes_per_step(MIXTRAL, full)["tp"] == 32 * (3 * 32 + 80) * mib
+
+
+def test_mixtral_activations_off_the_census_and_its_working_block():
+    """Per token of an MoE block of Mixtral in bf16 (h 4,096, kv 1,024, 32 heads, F_e 14,336, top 2
+    of 8, renormalised): the mixture saves 2 x (6h + 8 F_e + 26 + 4) + 4 x 8 + 4 = 278,624 bytes.
+    Full recomputation rematerializes one such block in backward: with the attention's census part
+    (10h + 16h + 8 + 4h + 4 kv + 4 x 32 = 127,112) 405,736 bytes a token, not a dense block's.
+    Without fused attention (outside the census) each layer keeps 8h + 4h + 4 kv and the mixture
+    (331,872) and the s x s scores (2 x 32 x 4,096 a token), 32 MoE layers of them."""
+    base = dict(dp_shard=8, zero_stage=3, seq_len=4096, micro_batch=1, num_microbatches=1)
+    full = Layout(recompute="full", **base)
+    (_, _, acts), = memory.probe_activations(MIXTRAL, full, 2, (0,))
+    assert acts - memory.census_activations(MIXTRAL, full, 0, 2) == 4096 * 405736
+    eager = Layout(flash_attention=False, **base)
+    (_, _, acts), = memory.probe_activations(MIXTRAL, eager, 2, (0,))
+    head = memory.head_activation_bytes(MIXTRAL, 4096, 1, act_bytes=2)
+    assert acts - head == 32 * 4096 * (331872 + 2 * 32 * 4096)

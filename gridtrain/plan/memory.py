@@ -334,32 +334,36 @@ def rank_memory(shape: ModelShape, layout: Layout, state: StateBytes = StateByte
 def probe_activations(shape: ModelShape, layout: Layout, act_bytes: int = 2,
                       ranks: tuple[int, ...] | None = None) -> list[tuple[int, int, float]]:
     """(pipeline rank, its layers, its activations at the peak) for each pipeline rank (or those
-    in `ranks`), full recomputation's working block included."""
-    per_layer = layer_activation_bytes(
-        shape, layout.seq_len, layout.micro_batch, layout.tp, layout.sequence_parallel,
-        layout.cp, layout.recompute, layout.flash_attention, act_bytes)
-    working = 0.0
-    if layout.recompute == "full":  # one block rematerialized during its backward
-        working = layer_activation_bytes(
-            shape, layout.seq_len, layout.micro_batch, layout.tp, layout.sequence_parallel,
-            layout.cp, "none", layout.flash_attention, act_bytes)
+    in `ranks`), full recomputation's working block included (an MoE block where the rank has one)."""
+    def per_block(recompute: str, moe: bool) -> float:
+        return layer_activation_bytes(shape, layout.seq_len, layout.micro_batch, layout.tp, layout.sequence_parallel,
+                                      layout.cp, recompute, layout.flash_attention, act_bytes, moe)
+
+    per_layer = (per_block(layout.recompute, False), per_block(layout.recompute, bool(shape.num_experts)))
     head = head_activation_bytes(shape, layout.seq_len, layout.micro_batch, layout.tp,
                                  layout.sequence_parallel, layout.cp, act_bytes)
     _, last = edge_ranks(layout)
-    return [(rank, layers, rank_activations(shape, layout, rank, layers, act_bytes, per_layer, head, last) + working)
-            for rank, layers in enumerate(rank_layers(shape, layout)) if ranks is None or rank in ranks]
+    out = []
+    for rank, layers in enumerate(rank_layers(shape, layout)):
+        if ranks is None or rank in ranks:
+            # Full recomputation rematerializes one block during its backward.
+            working = per_block("none", rank_moe_layers(shape, layout, rank) > 0) if layout.recompute == "full" else 0.0
+            out.append((rank, layers, rank_activations(shape, layout, rank, layers, act_bytes, per_layer, head, last)
+                        + working))
+    return out
 
 
 def rank_activations(shape: ModelShape, layout: Layout, rank: int, layers: int, act_bytes: int,
-                     per_layer: float, head: float, last: int) -> float:
+                     per_layer: tuple[float, float], head: float, last: int) -> float:
     """A pipeline rank's activations at its peak (recomputation's working block aside): the
-    measured census on gridtrain's schedules, else `layers` x `per_layer` per micro-batch in
-    flight (in_flight) and the head on the `last` rank."""
+    measured census on gridtrain's schedules, else its dense and MoE layers x `per_layer` (a dense
+    and an MoE layer's bytes) per micro-batch in flight (in_flight) and the head on the `last` rank."""
     if measured_census(shape, layout.flash_attention or layout.cp > 1, layout.recompute) and \
             schedule(layout.pp_schedule).runnable:
         return census_activations(shape, layout, rank, act_bytes)
     held = in_flight(layout.pp_schedule, layout.pp, rank, layout.num_microbatches, layout.pp_virtual_stages)
-    acts = layers * per_layer * held
+    moe = rank_moe_layers(shape, layout, rank)
+    acts = ((layers - moe) * per_layer[0] + moe * per_layer[1]) * held
     if rank == last:
         acts += head * (layout.num_microbatches if schedule(layout.pp_schedule).all_forwards_first else 1)
     return acts
