@@ -28,7 +28,7 @@ One step on the slowest pipeline rank:
   both moments, writes the 16-bit weights, for the parameters this rank updates;
 - a mixture-of-experts layer (moe_cost.py): its feed-forward's FLOPs whole on every TP rank (the
   routed experts at the imbalance allowance under expert parallelism), its TP collectives the
-  attention's only, and its all-to-alls in line; a rank's own experts are neither gathered nor
+  attention's and, under sequence parallelism, the mixture's all-gathers, and its all-to-alls in line; a rank's own experts are neither gathered nor
   reduced by DP/FSDP, and AdamW updates all of them.
 """
 
