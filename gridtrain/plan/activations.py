@@ -167,7 +167,8 @@ def stage_bytes(shape: ModelShape, layers: int, last: bool, tokens: int, precisi
     moe = block_bytes_per_token(shape, precision, recompute, tp, sequence_parallel, True, ep,
                                 imbalance) if moe_layers else 0.0
     out = tokens * ((layers - moe_layers) * dense + moe_layers * moe)
-    out += moe_layers * moe_forward_bytes(shape, recompute, ep)
+    if moe_layers:
+        out += moe_layers * moe_forward_bytes(shape, recompute, ep)
     if last:
         out += tokens * head_bytes_per_token(shape, precision, tp, sequence_parallel) + 4
     return out
@@ -184,7 +185,7 @@ def forward_extras(shape: ModelShape, layers: int, last: bool, precision: str, r
         return 0.0, 0.0
     blocks = layers if recompute == "none" else 0
     moe = moe_layers if recompute == "none" else 0
-    by_hand = moe_cast_bytes(shape, moe, fsdp, ep)
+    by_hand = moe_cast_bytes(shape, moe, fsdp, ep) if moe else 0.0
     if fsdp:
         return 0.0, 4.0 * shape.hidden * (2 * blocks + last) + by_hand
     return weight_cast_bytes(shape, blocks, last, tp, moe), by_hand
@@ -206,12 +207,12 @@ def held_bytes(shape: ModelShape, held: dict[int, int], stage_layers: list[int],
     has the head), with their extras; token ids aside. Under expert parallelism the routed rows
     a rank receives are `imbalance` times its own assignments (1: their expectation)."""
     last_stage = len(stage_layers) - 1
-    moe = stage_moe_layers(shape, stage_layers)
+    moe = stage_moe_layers(shape, stage_layers) if shape.num_experts else None  # a dense search skips the walk
     total = 0.0
     for stage, count in held.items():
         last, n = stage == last_stage, stage_layers[stage]
-        per_region, per_forward = forward_extras(shape, n, last, precision, recompute, tp, fsdp, moe[stage], ep)
-        forward = stage_bytes(shape, n, last, tokens, precision, recompute, tp, sequence_parallel, moe[stage], ep,
-                              imbalance)
+        k = moe[stage] if moe else 0
+        per_region, per_forward = forward_extras(shape, n, last, precision, recompute, tp, fsdp, k, ep)
+        forward = stage_bytes(shape, n, last, tokens, precision, recompute, tp, sequence_parallel, k, ep, imbalance)
         total += count * (forward + per_forward) + (per_region if count else 0.0)
     return total

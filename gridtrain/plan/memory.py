@@ -214,8 +214,10 @@ def rank_params(shape: ModelShape, layout: Layout, rank: int, layers: int) -> fl
     block = attention + mlp + norm_params(shape)
     first, last = edge_ranks(layout)
     table = shape.vocab * h / t
-    moe = rank_moe_layers(shape, layout, rank)
-    params = layers * block + moe * (moe_mlp_params(shape) - mlp) + rank_expert_params(shape, layout, rank)
+    params = layers * block
+    if shape.num_experts:
+        moe = rank_moe_layers(shape, layout, rank)
+        params += moe * (moe_mlp_params(shape) - mlp) + rank_expert_params(shape, layout, rank)
     if rank == first:
         params += table + shape.max_positions * h
     if rank == last:
@@ -339,7 +341,8 @@ def probe_activations(shape: ModelShape, layout: Layout, act_bytes: int = 2,
         return layer_activation_bytes(shape, layout.seq_len, layout.micro_batch, layout.tp, layout.sequence_parallel,
                                       layout.cp, recompute, layout.flash_attention, act_bytes, moe)
 
-    per_layer = (per_block(layout.recompute, False), per_block(layout.recompute, bool(shape.num_experts)))
+    dense = per_block(layout.recompute, False)
+    per_layer = (dense, per_block(layout.recompute, True) if shape.num_experts else dense)
     head = head_activation_bytes(shape, layout.seq_len, layout.micro_batch, layout.tp,
                                  layout.sequence_parallel, layout.cp, act_bytes)
     _, last = edge_ranks(layout)
@@ -347,7 +350,9 @@ def probe_activations(shape: ModelShape, layout: Layout, act_bytes: int = 2,
     for rank, layers in enumerate(rank_layers(shape, layout)):
         if ranks is None or rank in ranks:
             # Full recomputation rematerializes one block during its backward.
-            working = per_block("none", rank_moe_layers(shape, layout, rank) > 0) if layout.recompute == "full" else 0.0
+            working = 0.0
+            if layout.recompute == "full":
+                working = per_block("none", rank_moe_layers(shape, layout, rank) > 0)
             out.append((rank, layers, rank_activations(shape, layout, rank, layers, act_bytes, per_layer, head, last)
                         + working))
     return out
@@ -362,7 +367,7 @@ def rank_activations(shape: ModelShape, layout: Layout, rank: int, layers: int, 
             schedule(layout.pp_schedule).runnable:
         return census_activations(shape, layout, rank, act_bytes)
     held = in_flight(layout.pp_schedule, layout.pp, rank, layout.num_microbatches, layout.pp_virtual_stages)
-    moe = rank_moe_layers(shape, layout, rank)
+    moe = rank_moe_layers(shape, layout, rank) if shape.num_experts else 0
     acts = ((layers - moe) * per_layer[0] + moe * per_layer[1]) * held
     if rank == last:
         acts += head * (layout.num_microbatches if schedule(layout.pp_schedule).all_forwards_first else 1)
