@@ -25,18 +25,20 @@ the query heads block by block (and its key and value gradients summed back over
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 
 @dataclass(frozen=True)
 class Block:
-    """Queries `q` (rows of the local queries) against keys `k` (rows of the keys), causal or not.
-    A causal block's queries and keys are the same positions (torch's top-left causal mask)."""
+    """Queries `q` (rows of the local queries) against keys `k` (rows of the keys), causal or not,
+    in the sequences `batch` of the batch (all of them unless a document mask makes the rows
+    differ). A causal block's queries and keys are the same positions (torch's top-left mask)."""
     q: slice
     k: slice
     causal: bool
+    batch: slice = field(default_factory=lambda: slice(None))
 
 
 def expand_kv(t: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -143,13 +145,13 @@ class Merged:
         self.out = torch.zeros(b, s, h, d, dtype=torch.float32, device=q.device).transpose(1, 2)
         self.lse = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device)
 
-    def add(self, rows: slice, out: torch.Tensor, lse: torch.Tensor) -> None:
-        old = self.lse[:, :, rows]
+    def add(self, rows: slice, out: torch.Tensor, lse: torch.Tensor, batch: slice = slice(None)) -> None:
+        old = self.lse[batch, :, rows]
         new = torch.logaddexp(old, lse)
         # exp(-inf - new) is 0 for rows no block has reached yet
-        self.out[:, :, rows] = (self.out[:, :, rows] * (old - new).exp()[..., None]
-                                + out.float() * (lse - new).exp()[..., None])
-        self.lse[:, :, rows] = new
+        self.out[batch, :, rows] = (self.out[batch, :, rows] * (old - new).exp()[..., None]
+                                    + out.float() * (lse - new).exp()[..., None])
+        self.lse[batch, :, rows] = new
 
 
 def attend_blocks(merged: Merged, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: list[Block],
@@ -157,8 +159,9 @@ def attend_blocks(merged: Merged, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     """Add the blocks of queries `q` against `k`, `v` (KV heads, expanded here) to `merged`."""
     k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
     for blk in blocks:
-        out, lse = block_forward(q[:, :, blk.q], k[:, :, blk.k], v[:, :, blk.k], blk.causal, scale)
-        merged.add(blk.q, out, lse)
+        b = blk.batch
+        out, lse = block_forward(q[b, :, blk.q], k[b, :, blk.k], v[b, :, blk.k], blk.causal, scale)
+        merged.add(blk.q, out, lse, b)
 
 
 def grad_blocks(dq: torch.Tensor, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -171,11 +174,12 @@ def grad_blocks(dq: torch.Tensor, dout: torch.Tensor, q: torch.Tensor, k: torch.
     dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
     dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
     for blk in blocks:
-        g = block_backward(dout[:, :, blk.q], q[:, :, blk.q], k[:, :, blk.k], v[:, :, blk.k],
-                           out[:, :, blk.q], lse[:, :, blk.q], blk.causal, scale)
-        dq[:, :, blk.q] += g[0].float()
-        dk[:, :, blk.k] += g[1].float()
-        dv[:, :, blk.k] += g[2].float()
+        b = blk.batch
+        g = block_backward(dout[b, :, blk.q], q[b, :, blk.q], k[b, :, blk.k], v[b, :, blk.k],
+                           out[b, :, blk.q], lse[b, :, blk.q], blk.causal, scale)
+        dq[b, :, blk.q] += g[0].float()
+        dk[b, :, blk.k] += g[1].float()
+        dv[b, :, blk.k] += g[2].float()
     return reduce_kv(dk, kv_heads), reduce_kv(dv, kv_heads)
 
 
@@ -205,15 +209,14 @@ def _runs(positions: list[int]) -> list[list[int]]:
     return runs
 
 
-class BlockwiseCausal(torch.autograd.Function):
-    """Causal attention of one process in `chunks` x `chunks` blocks, the hidden ones skipped:
-    (chunks + 1) / (2 chunks) of the full attention's kernel work."""
+class BlockAttention(torch.autograd.Function):
+    """Attention of one process over a list of blocks, the rest of the score matrix hidden (causal
+    blocks: (chunks + 1) / (2 chunks) of the full attention's kernel work; document blocks:
+    gridtrain.model.documents)."""
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks: int,  # noqa: ANN001 - torch's protocol
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: list[Block],  # noqa: ANN001
                 scale: float) -> torch.Tensor:
-        size = q.shape[2] // chunks
-        blocks = causal_blocks(list(range(chunks)), list(range(chunks)), size)
         merged = Merged(q)
         attend_blocks(merged, q, k, v, blocks, scale)
         out = merged.out.to(q.dtype)
@@ -234,4 +237,5 @@ def blockwise_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     chunks; the sequence length must be a multiple of `chunks`."""
     if q.shape[2] % chunks:
         raise ValueError(f"sequence length {q.shape[2]} is not a multiple of {chunks} chunks")
-    return BlockwiseCausal.apply(q, k, v, chunks, q.shape[-1] ** -0.5)
+    blocks = causal_blocks(list(range(chunks)), list(range(chunks)), q.shape[2] // chunks)
+    return BlockAttention.apply(q, k, v, blocks, q.shape[-1] ** -0.5)

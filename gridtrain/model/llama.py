@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gridtrain.model.args import ModelArgs
+from gridtrain.model.documents import Documents, document_attention
 from gridtrain.model.moe import MoE
 
 
@@ -45,9 +46,10 @@ def _llama31_scale(freqs: torch.Tensor, factor: float = 8.0, low: float = 1.0, h
 
 
 def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    # x: (B, T, n_heads, head_dim); freqs: (T, head_dim / 2) complex
+    # x: (B, T, n_heads, head_dim); freqs: (T, head_dim / 2) complex, or (B, T, head_dim / 2) when
+    # each sequence has its own positions (restarted at each document)
     xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
-    rotated = xc * freqs[None, :, None, :]
+    rotated = xc * (freqs[None, :, None, :] if freqs.dim() == 2 else freqs[:, :, None, :])
     return torch.view_as_real(rotated).flatten(-2).type_as(x)
 
 
@@ -73,9 +75,10 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
         self.core: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         """Causal attention of (B, heads, T, head_dim) queries, keys and values (keys and values at
-        the KV heads); None is torch's SDPA. Context parallelism sets its ring attention here."""
+        the KV heads); None is torch's SDPA (or, with documents, document_attention). Context
+        parallelism sets its ring attention here."""
 
-    def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, freqs: torch.Tensor, docs: Documents | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         # Heads are inferred (-1) so the same code runs on a tensor-parallel shard of the heads.
         q = self.wq(x).view(B, T, -1, self.head_dim)  # (B, T, n_heads, head_dim)
@@ -85,12 +88,15 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         # freqs covers the model's whole context; slice to T here, where the sequence is whole
         # even when sequence parallelism splits it outside attention.
-        q, k = apply_rope(q, freqs[:T]), apply_rope(k, freqs[:T])
+        freqs = freqs[:T] if freqs.dim() == 2 else freqs  # per-sequence tables are T long already
+        q, k = apply_rope(q, freqs), apply_rope(k, freqs)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, head_dim)
-        if self.core is None:
+        if self.core is None and docs is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        elif self.core is None:
+            out = document_attention(q, k, v, docs)
         else:
-            out = self.core(q, k, v)
+            out = self.core(q, k, v) if docs is None else self.core(q, k, v, docs=docs)
         out = out.transpose(1, 2).reshape(B, T, -1)  # (B, T, n_heads * head_dim)
         return self.wo(out)
 
@@ -122,8 +128,8 @@ class TransformerBlock(nn.Module):
         else:
             self.feed_forward = FeedForward(args.dim, args.hidden_dim)
 
-    def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), freqs)
+    def forward(self, x: torch.Tensor, freqs: torch.Tensor, docs: Documents | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), freqs, docs=docs)
         return h + self.feed(self.ffn_norm(h))
 
     def feed(self, x: torch.Tensor) -> torch.Tensor:
@@ -150,13 +156,18 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("freqs_cis", rope_frequencies(args), persistent=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, docs: Documents | None = None) -> torch.Tensor:
+        """`docs`: the documents packed in each sequence; attention stays inside them (and RoPE
+        positions restart at each when docs.restart)."""
         # The residual stream is fp32 in every precision mode: autocast computes matmuls in
         # bf16/fp16 and the residual adds promote back to fp32. An embedding stored or gathered
         # in bf16 would otherwise start a bf16 stream (a no-op when it is fp32 already).
         h = self.tok_embeddings(tokens).float() if self.tok_embeddings is not None else tokens
+        freqs = self.freqs_cis
+        if docs is not None and docs.restart:
+            freqs = freqs[docs.positions().to(freqs.device)]  # (B, T, head_dim / 2)
         for layer in self.layers.values():
-            h = layer(h, self.freqs_cis)
+            h = layer(h, freqs) if docs is None else layer(h, freqs, docs=docs)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 

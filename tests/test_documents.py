@@ -1,0 +1,114 @@
+"""Document masking (issue 32): attention never crosses a document inside a packed sequence.
+
+References are independent: a dense boolean mask written out by hand for SDPA, and each document
+run alone through the model's own unmasked path (torch's SDPA, causal)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gridtrain.model.args import ModelArgs
+from gridtrain.model.blockwise import Block
+from gridtrain.model.documents import Documents, document_attention, document_blocks, document_ids
+from gridtrain.model.llama import Transformer
+
+EOS = 3
+
+
+def test_document_ids_count_end_tokens_hand_derived():
+    inputs = torch.tensor([[5, 3, 7, 8, 3, 9], [3, 3, 4, 4, 4, 4]])
+    assert document_ids(inputs, EOS).tolist() == [[0, 0, 1, 1, 1, 2], [0, 1, 2, 2, 2, 2]]
+    docs = Documents(document_ids(inputs, EOS))
+    assert docs.spans == [[(0, 2), (2, 5), (5, 6)], [(0, 1), (1, 2), (2, 6)]]
+    assert docs.positions().tolist() == [[0, 1, 0, 1, 2, 0], [0, 0, 0, 1, 2, 3]]
+
+
+def test_document_blocks_skip_hidden_pairs_hand_derived():
+    # one sequence of 8 in chunks of 4; documents [0, 3) and [3, 8)
+    blocks = document_blocks([[(0, 3), (3, 8)]], [0, 1], [0, 1], 4)
+    assert blocks == [Block(slice(0, 3), slice(0, 3), True), Block(slice(3, 4), slice(3, 4), True),
+                      Block(slice(4, 8), slice(3, 4), False), Block(slice(4, 8), slice(4, 8), True)]
+    # a context-parallel rank holding chunks 1 and 2 of 4 (size 2) against chunks 0 and 3: only
+    # position 2 (document 0) sees keys 0 and 1; chunk 2 (document 1) meets neither key chunk
+    blocks = document_blocks([[(0, 3), (3, 8)]], [1, 2], [0, 3], 2)
+    assert blocks == [Block(slice(0, 1), slice(0, 2), False)]
+    # sequences with the same documents share their blocks; the others get their own rows
+    blocks = document_blocks([[(0, 4)], [(0, 4)], [(0, 1), (1, 4)]], [0], [0], 4)
+    assert blocks == [Block(slice(0, 4), slice(0, 4), True, slice(0, 2)),
+                      Block(slice(0, 1), slice(0, 1), True, slice(2, 3)),
+                      Block(slice(1, 4), slice(1, 4), True, slice(2, 3))]
+
+
+def dense_mask(ids: torch.Tensor) -> torch.Tensor:
+    """(B, 1, T, T) True where query t may see key s: s <= t and the same document."""
+    T = ids.shape[1]
+    same = ids[:, :, None] == ids[:, None, :]
+    return (same & torch.ones(T, T, dtype=torch.bool).tril())[:, None]
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_document_attention_matches_dense_masked_sdpa(kv_heads):
+    torch.manual_seed(0)
+    B, H, T, D = 3, 4, 48, 16
+    ids = torch.tensor([[0] * 10 + [1] * 30 + [2] * 8, [0] * 48, [0] * 10 + [1] * 30 + [2] * 8])
+    q = torch.randn(B, H, T, D, requires_grad=True)
+    k = torch.randn(B, kv_heads, T, D, requires_grad=True)
+    v = torch.randn(B, kv_heads, T, D, requires_grad=True)
+    out = document_attention(q, k, v, Documents(ids))
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=dense_mask(ids), enable_gqa=True)
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), g)
+    want = torch.autograd.grad(ref, (q, k, v), g)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+def tiny_model() -> Transformer:
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=32, multiple_of=32,
+                                  max_seq_len=64))
+    model.init_weights(seed=0)
+    return model
+
+
+def token_loss_sum(model: Transformer, inputs: torch.Tensor, targets: torch.Tensor,
+                   docs: Documents | None = None) -> torch.Tensor:
+    logits = model(inputs, docs) if docs is not None else model(inputs)
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+
+
+@pytest.mark.parametrize("restart", [True, False])
+def test_packed_sequence_equals_its_documents_one_by_one(restart):
+    """The loss and gradients of packed sequences (the training loss: the mean over the batch's
+    tokens) equal those of their documents run alone, each from position 0, their token losses
+    summed over the same count, to 1e-6 in fp32. Without restarted positions the documents sit at other
+    RoPE positions in the packed sequence, the same attention in exact arithmetic (RoPE's scores
+    depend on the positions' difference only)."""
+    tol = 1e-6
+    model = tiny_model()
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(4, 32, (2, 41), generator=g)
+    tokens[0, [6, 19, 33]] = EOS  # the second sequence starts mid-document, holds one end
+    tokens[1, [24]] = EOS
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    docs = Documents(document_ids(inputs, EOS), restart=restart)
+    packed = token_loss_sum(model, inputs, targets, docs) / inputs.numel()
+    packed_grads = torch.autograd.grad(packed, list(model.parameters()))
+    alone = torch.zeros(())
+    for row, spans in enumerate(docs.spans):
+        for start, end in spans:
+            alone = alone + token_loss_sum(model, inputs[row:row + 1, start:end], targets[row:row + 1, start:end])
+    alone = alone / inputs.numel()
+    alone_grads = torch.autograd.grad(alone, list(model.parameters()))
+    assert len(docs.spans[0]) == 4 and len(docs.spans[1]) == 2
+    torch.testing.assert_close(packed, alone, atol=tol, rtol=tol)
+    for a, b in zip(packed_grads, alone_grads):
+        torch.testing.assert_close(a, b, atol=tol, rtol=tol)
+
+
+def test_one_document_is_causal_attention():
+    model = tiny_model()
+    inputs = torch.randint(4, 32, (2, 16), generator=torch.Generator().manual_seed(2))
+    docs = Documents(document_ids(inputs, EOS))
+    torch.testing.assert_close(model(inputs, docs), model(inputs), atol=1e-6, rtol=1e-6)
