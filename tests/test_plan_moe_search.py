@@ -231,13 +231,19 @@ def test_mixtral_activations_off_the_census_and_its_working_block():
     """Per token of an MoE block of Mixtral in bf16 (h 4,096, kv 1,024, 32 heads, F_e 14,336, top 2
     of 8, renormalised): the mixture saves 2 x (6h + 8 F_e + 26 + 4) + 4 x 8 + 4 = 278,624 bytes.
     Full recomputation rematerializes one such block in backward: with the attention's census part
-    (10h + 16h + 8 + 4h + 4 kv + 4 x 32 = 127,112) 405,736 bytes a token, not a dense block's.
+    (10h + 16h + 8 + 4h + 4 kv + 4 x 32 = 127,112) 405,736 bytes a token, not a dense block's
+    (495,883 under EP 8, where the rank's experts receive the routed rows).
     Without fused attention (outside the census) each layer keeps 8h + 4h + 4 kv and the mixture
     (331,872) and the s x s scores (2 x 32 x 4,096 a token), 32 MoE layers of them."""
     base = dict(dp_shard=8, zero_stage=3, seq_len=4096, micro_batch=1, num_microbatches=1)
     full = Layout(recompute="full", **base)
     (_, _, acts), = memory.probe_activations(MIXTRAL, full, 2, (0,))
     assert acts - memory.census_activations(MIXTRAL, full, 0, 2) == 4096 * 405736
+    # Under EP 8 each row the rank's experts receive adds an index and an h-wide bf16 row (2h + 8), and
+    # the routed terms take the 1.25x allowance: 127,112 + 1.25 x 2 x (6h + 8 F_e + 30 + 2h + 8) + 36.
+    spread = Layout(recompute="full", ep=8, **base)
+    (_, _, acts), = memory.probe_activations(MIXTRAL, spread, 2, (0,))
+    assert acts - memory.census_activations(MIXTRAL, spread, 0, 2) == 4096 * 495883
     eager = Layout(flash_attention=False, **base)
     (_, _, acts), = memory.probe_activations(MIXTRAL, eager, 2, (0,))
     head = memory.head_activation_bytes(MIXTRAL, 4096, 1, act_bytes=2)

@@ -68,9 +68,11 @@ def measured_census(shape: ModelShape, flash: bool, recompute: str) -> bool:
 @functools.lru_cache(maxsize=8192)
 def layer_activation_bytes(shape: ModelShape, seq_len: int, micro_batch: int, tp: int = 1,
                            sequence_parallel: bool = False, cp: int = 1, recompute: str = "none",
-                           flash: bool = True, act_bytes: int = 2, moe: bool = False) -> float:
+                           flash: bool = True, act_bytes: int = 2, moe: bool = False, ep: int = 1,
+                           imbalance: float = 1.0) -> float:
     """Bytes one rank saves for backward in one layer for one micro-batch (module docstring);
-    with `moe`, a mixture-of-experts layer (activations.moe_ffn_bytes_per_token in place of the MLP).
+    with `moe`, a mixture-of-experts layer (activations.moe_ffn_bytes_per_token in place of the MLP,
+    its routed rows under expert parallelism `imbalance` times the rank's own).
 
     Context parallelism divides the sequence and implies flash-style attention (ring attention
     merges blocks by log-sum-exp). Full recomputation keeps only the block input, divided by t
@@ -82,7 +84,7 @@ def layer_activation_bytes(shape: ModelShape, seq_len: int, micro_batch: int, tp
     flash = flash or cp > 1
     precision = "fp32" if e == 4 else "bf16"
     if measured_census(shape, flash, recompute):
-        return s * b * block_bytes_per_token(shape, precision, recompute, tp, sequence_parallel, moe)
+        return s * b * block_bytes_per_token(shape, precision, recompute, tp, sequence_parallel, moe, ep, imbalance)
     replicated_div = tp if sequence_parallel else 1
     if recompute == "full":
         return e * s * b * h / replicated_div
@@ -92,7 +94,7 @@ def layer_activation_bytes(shape: ModelShape, seq_len: int, micro_batch: int, tp
     if gpt:  # GELU input and output (2e sbF); Llama's SwiGLU keeps four F-wide tensors (4e sbF)
         mlp = 2 * e * shape.ffn / tp
     elif moe:  # the mixture's part, whole on every TP rank, as nothing is recomputed
-        mlp = moe_ffn_bytes_per_token(shape, precision, "none")
+        mlp = moe_ffn_bytes_per_token(shape, precision, "none", ep, imbalance)
     else:
         mlp = 4 * e * shape.ffn / tp
     sharded = (2 * e * h / tp + 2 * e * kv_width + mlp) * s * b
@@ -337,9 +339,12 @@ def probe_activations(shape: ModelShape, layout: Layout, act_bytes: int = 2,
                       ranks: tuple[int, ...] | None = None) -> list[tuple[int, int, float]]:
     """(pipeline rank, its layers, its activations at the peak) for each pipeline rank (or those
     in `ranks`), full recomputation's working block included (an MoE block where the rank has one)."""
+    from gridtrain.plan.moe_cost import imbalance  # it times the all-to-alls by placement, which imports comm
+
     def per_block(recompute: str, moe: bool) -> float:
         return layer_activation_bytes(shape, layout.seq_len, layout.micro_batch, layout.tp, layout.sequence_parallel,
-                                      layout.cp, recompute, layout.flash_attention, act_bytes, moe)
+                                      layout.cp, recompute, layout.flash_attention, act_bytes, moe,
+                                      layout.ep if moe else 1, imbalance(layout) if moe else 1.0)
 
     dense = per_block(layout.recompute, False)
     per_layer = (dense, per_block(layout.recompute, True) if shape.num_experts else dense)
