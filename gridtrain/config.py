@@ -124,6 +124,11 @@ class DataConfig:
     """Fraction of the corpus's documents held out for validation."""
     cache_dir: str = "~/.cache/gridtrain"
     """Where prepared token shards and trained tokenizers are kept."""
+    doc_mask: bool = False
+    """Keep attention inside each document of a packed sequence (documents end with the tokenizer's
+    end-of-document token); off: attention crosses documents, as packed pretraining often does."""
+    doc_positions: str = "continue"
+    """RoPE positions with data.doc_mask: 'continue' (the sequence's) or 'restart' (0 at each document)."""
 
 
 @dataclass

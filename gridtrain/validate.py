@@ -130,6 +130,7 @@ def _check_data(cfg: Config) -> list[str]:
     problems = []
     if not 0 < d.val_fraction < 0.5:
         problems.append(f"data.val_fraction = {d.val_fraction} must lie in (0, 0.5)")
+    problems += _check_documents(cfg)
     sources = [("data.corpus", d.corpus)]
     if d.mix is not None:
         from gridtrain.data.mix_spec import parse_mix
@@ -144,6 +145,22 @@ def _check_data(cfg: Config) -> list[str]:
     for key, corpus in sources:
         problems += _check_source(cfg, key, corpus)
     return list(dict.fromkeys(problems))  # a tokenizer's problem once, not once per source
+
+
+def _check_documents(cfg: Config) -> list[str]:
+    """data.doc_mask and data.doc_positions: what runs with them (one process, DP, FSDP, TP, PP)."""
+    d, cp = cfg.data, cfg.parallel.cp
+    problems = _choice("data.doc_positions", d.doc_positions, ("continue", "restart"))
+    if d.doc_positions == "restart" and not d.doc_mask:
+        problems.append("data.doc_positions = 'restart' restarts RoPE positions at each document, which needs "
+                        "data.doc_mask: set data.doc_mask to true, or data.doc_positions to 'continue'")
+    if d.doc_mask and cp > 1:
+        problems.append(f"data.doc_mask does not run under context parallelism yet (parallel.cp = {cp}: the ring "
+                        "attends across documents): set parallel.cp to 1, or data.doc_mask to false")
+    if d.doc_mask and cfg.train.compile:
+        problems.append("data.doc_mask gives every micro-batch its own attention blocks, which train.compile's "
+                        "whole-block graphs cannot hold: set train.compile to false, or data.doc_mask to false")
+    return problems
 
 
 def _check_source(cfg: Config, key: str, corpus: str | None) -> list[str]:

@@ -162,6 +162,13 @@ TRAIN = [
      "which train.compile's whole-block graphs cannot hold: set train.compile to false"),
     (["train", "--nproc", "2", "--parallel.cp", "2", "--parallel.cp_rotate", "spiral"],
      "parallel.cp_rotate = 'spiral' is not one of"),
+    (["train", "--data.doc_positions", "reset", "--data.doc_mask", "true"],
+     "data.doc_positions = 'reset' is not one of continue, restart"),
+    (["train", "--data.doc_positions", "restart"], "restarts RoPE positions at each document, which needs data.doc_mask"),
+    (["train", "--nproc", "2", "--parallel.cp", "2", "--data.doc_mask", "true"],
+     "data.doc_mask does not run under context parallelism yet (parallel.cp = 2"),
+    (["train", "--data.doc_mask", "true", "--train.compile", "true"],
+     "data.doc_mask gives every micro-batch its own attention blocks"),
     (["train", "--nproc", "2", "--parallel.ep", "2"], "parallel.ep (2) shards the routed experts of a mixture of "
      "experts, and model.preset 'small' is dense"),
     (["train", "--nproc", "2", "--parallel.tp", "2", "--parallel.sequence_parallel", "true", "--data.seq_len", "255"],

@@ -3,6 +3,8 @@
 References are independent: a dense boolean mask written out by hand for SDPA, and each document
 run alone through the model's own unmasked path (torch's SDPA, causal)."""
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -73,8 +75,8 @@ def tiny_model() -> Transformer:
 
 
 def token_loss_sum(model: Transformer, inputs: torch.Tensor, targets: torch.Tensor,
-                   docs: Documents | None = None) -> torch.Tensor:
-    logits = model(inputs, docs) if docs is not None else model(inputs)
+                   doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    logits = model(inputs, doc_ids) if doc_ids is not None else model(inputs)
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
 
 
@@ -92,8 +94,9 @@ def test_packed_sequence_equals_its_documents_one_by_one(restart):
     tokens[0, [6, 19, 33]] = EOS  # the second sequence starts mid-document, holds one end
     tokens[1, [24]] = EOS
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    docs = Documents(document_ids(inputs, EOS), restart=restart)
-    packed = token_loss_sum(model, inputs, targets, docs) / inputs.numel()
+    model.restart_positions = restart
+    docs = Documents(document_ids(inputs, EOS))
+    packed = token_loss_sum(model, inputs, targets, docs.ids) / inputs.numel()
     packed_grads = torch.autograd.grad(packed, list(model.parameters()))
     alone = torch.zeros(())
     for row, spans in enumerate(docs.spans):
@@ -110,5 +113,31 @@ def test_packed_sequence_equals_its_documents_one_by_one(restart):
 def test_one_document_is_causal_attention():
     model = tiny_model()
     inputs = torch.randint(4, 32, (2, 16), generator=torch.Generator().manual_seed(2))
-    docs = Documents(document_ids(inputs, EOS))
-    torch.testing.assert_close(model(inputs, docs), model(inputs), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(model(inputs, document_ids(inputs, EOS)), model(inputs), atol=1e-6, rtol=1e-6)
+
+
+def test_trainer_step_with_doc_mask_equals_documents_one_by_one(tmp_path, make_config):
+    """The data path end to end: a trainer with data.doc_mask reads each batch's documents from its
+    end-of-document tokens; its step's gradient (its two micro-batches accumulated) equals the
+    gradient of the same sequences' documents run alone from position 0 through a copy of the
+    model, summed over the batch's tokens."""
+    from gridtrain.train.trainer import Trainer
+    from tests.test_train import _capture_grads
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(60):  # documents of 5 to 24 bytes, so a 32-token sequence holds several
+        (corpus / f"d{i:02}.txt").write_text("abcdefghijklmnopqrstuvwxyz"[: 5 + (7 * i) % 20])
+    trainer = Trainer(make_config(tmp_path, **{"data.corpus": str(corpus), "data.doc_mask": True,
+                                               "data.doc_positions": "restart"}))
+    reference = copy.deepcopy(trainer.model)
+    grads = _capture_grads(trainer)
+    trainer.train_step()
+    inputs, targets = trainer.data.train.read(0, 4)
+    docs = Documents(document_ids(inputs, trainer.data.eos_id))
+    assert min(len(row) for row in docs.spans) >= 2
+    alone = sum(token_loss_sum(reference, inputs[row:row + 1, s:e], targets[row:row + 1, s:e])
+                for row, spans in enumerate(docs.spans) for s, e in spans) / inputs.numel()
+    alone.backward()
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, atol=1e-6, rtol=1e-6)

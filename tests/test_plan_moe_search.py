@@ -248,3 +248,13 @@ def test_mixtral_activations_off_the_census_and_its_working_block():
     (_, _, acts), = memory.probe_activations(MIXTRAL, eager, 2, (0,))
     head = memory.head_activation_bytes(MIXTRAL, 4096, 1, act_bytes=2)
     assert acts - head == 32 * 4096 * (331872 + 2 * 32 * 4096)
+
+
+def test_the_chosen_layout_line_keeps_ep():
+    """'chosen layout: --layout ...' is the --layout syntax: under EP it names ep, and planning it
+    again gives the same layout (without ep the search is free to drop expert parallelism)."""
+    rc, out, _ = _plan("--model", "mixtral-8x7b", "--num-gpus", "64", "--layout", "ep=8")
+    label = next(line for line in out.splitlines() if line.startswith("chosen layout: --layout ")).split()[-1]
+    assert rc == 0 and label.endswith(",ep=8"), label
+    rc, again, _ = _plan("--model", "mixtral-8x7b", "--num-gpus", "64", "--layout", label)
+    assert rc == 0 and f"chosen layout: --layout {label}\n" in again

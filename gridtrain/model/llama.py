@@ -155,10 +155,15 @@ class Transformer(nn.Module):
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("freqs_cis", rope_frequencies(args), persistent=False)
+        self.restart_positions = False
+        """With document ids, rotate each token by its position in its document (data.doc_positions)."""
 
-    def forward(self, tokens: torch.Tensor, docs: Documents | None = None) -> torch.Tensor:
-        """`docs`: the documents packed in each sequence; attention stays inside them (and RoPE
-        positions restart at each when docs.restart)."""
+    def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """`doc_ids` (B, T): each token's document in its sequence (documents.document_ids), or
+        None: attention stays inside each document, and RoPE positions restart at each when
+        `restart_positions`. A tensor, so a pipeline schedule splits it into micro-batches and
+        hands each stage its own (the schedule's keyword arguments reach every stage)."""
+        docs = None if doc_ids is None else Documents(doc_ids, self.restart_positions)
         # The residual stream is fp32 in every precision mode: autocast computes matmuls in
         # bf16/fp16 and the residual adds promote back to fp32. An embedding stored or gathered
         # in bf16 would otherwise start a bf16 stream (a no-op when it is fp32 already).

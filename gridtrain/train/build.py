@@ -19,6 +19,7 @@ from gridtrain.data.mixture import MIX_BLOCK, MixtureReader
 from gridtrain.data.sampler import BatchReader, ValReader
 from gridtrain.data.shards import TokenStore, ensure_prepared
 from gridtrain.model.args import ModelArgs
+from gridtrain.model.documents import document_ids
 from gridtrain.model.llama import Transformer
 from gridtrain.train.checkpoint_state import InvalidCheckpointError
 from gridtrain.train.distributed import World
@@ -39,7 +40,26 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
-Batch = tuple[torch.Tensor, torch.Tensor]
+Batch = tuple[torch.Tensor, ...]
+"""Inputs and targets (B, T), and with data.doc_mask each token's document (with_documents)."""
+
+
+def with_documents(read: Callable[[int, int], Batch], eos_id: int) -> Callable[[int, int], Batch]:
+    """`read`, each batch with its document ids read from the end-of-document tokens of its inputs:
+    a function of the sequence alone, so every layout sees the same documents."""
+    def read_documents(first: int, count: int) -> Batch:
+        inputs, targets = read(first, count)
+        return inputs, targets, document_ids(inputs, eos_id)
+
+    return read_documents
+
+
+def restart_positions(parts: list[torch.nn.Module], restart: bool) -> None:
+    """Every model part's RoPE positions restart at each document, or not (data.doc_positions)."""
+    for part in parts:
+        for module in part.modules():
+            if isinstance(module, Transformer):
+                module.restart_positions = restart
 
 
 @dataclass
@@ -49,6 +69,11 @@ class Data:
     tokens: int
     val_sources: dict[str, ValReader] = field(default_factory=dict)
     """A mixture's validation split per source (empty for one corpus): validation reports each."""
+
+    @property
+    def eos_id(self) -> int:
+        """The end-of-document token (one tokenizer serves every source of a mixture)."""
+        return (self.train.stores[0] if isinstance(self.train, MixtureReader) else self.train.store).eos_id
 
     @property
     def mixture(self) -> MixtureReader | None:

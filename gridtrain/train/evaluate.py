@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from gridtrain.config import Config, ConfigError
 from gridtrain.data.sampler import ValReader
+from gridtrain.model.documents import document_ids
 from gridtrain.parallel.context_parallel import split_batch
 from gridtrain.parallel.parallelize import ParallelModel
 from gridtrain.parallel.tensor_parallel import loss_context
@@ -35,6 +36,7 @@ class Evaluator:
         self.sources = data.val_sources
         self.micro_batches, self.tp, self.pp_group, self.device = micro_batches, tp, pp_group, device
         self.cp_group = cp_group
+        self.eos_id = data.eos_id if cfg.data.doc_mask else None
         """Under context parallelism each rank validates its chunks of every sequence."""
         self.size, self.batches = validation_batches(cfg, None if pmodel.schedule is None else accum)
         """Sequences per validation batch, and how many."""
@@ -83,18 +85,21 @@ class Evaluator:
                 break
             if self.cp_group is not None:
                 inputs, targets = split_batch(inputs, targets, self.cp_group.rank(), self.cp_group.size())
+            docs = [document_ids(inputs, self.eos_id).to(self.device)] if self.cfg.data.doc_mask else []
             with loss_context(self.tp), self.precision.autocast():
-                loss = self.loss(inputs.to(self.device), targets.to(self.device))
+                loss = self.loss(inputs.to(self.device), targets.to(self.device), *docs)
             if loss is not None:
                 total += loss.float().cpu() * targets.numel()
                 count += targets.numel()
         return torch.stack([total, count])
 
-    def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+    def loss(self, inputs: torch.Tensor, targets: torch.Tensor, *docs: torch.Tensor) -> torch.Tensor | None:
+        """The mean loss of a validation batch (`docs`: its document ids, with data.doc_mask)."""
         if self.pmodel.schedule is None:
-            return scalar(loss_fn(self.pmodel.parts[0](inputs), targets))
+            return scalar(loss_fn(self.pmodel.parts[0](inputs, *docs), targets))
         losses: list[torch.Tensor] = []
-        (self.pmodel.eval_schedule or self.pmodel.schedule).eval(inputs, target=targets, losses=losses)
+        (self.pmodel.eval_schedule or self.pmodel.schedule).eval(inputs, target=targets, losses=losses,
+                                                                 **{"doc_ids": d for d in docs})
         if not losses:
             return None
         # Each is scaled and divided by the training step's loss shares, micro-batches x CP ranks

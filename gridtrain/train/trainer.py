@@ -36,7 +36,7 @@ from gridtrain.parallel.tensor_parallel import loss_context
 from gridtrain.rundir import OWN, RunRecord, job_id
 from gridtrain.runlock import job_dirs
 from gridtrain.train.balance import balance_step, set_loss_scale
-from gridtrain.train.build import build_data, loss_fn, scalar
+from gridtrain.train.build import Batch, build_data, loss_fn, restart_positions, scalar, with_documents
 from gridtrain.train.calibrate import cpu_peak_flops, peak_flops
 from gridtrain.train.checkpoint_state import InvalidCheckpointError
 from gridtrain.train.checkpointer import Checkpointer
@@ -66,19 +66,21 @@ class Phase:
     doing: str
 
 
-def forward_backward(pmodel: ParallelModel, read: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]],
+def forward_backward(pmodel: ParallelModel, read: Callable[[int, int], Batch],
                      first: int, local_batch: int, micro_batch: int, micro_batches: int, precision: Precision,
                      tp: int, device: torch.device) -> torch.Tensor:
     """Forward and backward over `local_batch` sequences from sample `first` (`read(first, n)` gives
-    inputs and targets), in micro-batches of `micro_batch` (a pipeline's schedule splits them
-    itself), each loss divided by the global batch's `micro_batches`; returns this rank's share of
-    the global batch's mean loss (zero on pipeline ranks without the last stage). The caller has
-    begun the step's precision (`Precision.begin_step`)."""
+    inputs and targets, and with data.doc_mask their document ids), in micro-batches of
+    `micro_batch` (a pipeline's schedule splits them itself), each loss divided by the global
+    batch's `micro_batches`; returns this rank's share of the global batch's mean loss (zero on
+    pipeline ranks without the last stage). The caller has begun the step's precision
+    (`Precision.begin_step`)."""
     if pmodel.schedule is not None:
-        inputs, targets = read(first, local_batch)
+        inputs, targets, *docs = read(first, local_batch)
         losses: list[torch.Tensor] = []
         with precision.autocast(), loss_context(tp):
-            pmodel.schedule.step(inputs.to(device), target=targets.to(device), losses=losses, return_outputs=False)
+            pmodel.schedule.step(inputs.to(device), target=targets.to(device), losses=losses, return_outputs=False,
+                                 **{"doc_ids": d.to(device) for d in docs})
         if not losses:
             return torch.zeros((), device=device)
         return sum(scalar(l).detach() for l in losses) / precision.step_scale
@@ -86,10 +88,10 @@ def forward_backward(pmodel: ParallelModel, read: Callable[[int, int], tuple[tor
     loss_sum = torch.zeros((), device=device)
     for micro in range(accum):
         set_gradient_sync(model, micro == accum - 1)
-        inputs, targets = read(first + micro * micro_batch, micro_batch)
+        inputs, targets, *docs = read(first + micro * micro_batch, micro_batch)
         with loss_context(tp):
             with precision.autocast():
-                logits = model(inputs.to(device))
+                logits = model(inputs.to(device), *(d.to(device) for d in docs))
             loss = loss_fn(logits, targets.to(device)) / micro_batches
             precision.backward(loss)
         loss_sum += scalar(loss).detach()
@@ -138,6 +140,8 @@ class Trainer:
         self.loss_shares = self.micro_batches * self.dims.cp
         self.read = self.data.train.read
         if self.dims.cp > 1:
+        if cfg.data.doc_mask:
+            self.read = with_documents(self.read, self.data.eos_id)
             from gridtrain.parallel.context_parallel import split_reader
 
             self.read = split_reader(self.read, self.coords["cp"], self.dims.cp)
@@ -152,6 +156,7 @@ class Trainer:
                                   self.pipeline_loss, self.accum, self.device)
         self.model = self.pmodel.parts[0]
         self.evaluate = Evaluator(cfg, self.data, self.pmodel, self.precision, self.accum, self.micro_batches,
+        restart_positions(self.pmodel.parts, cfg.data.doc_positions == "restart")
                                   self.dims.tp, group(self.mesh, "pp"), self.device, group(self.mesh, "cp"))
         self.optimizers = [build_optimizer(part, t, self.mesh, cfg.parallel.zero_stage, self.dims.dp)
                            for part in self.pmodel.parts]

@@ -23,12 +23,14 @@ def _count(x: float) -> str:
 
 
 def layout_label(layout: dict) -> str:
-    """'tp=4,cp=4,pp=32,dp=32,zero=1,mb=1,recompute=none,schedule=zbv,v=2': the --layout syntax."""
+    """'tp=4,cp=4,pp=32,dp=32,zero=1,mb=1,recompute=none,schedule=zbv,v=2': the --layout syntax
+    (',ep=8' after it under expert parallelism)."""
     dp = f"dp={layout['dp']}" if layout["dp_shard"] in (1, layout["dp"]) else (
         f"dp={layout['dp']},dp_shard={layout['dp_shard']}")
+    ep = f",ep={layout['ep']}" if layout.get("ep", 1) > 1 else ""
     return (f"tp={layout['tp']},cp={layout['cp']},pp={layout['pp']},{dp},zero={layout['zero_stage']},"
             f"mb={layout['micro_batch']},recompute={layout['recompute']},schedule={layout['pp_schedule']},"
-            f"v={layout['pp_virtual_stages']}")
+            f"v={layout['pp_virtual_stages']}{ep}")
 
 
 def render_header(r: dict) -> list[str]:
