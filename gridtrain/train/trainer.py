@@ -139,9 +139,9 @@ class Trainer:
         # context parallelism: the global batch's mean is the sum of the shares, each divided by this.
         self.loss_shares = self.micro_batches * self.dims.cp
         self.read = self.data.train.read
-        if self.dims.cp > 1:
         if cfg.data.doc_mask:
             self.read = with_documents(self.read, self.data.eos_id)
+        if self.dims.cp > 1:
             from gridtrain.parallel.context_parallel import split_reader
 
             self.read = split_reader(self.read, self.coords["cp"], self.dims.cp)
@@ -155,8 +155,8 @@ class Trainer:
         self.pmodel = parallelize(full, cfg, self.dims if self.world.distributed else None, self.mesh,
                                   self.pipeline_loss, self.accum, self.device)
         self.model = self.pmodel.parts[0]
-        self.evaluate = Evaluator(cfg, self.data, self.pmodel, self.precision, self.accum, self.micro_batches,
         restart_positions(self.pmodel.parts, cfg.data.doc_positions == "restart")
+        self.evaluate = Evaluator(cfg, self.data, self.pmodel, self.precision, self.accum, self.micro_batches,
                                   self.dims.tp, group(self.mesh, "pp"), self.device, group(self.mesh, "cp"))
         self.optimizers = [build_optimizer(part, t, self.mesh, cfg.parallel.zero_stage, self.dims.dp)
                            for part in self.pmodel.parts]
