@@ -4,6 +4,7 @@ References are independent: a dense boolean mask written out by hand for SDPA, a
 run alone through the model's own unmasked path (torch's SDPA, causal)."""
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -124,10 +125,7 @@ def test_trainer_step_with_doc_mask_equals_documents_one_by_one(tmp_path, make_c
     from gridtrain.train.trainer import Trainer
     from tests.test_train import _capture_grads
 
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    for i in range(60):  # documents of 5 to 24 bytes, so a 32-token sequence holds several
-        (corpus / f"d{i:02}.txt").write_text("abcdefghijklmnopqrstuvwxyz"[: 5 + (7 * i) % 20])
+    corpus = short_documents(tmp_path / "corpus")
     trainer = Trainer(make_config(tmp_path, **{"data.corpus": str(corpus), "data.doc_mask": True,
                                                "data.doc_positions": "restart"}))
     reference = copy.deepcopy(trainer.model)
@@ -141,3 +139,42 @@ def test_trainer_step_with_doc_mask_equals_documents_one_by_one(tmp_path, make_c
     alone.backward()
     for name, p in reference.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, atol=1e-6, rtol=1e-6)
+
+
+def short_documents(root: Path) -> Path:
+    """60 documents of 5 to 24 bytes: every 32-token sequence holds several."""
+    root.mkdir(parents=True, exist_ok=True)
+    for i in range(60):
+        (root / f"d{i:02}.txt").write_text("abcdefghijklmnopqrstuvwxyz"[: 5 + (7 * i) % 20])
+    return root
+
+
+LAYOUTS = {"tp2": {"parallel.tp": 2}, "pp2_1f1b": {"parallel.pp": 2, "parallel.pp_schedule": "1f1b"}}
+
+
+@pytest.mark.dist
+def test_doc_mask_under_tp2_and_pp2_trains_as_one_process(tmp_path):
+    """With data.doc_mask (positions restarted), TP 2 and a 2-stage pipeline (1F1B: the document
+    ids reach the second stage as the schedule's keyword argument) train as one process does, to
+    the parity matrix's fp32 tolerance, in one launch; the one-process run is the one the test
+    above equates with the documents run one by one. Without the mask the same run is not."""
+    from gridtrain.parity.compare import deviation, problems, tolerance
+    from gridtrain.parity.matrix import GLOBAL_BATCH, base_overrides
+    from gridtrain.parity.run import launch, load_result, run_reference
+
+    corpus = short_documents(tmp_path / "corpus")
+    base = {**base_overrides(), "data.corpus": str(corpus), "data.cache_dir": str(tmp_path / "cache"),
+            "train.micro_batch": 2, "train.steps": 3, "train.precision": "fp32", "model.tie_embeddings": False,
+            "parallel.dp_shard": -1, "data.doc_mask": True, "data.doc_positions": "restart"}
+    out = tmp_path / "world2"
+    proc = launch(2, {name: {**base, "run_dir": str(out / name), **layout} for name, layout in LAYOUTS.items()},
+                  out, timeout_s=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    one = {k: v for k, v in base.items() if not k.startswith("parallel.")}
+    ref = run_reference({**one, "run_dir": str(tmp_path / "one")})
+    unmasked = run_reference({**one, "data.doc_mask": False, "data.doc_positions": "continue",
+                              "run_dir": str(tmp_path / "unmasked")})
+    tol = tolerance("fp32", GLOBAL_BATCH * 32, ref.lrs, 0.9, 0.95)
+    for name in LAYOUTS:
+        assert not problems(deviation(load_result(out, name), ref), tol), name
+    assert problems(deviation(unmasked, ref), tol)
