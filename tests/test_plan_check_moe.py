@@ -64,3 +64,27 @@ def test_check_predicts_a_mixture_of_experts_run(runs, name):
         assert [r.measured for r in routed if r.rank == ALL_RANKS] == [2 * 524_544]
         assert {r.measured for r in state if r.bucket == "weights"} == {330_368}
         assert " all  dp_shard/all_to_all_bytes" in format_check(rows)
+
+
+def test_a_dry_run_of_one_rank_shows_no_all_ranks_sum(tmp_path):
+    """A dry run records one rank, so no sum over the ranks can be read from it: tiny-moe on EP 2,
+    60 tokens x top 3 = 180 assignments a rank under the fixed rule, 23 each for experts 0-3 and 22
+    for 4-7, so rank 0 (experts 0-3) receives 2 x 92 = 184 rows, not 180: its all-to-alls move
+    2 layers x (64 + 4 x 180 x 64 + 2 x 184 x 64 + 2 x 180 x 64 + 4 x 184 x 64) = 279,680 bytes
+    against 276,608 expected, a routed row; before, the 'all' row summed that one rank and
+    printed it as exact."""
+    import subprocess
+    import sys
+
+    from gridtrain.plan.check_run import ALL_RANKS, check_run
+
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "gridtrain", "train", "--dry-run", "--world=2", "--rank=0", "--model.preset=tiny-moe",
+           "--data.seq_len=60", "--model.moe.top_k=3", "--train.precision=bf16", "--train.micro_batch=1",
+           "--train.global_batch=2", "--parallel.dp_shard=2", "--parallel.ep=2", f"--run_dir={run}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = check_run(run)
+    assert not [r for r in rows if r.rank == ALL_RANKS]
+    (row,) = [r for r in rows if r.bucket.endswith("all_to_all_bytes")]
+    assert row.routed and (row.predicted, row.measured) == (276_608, 279_680)
