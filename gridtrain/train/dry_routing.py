@@ -6,7 +6,8 @@ first N k mod E experts, on every rank alike. Sizes are then known in Python: th
 real tensors a fake forward can read, and an expert-parallel rank receives from each rank the
 counts of its own experts. The step runs the real code around them (router, dispatch, all-to-alls,
 experts, combine, balance all-reduces), so its accounting is a real run's under uniform routing,
-which is what `gridtrain plan` predicts for one rank."""
+which is what `gridtrain plan` predicts for one rank, to the byte where E divides N k; otherwise
+the ranks holding the first experts receive their extra rows (tests/test_plan_check_moe.py)."""
 
 from __future__ import annotations
 
