@@ -149,15 +149,18 @@ def short_documents(root: Path) -> Path:
     return root
 
 
-LAYOUTS = {"tp2": {"parallel.tp": 2}, "pp2_1f1b": {"parallel.pp": 2, "parallel.pp_schedule": "1f1b"}}
+RESTART = {"data.doc_positions": "restart"}
+LAYOUTS = {"tp2": {"parallel.tp": 2, **RESTART}, "pp2_1f1b": {"parallel.pp": 2, "parallel.pp_schedule": "1f1b", **RESTART},
+           "cp2": {"parallel.cp": 2}}
 
 
 @pytest.mark.dist
-def test_doc_mask_under_tp2_and_pp2_trains_as_one_process(tmp_path):
-    """With data.doc_mask (positions restarted), TP 2 and a 2-stage pipeline (1F1B: the document
-    ids reach the second stage as the schedule's keyword argument) train as one process does, to
-    the parity matrix's fp32 tolerance, in one launch; the one-process run is the one the test
-    above equates with the documents run one by one. Without the mask the same run is not."""
+def test_doc_mask_under_tp2_pp2_and_cp2_trains_as_one_process(tmp_path):
+    """With data.doc_mask, TP 2 and a 2-stage pipeline (1F1B: the document ids reach the second
+    stage as the schedule's keyword argument), positions restarted, and CP 2 (each rank's ring
+    blocks cut by the whole sequences' documents) train as one process does, to the parity
+    matrix's fp32 tolerance, in one launch; the one-process run is the one the test above equates
+    with the documents run one by one. Without the mask the same run is not."""
     from gridtrain.parity.compare import deviation, problems, tolerance
     from gridtrain.parity.matrix import GLOBAL_BATCH, base_overrides
     from gridtrain.parity.run import launch, load_result, run_reference
@@ -165,16 +168,17 @@ def test_doc_mask_under_tp2_and_pp2_trains_as_one_process(tmp_path):
     corpus = short_documents(tmp_path / "corpus")
     base = {**base_overrides(), "data.corpus": str(corpus), "data.cache_dir": str(tmp_path / "cache"),
             "train.micro_batch": 2, "train.steps": 3, "train.precision": "fp32", "model.tie_embeddings": False,
-            "parallel.dp_shard": -1, "data.doc_mask": True, "data.doc_positions": "restart"}
+            "parallel.dp_shard": -1, "data.doc_mask": True}
     out = tmp_path / "world2"
     proc = launch(2, {name: {**base, "run_dir": str(out / name), **layout} for name, layout in LAYOUTS.items()},
                   out, timeout_s=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     one = {k: v for k, v in base.items() if not k.startswith("parallel.")}
-    ref = run_reference({**one, "run_dir": str(tmp_path / "one")})
-    unmasked = run_reference({**one, "data.doc_mask": False, "data.doc_positions": "continue",
-                              "run_dir": str(tmp_path / "unmasked")})
-    tol = tolerance("fp32", GLOBAL_BATCH * 32, ref.lrs, 0.9, 0.95)
-    for name in LAYOUTS:
+    refs = {positions: run_reference({**one, "data.doc_positions": positions, "run_dir": str(tmp_path / positions)})
+            for positions in ("continue", "restart")}
+    unmasked = run_reference({**one, "data.doc_mask": False, "run_dir": str(tmp_path / "unmasked")})
+    tol = tolerance("fp32", GLOBAL_BATCH * 32, refs["continue"].lrs, 0.9, 0.95)
+    for name, layout in LAYOUTS.items():
+        ref = refs[str(layout.get("data.doc_positions", "continue"))]
         assert not problems(deviation(load_result(out, name), ref), tol), name
-    assert problems(deviation(unmasked, ref), tol)
+    assert problems(deviation(unmasked, refs["continue"]), tol)

@@ -32,6 +32,7 @@ import torch.distributed.nn.functional as dist_nn
 from torch import nn
 
 from gridtrain.model.blockwise import Block, Merged, attend_blocks, causal_blocks, grad_blocks
+from gridtrain.model.documents import Documents
 from gridtrain.model.llama import Attention, Transformer
 from gridtrain.model.moe import MoE
 
@@ -59,11 +60,16 @@ def unsplit_sequence(parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
     return torch.cat(chunks, dim=dim)  # type: ignore[arg-type]
 
 
-def split_reader(read: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]], rank: int,
-                 cp: int) -> Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]:
+def split_reader(read: Callable[[int, int], tuple[torch.Tensor, ...]], rank: int,
+                 cp: int) -> Callable[[int, int], tuple[torch.Tensor, ...]]:
     """`read(first, n)` (inputs and targets of n sequences) cut to this CP rank's chunks: every CP
-    rank of a batch slice reads the same sequences and keeps its part of each."""
-    return lambda first, n: split_batch(*read(first, n), rank, cp)
+    rank of a batch slice reads the same sequences and keeps its part of each. Document ids (data.doc_mask)
+    stay whole: the ring's blocks need every chunk's documents."""
+    def read_split(first: int, n: int) -> tuple[torch.Tensor, ...]:
+        inputs, targets, *docs = read(first, n)
+        return (*split_batch(inputs, targets, rank, cp), *docs)
+
+    return read_split
 
 
 def split_batch(inputs: torch.Tensor, targets: torch.Tensor, rank: int,
@@ -77,8 +83,11 @@ def chunk_positions(seq_len: int, rank: int, cp: int) -> torch.Tensor:
     return split_sequence(torch.arange(seq_len), rank, cp, dim=0)
 
 
-def _blocks(rank: int, owner: int, cp: int, size: int, causal: bool) -> list[Block]:
-    """The blocks of this rank's queries against `owner`'s keys (`size` rows a chunk)."""
+def _blocks(rank: int, owner: int, cp: int, size: int, causal: bool, docs: Documents | None) -> list[Block]:
+    """The blocks of this rank's queries against `owner`'s keys (`size` rows a chunk), inside the
+    documents `docs` (whole sequences' documents: document_blocks) where given."""
+    if docs is not None:
+        return docs.blocks(chunk_ids(rank, cp), chunk_ids(owner, cp), size)
     if not causal:
         return [Block(slice(0, 2 * size), slice(0, 2 * size), False)]
     return causal_blocks(chunk_ids(rank, cp), chunk_ids(owner, cp), size)
@@ -124,30 +133,32 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup,  # noqa: ANN001
-                rotate: str, causal: bool, scale: float, traffic: RingTraffic | None) -> torch.Tensor:
+                rotate: str, causal: bool, scale: float, traffic: RingTraffic | None,
+                docs: Documents | None = None) -> torch.Tensor:
         cp, rank, size = group.size(), group.rank(), q.shape[2] // 2
         merged = Merged(q)
         kv = torch.stack([k, v]).contiguous()
         if rotate == "allgather":
             for owner, (k_all, v_all) in enumerate(_gather(kv, group)):
-                attend_blocks(merged, q, k_all, v_all, _blocks(rank, owner, cp, size, causal), scale)
+                attend_blocks(merged, q, k_all, v_all, _blocks(rank, owner, cp, size, causal, docs), scale)
         else:
             for step in range(cp):
                 owner = (rank - step) % cp
                 pending = _exchange(kv, group, traffic) if step < cp - 1 else None
-                attend_blocks(merged, q, kv[0], kv[1], _blocks(rank, owner, cp, size, causal), scale)
+                attend_blocks(merged, q, kv[0], kv[1], _blocks(rank, owner, cp, size, causal, docs), scale)
                 if pending:
                     _wait(pending[1])
                     kv = pending[0]
         out = merged.out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, merged.lse)
         ctx.group, ctx.rotate, ctx.causal, ctx.scale, ctx.traffic = group, rotate, causal, scale, traffic
+        ctx.docs = docs
         return out
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # noqa: ANN001
         q, k, v, out, lse = ctx.saved_tensors
-        group, causal, scale = ctx.group, ctx.causal, ctx.scale
+        group, causal, scale, docs = ctx.group, ctx.causal, ctx.scale, ctx.docs
         cp, rank, size = group.size(), group.rank(), q.shape[2] // 2
         dout = dout.contiguous()
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -155,7 +166,7 @@ class RingAttention(torch.autograd.Function):
         if ctx.rotate == "allgather":
             grads = []
             for owner, (k_all, v_all) in enumerate(_gather(kv, group)):
-                blocks = _blocks(rank, owner, cp, size, causal)
+                blocks = _blocks(rank, owner, cp, size, causal, docs)
                 grads.append(torch.stack(grad_blocks(dq, dout, q, k_all, v_all, out, lse, blocks, scale)))
             received = torch.empty((cp, *grads[0].shape), dtype=torch.float32, device=q.device)
             dist.all_to_all_single(received, torch.stack(grads), group=group)
@@ -166,7 +177,7 @@ class RingAttention(torch.autograd.Function):
                 owner = (rank - step) % cp
                 pending = _exchange(kv, group, ctx.traffic) if step < cp - 1 else None  # overlaps the blocks
                 dkv += torch.stack(grad_blocks(dq, dout, q, kv[0], kv[1], out, lse,
-                                               _blocks(rank, owner, cp, size, causal), scale))
+                                               _blocks(rank, owner, cp, size, causal, docs), scale))
                 # The gradient so far follows its keys and values; after the last block it takes
                 # one more hop, home to its owner.
                 sent = dkv
@@ -174,17 +185,19 @@ class RingAttention(torch.autograd.Function):
                 _wait(works + (pending[1] if pending else []))
                 if pending:
                     kv = pending[0]
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup,
-                   rotate: str = "ring", causal: bool = True, traffic: RingTraffic | None = None) -> torch.Tensor:
+                   rotate: str = "ring", causal: bool = True, traffic: RingTraffic | None = None,
+                   docs: Documents | None = None) -> torch.Tensor:
     """Context-parallel attention over `group` (see the module docstring). q: (batch, heads,
     2 x chunk, head_dim), this rank's chunks as split_sequence cuts them; k, v the same at the
-    KV-head count. Returns this rank's output rows, as SDPA (enable_gqa) would give them."""
+    KV-head count. Returns this rank's output rows, as SDPA (enable_gqa) would give them, or kept
+    inside the documents `docs` of the whole sequences (data.doc_mask)."""
     if rotate not in ROTATIONS:
         raise ValueError(f"cp_rotate {rotate!r} is not one of {ROTATIONS}")
-    return RingAttention.apply(q, k, v, group, rotate, causal, q.shape[-1] ** -0.5, traffic)
+    return RingAttention.apply(q, k, v, group, rotate, causal, q.shape[-1] ** -0.5, traffic, docs)
 
 
 def apply_context_parallel(parts: list[nn.Module], group: dist.ProcessGroup, seq_len: int, rotate: str,

@@ -83,9 +83,9 @@ class Evaluator:
         for inputs, targets in reader.batches(self.size, self.batches):
             if len(inputs) < self.size:
                 break
-            if self.cp_group is not None:
-                inputs, targets = split_batch(inputs, targets, self.cp_group.rank(), self.cp_group.size())
             docs = [document_ids(inputs, self.eos_id).to(self.device)] if self.cfg.data.doc_mask else []
+            if self.cp_group is not None:  # each rank its chunks; the documents of the whole sequences
+                inputs, targets = split_batch(inputs, targets, self.cp_group.rank(), self.cp_group.size())
             with loss_context(self.tp), self.precision.autocast():
                 loss = self.loss(inputs.to(self.device), targets.to(self.device), *docs)
             if loss is not None:
