@@ -258,3 +258,14 @@ def test_the_chosen_layout_line_keeps_ep():
     assert rc == 0 and label.endswith(",ep=8"), label
     rc, again, _ = _plan("--model", "mixtral-8x7b", "--num-gpus", "64", "--layout", label)
     assert rc == 0 and f"chosen layout: --layout {label}\n" in again
+
+
+def test_selective_recomputation_reruns_the_grouped_experts_not_the_loops():
+    """Selective recomputation saves matmul outputs, and the grouped matmul is not among them: with
+    it Mixtral's 2 routed experts run forward again (2 x 2 x 3 x 4,096 x 14,336 FLOPs a token more);
+    with the loop (model.moe.grouped_mm false) their matmuls are saved and nothing runs again."""
+    from dataclasses import replace
+
+    base = 6 * (8 * 4096 + 2 * 3 * 4096 * 14336)
+    assert moe_ffn_flops_per_token(MIXTRAL, "selective") == base + 2 * 2 * 3 * 4096 * 14336
+    assert moe_ffn_flops_per_token(replace(MIXTRAL, moe_grouped=False), "selective") == base

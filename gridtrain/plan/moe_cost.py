@@ -51,12 +51,14 @@ def recomputes_experts(recompute: str) -> bool:
 def moe_ffn_flops_per_token(shape: ModelShape, recompute: str, ep_imbalance: float = 1.0) -> float:
     """Hardware FLOPs of one MoE feed-forward per token on a rank (not split by TP): 6 x (router,
     shared experts and k routed experts; the routed ones x the imbalance allowance), and the
-    forward again where it is recomputed (the routed experts under selective recomputation too,
-    the router and shared experts only under full)."""
+    forward again where it is recomputed (the routed experts under selective recomputation too
+    when the grouped matmul runs them, whose outputs that policy does not save, unlike the loop's
+    matmuls; the router and shared experts only under full)."""
     routed = 3 * shape.top_k * shape.hidden * shape.expert_ffn * ep_imbalance
     common = moe_mlp_params(shape)
     model = 6 * (common + routed)
-    again = 2 * routed * recomputes_experts(recompute) + 2 * common * (recompute == "full")
+    experts_again = recompute == "full" or (recompute == "selective" and shape.moe_grouped)
+    again = 2 * routed * experts_again + 2 * common * (recompute == "full")
     return model + again
 
 
