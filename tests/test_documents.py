@@ -150,15 +150,17 @@ def short_documents(root: Path) -> Path:
 
 
 RESTART = {"data.doc_positions": "restart"}
-LAYOUTS = {"tp2": {"parallel.tp": 2, **RESTART}, "pp2_1f1b": {"parallel.pp": 2, "parallel.pp_schedule": "1f1b", **RESTART},
-           "cp2": {"parallel.cp": 2}}
+LAYOUTS = {"tp2_full": {"parallel.tp": 2, "train.recompute": "full", **RESTART},
+           "pp2_1f1b": {"parallel.pp": 2, "parallel.pp_schedule": "1f1b", **RESTART},
+           "cp2_selective": {"parallel.cp": 2, "train.recompute": "selective"}}
 
 
 @pytest.mark.dist
 def test_doc_mask_under_tp2_pp2_and_cp2_trains_as_one_process(tmp_path):
-    """With data.doc_mask, TP 2 and a 2-stage pipeline (1F1B: the document ids reach the second
-    stage as the schedule's keyword argument), positions restarted, and CP 2 (each rank's ring
-    blocks cut by the whole sequences' documents) train as one process does, to the parity
+    """With data.doc_mask, TP 2 with full recomputation and a 2-stage pipeline (1F1B: the document
+    ids reach the second stage as the schedule's keyword argument), positions restarted, and CP 2
+    with selective recomputation (each rank's ring blocks cut by the whole sequences' documents)
+    train as one process does, to the parity
     matrix's fp32 tolerance, in one launch; the one-process run is the one the test above equates
     with the documents run one by one. Without the mask the same run is not."""
     from gridtrain.parity.compare import deviation, problems, tolerance
