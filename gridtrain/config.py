@@ -252,6 +252,34 @@ class FaultConfig:
     (it burns CPU after each forward and backward): a straggler (-1: none)."""
     slow_factor: float = 2.0
     """How much slower fault.slow_rank computes (2: half speed)."""
+    pause_s: float = 0.0
+    """Every rank sleeps this many seconds after each step from fault.at_step on, in every
+    attempt, without using the CPU: paces a run while another job joins it (0: never)."""
+
+
+@dataclass
+class FaultToleranceConfig:
+    """Replica groups that drop out and rejoin while the others train, through torchft (the `ft`
+    extra). Each of parallel.dp_replicate replica groups is its own torchrun job of
+    dp_shard x ... ranks; groups meet at a lighthouse each step, all-reduce gradients across the
+    live ones, and a group that starts late is sent the weights and optimizer state by a live
+    peer, without a checkpoint read (fault_tolerance.lighthouse says how to start the lighthouse)."""
+
+    enabled: bool = False
+    """Make the dp_replicate axis torchft replica groups (HSDP: zero_stage 2 or 3)."""
+    lighthouse: str = ""
+    """The lighthouse's address, e.g. http://127.0.0.1:29510: start it first, bound to an address
+    every group reaches, with `torchft_lighthouse --bind 127.0.0.1:29510 --min_replicas 1
+    --join_timeout_ms 1000` (the binary comes with torchft; loopback in tests)."""
+    replica_group: int = 0
+    """This job's replica group, 0..parallel.dp_replicate-1; a restarted group keeps its number."""
+    min_replicas: int = 1
+    """Steps commit only while at least this many replica groups take part."""
+    quorum_timeout_s: float = 60.0
+    """How long a step waits for the lighthouse's quorum before the job fails."""
+    timeout_s: float = 30.0
+    """Cross-group collectives, commits and the weight transfer to a rejoining group fail after
+    this many seconds (the step is then redone by the live groups)."""
 
 
 @dataclass
@@ -315,6 +343,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
 
     @property
     def checkpoint_dir(self) -> Path:

@@ -222,7 +222,9 @@ def world_size(cfg: Config) -> int:
 
 def parallel_dims(cfg: Config, world: int | None = None) -> ParallelDims:
     p = cfg.parallel
-    return ParallelDims.resolve(p.dp_replicate, p.dp_shard, p.cp, p.tp, p.pp, p.ep,
+    # Under fault tolerance each replica group is its own job: dp_replicate counts the jobs.
+    dp_replicate = 1 if cfg.fault_tolerance.enabled else p.dp_replicate
+    return ParallelDims.resolve(dp_replicate, p.dp_shard, p.cp, p.tp, p.pp, p.ep,
                                 world if world is not None else world_size(cfg), p.zero_stage)
 
 
@@ -467,6 +469,50 @@ def _check_resilience(cfg: Config, dims: ParallelDims) -> list[str]:
     return problems
 
 
+def _check_fault_tolerance(cfg: Config, dims: ParallelDims, installed: bool = True) -> list[str]:
+    """torchft replica groups: parallel.dp_replicate jobs of HSDP's shard axis, met at a lighthouse."""
+    ft, p, groups = cfg.fault_tolerance, cfg.parallel, cfg.parallel.dp_replicate
+    if not 0 <= cfg.fault.pause_s < math.inf:
+        return [f"fault.pause_s = {cfg.fault.pause_s} must be a number of seconds >= 0 (0: never)"]
+    if not ft.enabled:
+        return []
+    if installed and importlib.util.find_spec("torchft") is None:
+        return ["fault_tolerance.enabled needs torchft, which is not installed: pip install 'gridtrain[ft]'"]
+    if not ft.lighthouse.strip():
+        return ["fault_tolerance.enabled needs fault_tolerance.lighthouse, the address of a running "
+                "torchft_lighthouse (e.g. http://127.0.0.1:29510)"]
+    if groups < 2:
+        return [f"fault_tolerance.enabled needs parallel.dp_replicate >= 2 replica groups, not {groups}"]
+    if not 0 <= ft.replica_group < groups:
+        return [f"fault_tolerance.replica_group = {ft.replica_group} is not one of the parallel.dp_replicate "
+                f"({groups}) replica groups: pick 0..{groups - 1}"]
+    if not 1 <= ft.min_replicas <= groups:
+        return [f"fault_tolerance.min_replicas = {ft.min_replicas} must be in [1, parallel.dp_replicate ({groups})]"]
+    if ft.quorum_timeout_s <= 0 or ft.timeout_s <= 0:
+        return [f"fault_tolerance.quorum_timeout_s ({ft.quorum_timeout_s}) and timeout_s ({ft.timeout_s}) must be > 0"]
+    if p.zero_stage < 2:
+        return [f"fault_tolerance replica groups run FSDP inside each group (parallel.zero_stage 2 or 3), not "
+                f"zero_stage {p.zero_stage}: torchft's DDP wrapper fails the survivor when a peer dies inside "
+                "its all-reduce; set parallel.zero_stage to 2"]
+    if dims.dp < 2:
+        return [f"fault_tolerance needs FSDP inside each replica group, over parallel.dp_shard >= 2 processes, not "
+                f"{dims.dp} (its all-reduce hook carries the gradients across groups): set parallel.dp_shard to 2"]
+    shape = shape_of(cfg)
+    moe = shape is not None and shape.moe is not None
+    if dims.tp * dims.cp * dims.pp * dims.ep > 1 or moe or cfg.train.precision == "fp16":
+        return [f"fault_tolerance runs dense models (moe: {moe}) over data parallelism (tp {dims.tp}, cp {dims.cp}, "
+                f"pp {dims.pp}, ep {dims.ep}) in fp32 or bf16 (not {cfg.train.precision}) only: other layouts are not "
+                "compared with one process yet; use a dense model, degrees 1 and fp32 or bf16"]
+    for live in range(ft.min_replicas, groups + 1):
+        per_step = live * dims.dp * cfg.train.micro_batch
+        if cfg.global_batch_seqs % per_step:
+            return [f"train.global_batch ({cfg.global_batch_seqs} sequences) must be divisible by {live} live replica "
+                    f"groups x dp_shard ({dims.dp}) x train.micro_batch ({cfg.train.micro_batch}) = {per_step}, for "
+                    f"every live count from fault_tolerance.min_replicas ({ft.min_replicas}) to {groups}: set it "
+                    f"to a multiple of {math.lcm(*range(ft.min_replicas, groups + 1)) * dims.dp * cfg.train.micro_batch}"]
+    return []
+
+
 def validate(cfg: Config, world: int | None = None, installed: bool = True) -> ParallelDims:
     """Raise ConfigError listing every broken relation; return the resolved layout. `installed`:
     also what this Python must have installed to run it (torchao for FP8); the planner, which may
@@ -475,6 +521,7 @@ def validate(cfg: Config, world: int | None = None, installed: bool = True) -> P
     problems = _check_model(cfg) + _check_parallel(cfg, dims)
     problems += _check_batch(cfg, max(dims.dp, 1)) + _check_train(cfg) + _check_data(cfg)
     problems += _check_resilience(cfg, dims) + _check_float8(cfg, dims, installed) + _check_moe(cfg, dims)
+    problems += _check_fault_tolerance(cfg, dims, installed)
     problems += _at_least("metrics.log_every", cfg.metrics.log_every, 1)
     if not str(cfg.run_dir).strip():
         problems.append("run_dir is empty (it would write into the current directory): give --run_dir DIR")

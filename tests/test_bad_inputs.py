@@ -200,6 +200,22 @@ TRAIN = [
     (["train", "--checkpoint.keep", "-1"], "checkpoint.keep = -1 must be >= 1"),
     (["train", "--metrics.log_every", "0"], "metrics.log_every = 0 must be >= 1"),
     (["train", "--nosuch.key", "1"], "unknown config key 'nosuch.key'"),
+    (["train", "--nproc", "2", "--parallel.dp_replicate", "2", "--parallel.dp_shard", "2", "--fault_tolerance.enabled", "true"], "fault_tolerance.enabled needs fault_tolerance.lighthouse"),
+    (["train", "--nproc", "2", "--fault_tolerance.enabled", "true", "--fault_tolerance.lighthouse", "http://127.0.0.1:29510"],
+     "fault_tolerance.enabled needs parallel.dp_replicate >= 2 replica groups, not 1"),
+    (["train", "--nproc", "2", "--parallel.dp_replicate", "2", "--parallel.dp_shard", "2", "--fault_tolerance.enabled", "true", "--fault_tolerance.lighthouse", "http://127.0.0.1:29510", "--fault_tolerance.replica_group", "2"],
+     "fault_tolerance.replica_group = 2 is not one of the parallel.dp_replicate (2) replica groups: pick 0..1"),
+    (["train", "--nproc", "2", "--parallel.dp_replicate", "2", "--parallel.dp_shard", "2", "--fault_tolerance.enabled", "true", "--fault_tolerance.lighthouse", "http://127.0.0.1:29510", "--fault_tolerance.min_replicas", "3"],
+     "fault_tolerance.min_replicas = 3 must be in [1, parallel.dp_replicate (2)]"),
+    (["train", "--nproc", "2", "--parallel.dp_replicate", "2", "--parallel.dp_shard", "2", "--fault_tolerance.enabled", "true", "--fault_tolerance.lighthouse", "http://127.0.0.1:29510", "--parallel.zero_stage", "1", "--parallel.dp_shard", "1"],
+     "not zero_stage 1: torchft's DDP wrapper fails the survivor"),
+    (["train", "--nproc", "4", "--parallel.dp_replicate", "2", "--parallel.dp_shard", "2", "--parallel.tp", "2",
+      "--fault_tolerance.enabled", "true", "--fault_tolerance.lighthouse", "http://127.0.0.1:29510"], "fault_tolerance runs dense models (moe: False) over data parallelism (tp 2"),
+    (["train", "--nproc", "2", "--parallel.dp_replicate", "2", "--parallel.dp_shard", "2", "--fault_tolerance.enabled", "true", "--fault_tolerance.lighthouse", "http://127.0.0.1:29510", "--train.global_batch", "6", "--train.micro_batch", "1"],
+     "train.global_batch (6 sequences) must be divisible by 2 live replica groups x dp_shard (2) x train.micro_batch (1) = 4"),
+    (["train", "--fault.pause_s", "-1"], "fault.pause_s = -1.0 must be a number of seconds >= 0"),
+    (["train", "--parallel.dp_replicate", "2", "--parallel.dp_shard", "1", "--fault_tolerance.enabled", "true",
+      "--fault_tolerance.lighthouse", "http://127.0.0.1:29510"], "fault_tolerance needs FSDP inside each replica group"),
 ]
 
 OTHERS = [

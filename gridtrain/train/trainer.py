@@ -138,6 +138,7 @@ class Trainer:
         # Each loss is a mean over a micro-batch's tokens on this rank, a 1/cp part of them under
         # context parallelism: the global batch's mean is the sum of the shares, each divided by this.
         self.loss_shares = self.micro_batches * self.dims.cp
+        self.dp_index = self.coords["dp"]  # among the data-parallel ranks of the step
         self.read = self.data.train.read
         if cfg.data.doc_mask:
             self.read = with_documents(self.read, self.data.eos_id)
@@ -178,6 +179,12 @@ class Trainer:
                 log.warning("torchrun restarted the run: resuming from the newest intact checkpoint (job %s "
                             "trains into %s)", job_id() or "of the default --rdzv-id", cfg.run_dir)
             self.resume()
+        self.ft = None
+        if cfg.fault_tolerance.enabled:
+            from gridtrain.train.ft import ReplicaGroups
+
+            self.ft = ReplicaGroups(cfg, self.world.rank, self.world.world_size)
+            self.ft.register(self.model, self.optimizer, self.trainer_state, self.load_trainer_state)
         self.board = None
         if self.mesh:
             set_timeouts(list(self.mesh.axis_groups().values()), t.collective_timeout_s)
@@ -190,6 +197,22 @@ class Trainer:
         return {"step": torch.tensor(self.step), "samples": torch.tensor(self.step * self.global_batch),
                 "rng": torch.get_rng_state(), **self.precision.state_dict(),
                 **self.data.position(self.step * self.global_batch)}
+
+    def load_trainer_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Take a live replica group's step, RNG and precision state (fault tolerance's rejoin)."""
+        self.step = int(state["step"])
+        torch.set_rng_state(state["rng"])
+        self.precision.load_state_dict(state)
+
+    def split_batch(self, live: int, rank: int) -> None:
+        """The step's global batch among `live` replica groups of dp ranks, this group `rank`-th
+        (fault tolerance: the split follows the quorum)."""
+        dp = live * self.dims.dp
+        self.dp_index = rank * self.dims.dp + self.coords["dp"]
+        self.local_batch = self.global_batch // dp
+        self.accum = self.local_batch // self.cfg.train.micro_batch
+        self.micro_batches = self.accum * dp
+        self.loss_shares = self.micro_batches * self.dims.cp
 
     def save(self) -> Path | None:
         """Save this step's checkpoint (Checkpointer.save)."""
@@ -224,12 +247,15 @@ class Trainer:
     def forward_backward(self) -> torch.Tensor:
         """Forward and backward over this rank's slice of the step's global batch; returns its share
         of the global batch's mean loss (zero on pipeline ranks without the last stage)."""
-        first = self.step * self.global_batch + self.coords["dp"] * self.local_batch
+        first = self.step * self.global_batch + self.dp_index * self.local_batch
         return forward_backward(self.pmodel, self.read, first, self.local_batch, self.cfg.train.micro_batch,
                                 self.loss_shares, self.precision, self.dims.tp, self.device)
 
     def train_step(self) -> dict[str, float]:
         """One optimizer step over the global batch; returns its metrics."""
+        if self.ft:
+            quorum = self.ft.begin_step(lambda: self.step)  # a rejoining group takes the live step here
+            self.split_batch(quorum.live, quorum.rank)
         inject_fault(self.cfg.fault, self.world.rank, self.step + 1, self.restarted)
         if self.board:
             self.board.post(self.step + 1)
@@ -243,6 +269,8 @@ class Trainer:
         with account.forward_backward():
             loss = self.forward_backward()
         slow_down(self.cfg.fault, self.world.rank, self.step + 1, time.process_time() - cpu_start)
+        if self.cfg.fault.pause_s and 0 < self.cfg.fault.at_step <= self.step + 1:
+            time.sleep(self.cfg.fault.pause_s)
         settle_partial_grads(self.pmodel.parameters())
         for opt in self.optimizers:
             self.precision.unscale_(opt, group(self.mesh, "world"))
@@ -251,6 +279,10 @@ class Trainer:
         account.collectives_done()
         # The global mean loss and norm: every rank sees the same values, so all decide alike.
         loss_value, reporting = self.reduce_loss(loss)
+        if self.ft and not self.ft.commit(self.step + 1):
+            for opt in self.optimizers:
+                opt.zero_grad(set_to_none=True)
+            return self.train_step()  # a group died inside the step: the live ones run it again
         account.optimizer_begins(reporting)
         # fp16's scaler skips overflowing steps itself (and lowers the scale): the guard sees the loss.
         if self.guard.admit(self.step + 1, loss_value, 0.0 if t.precision == "fp16" else grad_norm):
@@ -297,6 +329,8 @@ class Trainer:
         groups = [g for g in (group(self.mesh, axis) for axis in ("pp", "dp", "cp")) if g is not None]
         for axis_group in groups:
             dist.all_reduce(loss, group=axis_group)
+        if self.ft:
+            self.ft.all_reduce_sum(loss)
         return loss.item(), len(groups)
 
     # -- the run -----------------------------------------------------------------------------
@@ -355,6 +389,8 @@ class Trainer:
             raise
         finally:
             checkpointer.signals.release()
+            if self.ft:
+                self.ft.shutdown()
             if writer:
                 writer.close()
             self.release()
