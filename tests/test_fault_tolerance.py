@@ -42,8 +42,8 @@ def start_group(corpus: Path, tmp: Path, steps: int, index: int, lighthouse: str
     ft = ["--parallel.dp_replicate", "2", "--parallel.dp_shard", "2", "--parallel.zero_stage", "3",
           "--fault_tolerance.enabled", "true", "--fault_tolerance.lighthouse", lighthouse,
           "--fault_tolerance.replica_group", str(index), "--fault_tolerance.timeout_s", "10"]
-    cmd = [sys.executable, "-m", "gridtrain", "train", "--nproc", "2", *extra,
-           *flags(corpus, tmp, f"g{index}", steps, *ft)]
+    cmd = [sys.executable, "-m", "gridtrain", "train", "--nproc", "2",
+           *flags(corpus, tmp, f"g{index}", steps, *ft, *extra)]
     return subprocess.Popen(cmd, stdout=open(tmp / f"g{index}.log", "w"), stderr=subprocess.STDOUT, cwd=ROOT,
                             env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
 
@@ -64,13 +64,15 @@ class Outcome:
     logs: list[str]
 
 
-def run_groups(tmp: Path, corpus: Path, steps: int, kill_at: int = 0, pause_s: float = 0.0) -> Outcome:
+def run_groups(tmp: Path, corpus: Path, steps: int, kill_at: int = 0, pause_s: float = 0.0,
+               *group1: str) -> Outcome:
     """Both groups to `steps`; with `kill_at`, group 1 kills a rank at the start of that step and
     torchrun restarts it (`--max-restarts 1`) while group 0, pausing `pause_s` a step from the
-    step after, trains on alone."""
+    step after, trains on alone. `group1`: more flags for group 1."""
     lighthouse, address = start_lighthouse(tmp)
     pace = ["--fault.pause_s", str(pause_s), "--fault.at_step", str(kill_at + 1)] if kill_at else []
-    kill = ["--max-restarts", "1", "--fault.kill_rank", "0", "--fault.at_step", str(kill_at)] if kill_at else []
+    kill = ["--max-restarts", "1", "--fault.kill_rank", "0", "--fault.at_step", str(kill_at), *group1] \
+        if kill_at else list(group1)
     procs = [start_group(corpus, tmp, steps, 0, address, *pace), start_group(corpus, tmp, steps, 1, address, *kill)]
     try:
         for i, proc in enumerate(procs):

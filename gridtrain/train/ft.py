@@ -108,12 +108,15 @@ class ReplicaGroups:
         self.live = self.groups
         self.short_steps: list[int] = []
 
-    def register(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+    def register(self, model: nn.Module, optimizer: torch.optim.Optimizer, step: int,
                  trainer_state: Callable[[], dict[str, Any]], load_trainer_state: Callable[[dict[str, Any]], None]) -> None:
         """What a rejoining group is sent, and how it takes it; and the gradient all-reduce across
-        groups (FSDP's all-reduce hook on every FSDP module: a sum, the trainer divides the loss)."""
+        groups (FSDP's all-reduce hook on every FSDP module: a sum, the trainer divides the loss).
+        `step`: the step this job resumed (from its own checkpoint, under a torchrun restart): a
+        group behind the live ones' step takes their state at its first quorum."""
         from torchft.process_group import ManagedProcessGroup
 
+        self.manager.load_state_dict({"step": step, "batches_committed": step * self.groups})
         def state() -> dict[str, Any]:
             return {"model": model_state(model), "optim": optimizer_state(optimizer), "trainer": trainer_state()}
 
@@ -150,7 +153,7 @@ class ReplicaGroups:
         healed = self.manager.current_step() != before
         if (live != self.live or healed) and self.rank == 0:
             log.warning("fault tolerance: %d of %d replica groups live from step %d%s", live, self.groups,
-                        step_now() + 1, " (this group rejoined with a live peer's state, no checkpoint read)"
+                        step_now() + 1, " (this group rejoined: it took a live peer's state)"
                         if healed else "")
         self.live = live
         return Quorum(live, rank, healed)

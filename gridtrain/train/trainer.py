@@ -184,7 +184,7 @@ class Trainer:
             from gridtrain.train.ft import ReplicaGroups
 
             self.ft = ReplicaGroups(cfg, self.world.rank, self.world.world_size)
-            self.ft.register(self.model, self.optimizer, self.trainer_state, self.load_trainer_state)
+            self.ft.register(self.model, self.optimizer, self.step, self.trainer_state, self.load_trainer_state)
         self.board = None
         if self.mesh:
             set_timeouts(list(self.mesh.axis_groups().values()), t.collective_timeout_s)
