@@ -26,6 +26,7 @@ in torchft/ddp.py), so the groups are always FSDP (zero_stage 2 or 3) inside.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -94,6 +95,10 @@ class ReplicaGroups:
     the managed process group across groups, and the state a rejoining peer is sent."""
 
     def __init__(self, cfg: Config, rank: int, world_size: int) -> None:
+        # torchft logs each quorum and commit of every rank (its Rust side through RUST_LOG), and on
+        # CPU that it cannot reset NCCL's flight recorder: gridtrain's own lines say what changed.
+        os.environ.setdefault("RUST_LOG", "warn")
+        logging.getLogger("torchft").setLevel(logging.ERROR)
         from torchft import Manager, ProcessGroupGloo
 
         ft = cfg.fault_tolerance
@@ -107,6 +112,10 @@ class ReplicaGroups:
         self.rank, self.quorum_timeout_s = rank, ft.quorum_timeout_s
         self.live = self.groups
         self.short_steps: list[int] = []
+        if rank == 0:
+            log.info("fault tolerance: replica group %d of %d (FSDP over %d ranks inside), lighthouse %s; the live "
+                     "groups split the global batch of %d sequences each step", self.group, self.groups, world_size,
+                     ft.lighthouse, cfg.global_batch_seqs)
 
     def register(self, model: nn.Module, optimizer: torch.optim.Optimizer, step: int,
                  trainer_state: Callable[[], dict[str, Any]], load_trainer_state: Callable[[dict[str, Any]], None]) -> None:
