@@ -184,3 +184,26 @@ def test_doc_mask_under_tp2_pp2_and_cp2_trains_as_one_process(tmp_path):
         ref = refs[str(layout.get("data.doc_positions", "continue"))]
         assert not problems(deviation(load_result(out, name), ref), tol), name
     assert problems(deviation(unmasked, refs["continue"]), tol)
+
+
+def test_varlen_packing_hands_each_document_to_the_kernel():
+    """The CUDA path's packing (rows of every sequence end to end, cumulative document lengths),
+    checked on CPU with a stand-in for torch's varlen kernel that runs causal SDPA per segment as
+    its documentation defines it: the result is the dense-masked attention."""
+    from gridtrain.model.documents import _varlen_attention
+
+    def varlen(q, k, v, cu_q, cu_k, max_q, max_k, window_size, enable_gqa, scale):  # (T, H, D) packed
+        assert window_size == (-1, 0) and torch.equal(cu_q, cu_k) and cu_q.dtype == torch.int32
+        bounds = cu_q.tolist()
+        assert max_q == max(b - a for a, b in zip(bounds, bounds[1:]))
+        parts = [F.scaled_dot_product_attention(*(t[a:b].transpose(0, 1) for t in (q, k, v)), is_causal=True,
+                                                scale=scale, enable_gqa=enable_gqa).transpose(0, 1)
+                 for a, b in zip(bounds, bounds[1:])]
+        return torch.cat(parts)
+
+    torch.manual_seed(0)
+    ids = torch.tensor([[0] * 5 + [1] * 11, [0] * 16])
+    q, k, v = torch.randn(2, 4, 16, 8), torch.randn(2, 2, 16, 8), torch.randn(2, 2, 16, 8)
+    out = _varlen_attention(q, k, v, Documents(ids), varlen)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=dense_mask(ids), enable_gqa=True)
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)

@@ -9,9 +9,10 @@ The attention is document-causal: a query sees the earlier keys of its own docum
 with the blocks of gridtrain.model.blockwise (`document_blocks`): one block per (query chunk, key
 chunk, document) that meets both, full when the key chunk is earlier, causal on the diagonal, and no
 block at all where the mask hides everything, so hidden pairs are skipped, never computed and
-discarded. Sequences of a batch with the same documents share their blocks. On CUDA, where torch
-has its variable-length FlashAttention (`torch.nn.attention.varlen.varlen_attn`), one call over
-all documents of the batch does the same.
+discarded. Sequences of a batch with the same documents share their blocks. On an NVIDIA GPU, for
+what FlashAttention takes (16-bit, heads up to 256 wide, Ampere or newer) and where torch has its
+variable-length FlashAttention (`torch.nn.attention.varlen.varlen_attn`), one call over all
+documents of the batch does the same.
 
 RoPE positions may restart at each document (`Documents.positions`, data.doc_positions = 'restart').
 """
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from gridtrain.model.blockwise import Block, BlockAttention
+from gridtrain.model.blockwise import Block, BlockAttention, _cuda_kernel, _nvidia
 
 Span = tuple[int, int]
 
@@ -125,7 +126,9 @@ def _varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: D
 def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents) -> torch.Tensor:
     """Document-causal attention of (B, heads, T, head_dim) queries and keys, values at the KV heads
     (as SDPA with enable_gqa), inside the documents `docs`."""
-    varlen = _varlen() if q.device.type == "cuda" and q.dtype in (torch.bfloat16, torch.float16) else None
+    # FlashAttention's shapes and GPUs only (what blockwise's per-block kernel choice also checks);
+    # elsewhere the blocks below, each on the device's own kernel
+    varlen = _varlen() if _nvidia(q) and _cuda_kernel(q) == "flash" else None
     if varlen is not None:
         return _varlen_attention(q, k, v, docs, varlen)
     T = q.shape[2]
