@@ -4,11 +4,11 @@ of step 5; group 0 is then inside step 5, fails its all-reduce across groups, do
 runs step 5 again alone, reading the whole global batch; torchrun restarts group 1, which takes the
 step, weights and optimizer state from group 0 over torchft's HTTP transport (no checkpoint is
 read) and trains with it to the end. Group 0 pauses 1.5 s a step from step 6 on, so that the
-restart (about 7-9 s on this 2-core machine) lands before step 12.
+restart (4-8 s on this 2-core machine) lands before step 12.
 
 Checks: group 0 logs every step once; group 1 rejoins by step 12; every logged loss of either
 group equals the one-process run's; the final weights of the two groups are equal; the log names
-the steps run with one group. Prints the times. `python bench/bench_ft_rejoin.py` (about 45 s);
+the steps run with one group. Prints the times. `python bench/bench_ft_rejoin.py` (36-45 s);
 `--checkpoint-every 2`: group 1 also saves every 2 steps, so its restart first resumes its own
 step 4 and then takes the live step from group 0.
 """

@@ -276,7 +276,9 @@ class FaultToleranceConfig:
     min_replicas: int = 1
     """Steps commit only while at least this many replica groups take part."""
     quorum_timeout_s: float = 60.0
-    """How long a step waits for the lighthouse's quorum before the job fails."""
+    """How long a step waits for the lighthouse's quorum before the job fails; a new run's first
+    step also waits up to this long for all parallel.dp_replicate groups, then starts with those
+    that came."""
     timeout_s: float = 30.0
     """Cross-group collectives, commits and the weight transfer to a rejoining group fail after
     this many seconds (the step is then redone by the live groups)."""
