@@ -149,15 +149,11 @@ def _check_data(cfg: Config) -> list[str]:
 
 def _check_documents(cfg: Config) -> list[str]:
     """data.doc_mask and data.doc_positions: what runs with them (one process, DP, FSDP, TP, PP, CP)."""
-    d, cp = cfg.data, cfg.parallel.cp
+    d = cfg.data
     problems = _choice("data.doc_positions", d.doc_positions, ("continue", "restart"))
     if d.doc_positions == "restart" and not d.doc_mask:
         problems.append("data.doc_positions = 'restart' restarts RoPE positions at each document, which needs "
                         "data.doc_mask: set data.doc_mask to true, or data.doc_positions to 'continue'")
-    if d.doc_positions == "restart" and cp > 1:
-        problems.append(f"data.doc_positions = 'restart' does not run under context parallelism yet (parallel.cp = "
-                        f"{cp}: each rank rotates by its chunks' positions in the sequence): set data.doc_positions "
-                        "to 'continue', or parallel.cp to 1")
     if d.doc_mask and cfg.train.compile:
         problems.append("data.doc_mask gives every micro-batch its own attention blocks, which train.compile's "
                         "whole-block graphs cannot hold: set train.compile to false, or data.doc_mask to false")

@@ -165,8 +165,6 @@ TRAIN = [
     (["train", "--data.doc_positions", "reset", "--data.doc_mask", "true"],
      "data.doc_positions = 'reset' is not one of continue, restart"),
     (["train", "--data.doc_positions", "restart"], "restarts RoPE positions at each document, which needs data.doc_mask"),
-    (["train", "--nproc", "2", "--parallel.cp", "2", "--data.doc_mask", "true", "--data.doc_positions", "restart"],
-     "data.doc_positions = 'restart' does not run under context parallelism yet (parallel.cp = 2"),
     (["train", "--data.doc_mask", "true", "--train.compile", "true"],
      "data.doc_mask gives every micro-batch its own attention blocks"),
     (["train", "--nproc", "2", "--parallel.ep", "2"], "parallel.ep (2) shards the routed experts of a mixture of "

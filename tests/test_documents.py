@@ -150,17 +150,18 @@ def short_documents(root: Path) -> Path:
 
 
 RESTART = {"data.doc_positions": "restart"}
-LAYOUTS = {"tp2_full": {"parallel.tp": 2, "train.recompute": "full", **RESTART},
+LAYOUTS = {"tp2_full": {"parallel.tp": 2, "train.recompute": "full"},
            "pp2_1f1b": {"parallel.pp": 2, "parallel.pp_schedule": "1f1b", **RESTART},
-           "cp2_selective": {"parallel.cp": 2, "train.recompute": "selective"}}
+           "cp2_selective": {"parallel.cp": 2, "train.recompute": "selective", **RESTART}}
 
 
 @pytest.mark.dist
 def test_doc_mask_under_tp2_pp2_and_cp2_trains_as_one_process(tmp_path):
-    """With data.doc_mask, TP 2 with full recomputation and a 2-stage pipeline (1F1B: the document
-    ids reach the second stage as the schedule's keyword argument), positions restarted, and CP 2
-    with selective recomputation (each rank's ring blocks cut by the whole sequences' documents)
-    train as one process does, to the parity
+    """With data.doc_mask, TP 2 with full recomputation, a 2-stage pipeline (1F1B: the document ids
+    reach the second stage as the schedule's keyword argument) with positions restarted, and CP 2
+    with selective recomputation and positions restarted (each rank's ring blocks cut by the whole
+    sequences' documents, its tokens rotated at their positions in them: the same attention in exact
+    arithmetic as without the restart, so the test below checks the rotations) train as one process does, to the parity
     matrix's fp32 tolerance, in one launch; the one-process run is the one the test above equates
     with the documents run one by one. Without the mask the same run is not."""
     from gridtrain.parity.compare import deviation, problems, tolerance
@@ -207,3 +208,13 @@ def test_varlen_packing_hands_each_document_to_the_kernel():
     out = _varlen_attention(q, k, v, Documents(ids), varlen)
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=dense_mask(ids), enable_gqa=True)
     torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
+
+
+def test_restarted_positions_of_a_context_parallel_rank_hand_derived():
+    """CP rank 0 of 2 holds chunks 0 and 3 of an 8-token sequence (positions 0, 1, 6, 7); with
+    documents [0, 3) and [3, 8) their positions in their documents are 0, 1, 3, 4."""
+    model = tiny_model()
+    whole = model.freqs_cis.clone()
+    model.rotate_at(torch.tensor([0, 1, 6, 7]))
+    docs = Documents(torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1]]), restart=True)
+    assert torch.equal(model.document_rotations(docs), whole[torch.tensor([[0, 1, 3, 4]])])

@@ -157,6 +157,10 @@ class Transformer(nn.Module):
         self.register_buffer("freqs_cis", rope_frequencies(args), persistent=False)
         self.restart_positions = False
         """With document ids, rotate each token by its position in its document (data.doc_positions)."""
+        self.chunk_positions: torch.Tensor | None = None
+        """The local tokens' positions in the whole sequence (`rotate_at`), None: 0..T-1."""
+        self.whole_table: torch.Tensor | None = None
+        """The RoPE table of every position, under context parallelism with restarted positions."""
 
     def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         """`doc_ids` (B, T): each token's document in its sequence (documents.document_ids), or
@@ -170,7 +174,7 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(tokens).float() if self.tok_embeddings is not None else tokens
         freqs = self.freqs_cis
         if docs is not None and docs.restart:
-            freqs = freqs[docs.positions().to(freqs.device)]  # (B, T, head_dim / 2)
+            freqs = self.document_rotations(docs)
         for layer in self.layers.values():
             h = layer(h, freqs) if docs is None else layer(h, freqs, docs=docs)
         h = self.norm(h) if self.norm is not None else h
@@ -180,7 +184,19 @@ class Transformer(nn.Module):
         """Rotate the tokens by the RoPE angles of `positions`, not of 0..T-1 (a context-parallel
         rank holds chunks of each sequence): the table becomes theirs, still a buffer, so no
         forward gathers or saves a copy of it."""
-        self.freqs_cis = self.freqs_cis[positions.to(self.freqs_cis.device)]
+        self.chunk_positions = positions.to(self.freqs_cis.device)
+        self.freqs_cis = self.freqs_cis[self.chunk_positions]
+
+    def document_rotations(self, docs: Documents) -> torch.Tensor:
+        """(B, T, head_dim / 2): each local token's rotation at its position in its document (`docs`
+        are the whole sequences'; a context-parallel rank holds the tokens at `chunk_positions`,
+        and its table is theirs, so the whole table is built once more, kept beside it)."""
+        positions = docs.positions().to(self.freqs_cis.device)
+        if self.chunk_positions is None:
+            return self.freqs_cis[positions]
+        if self.whole_table is None:
+            self.whole_table = rope_frequencies(self.args).to(self.freqs_cis.device)
+        return self.whole_table[positions[:, self.chunk_positions]]
 
     def after_to_empty(self) -> None:
         """Tie the head to the embedding again (`to_empty()` materialises each module's parameters
