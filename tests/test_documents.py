@@ -141,10 +141,10 @@ def test_trainer_step_with_doc_mask_equals_documents_one_by_one(tmp_path, make_c
         torch.testing.assert_close(grads[name], p.grad, atol=1e-6, rtol=1e-6)
 
 
-def short_documents(root: Path) -> Path:
-    """60 documents of 5 to 24 bytes: every 32-token sequence holds several."""
+def short_documents(root: Path, count: int = 60) -> Path:
+    """`count` documents of 5 to 24 bytes: every 32-token sequence holds several."""
     root.mkdir(parents=True, exist_ok=True)
-    for i in range(60):
+    for i in range(count):
         (root / f"d{i:02}.txt").write_text("abcdefghijklmnopqrstuvwxyz"[: 5 + (7 * i) % 20])
     return root
 
@@ -218,3 +218,25 @@ def test_restarted_positions_of_a_context_parallel_rank_hand_derived():
     model.rotate_at(torch.tensor([0, 1, 6, 7]))
     docs = Documents(torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1]]), restart=True)
     assert torch.equal(model.document_rotations(docs), whole[torch.tensor([[0, 1, 3, 4]])])
+
+
+def test_eval_of_a_doc_mask_run_reproduces_its_validation_loss(tmp_path, make_config):
+    """`gridtrain eval` evaluates a data.doc_mask run inside its documents, as its validation did."""
+    import contextlib
+    import io
+    import json
+
+    from gridtrain.cli import main
+    from gridtrain.train.trainer import Trainer
+
+    corpus = short_documents(tmp_path / "corpus", count=300)
+    cfg = make_config(tmp_path, **{"data.corpus": str(corpus), "data.doc_mask": True, "data.doc_positions": "restart",
+                                   "data.val_fraction": 0.2, "train.steps": 2, "train.val_every": 2,
+                                   "checkpoint.final": True})
+    Trainer(cfg).run()
+    rows = [json.loads(line) for line in (Path(cfg.run_dir) / "metrics.jsonl").read_text().splitlines()]
+    val = [r["loss/val"] for r in rows if "loss/val" in r][-1]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["eval", str(cfg.run_dir), "--json"]) == 0
+    assert json.loads(out.getvalue())["loss"] == pytest.approx(val, rel=1e-6, abs=0)

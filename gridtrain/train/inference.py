@@ -52,6 +52,7 @@ def load_run(run_dir: Path, step: int | None = None) -> LoadedRun:
         model = Transformer(args)
     model.to_empty(device="cpu")
     model.after_to_empty()
+    model.restart_positions = cfg.data.doc_positions == "restart"
     missing, unexpected = model.load_state_dict(load_model_weights(reader, args, model_shapes(args)), strict=False)
     assert not unexpected and set(missing) <= {"output.weight"}, (missing, unexpected)
     return LoadedRun(cfg, model.eval(), run_tokenizer(cfg), path)
@@ -166,6 +167,7 @@ def token_bytes(tokenizer: Tokenizer) -> np.ndarray:
 def evaluate(run: LoadedRun, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, float]:
     """Mean loss over every target token of `batches` (as the training run's validation computes
     it: the run's precision, the sum of each batch's mean x its tokens), perplexity, bits per byte."""
+    from gridtrain.model.documents import document_ids
     from gridtrain.train.build import loss_fn
     from gridtrain.train.precision import Precision
 
@@ -173,8 +175,10 @@ def evaluate(run: LoadedRun, batches: Iterable[tuple[torch.Tensor, torch.Tensor]
     nbytes = torch.from_numpy(token_bytes(run.tokenizer))
     total, count, total_bytes, sequences = torch.zeros(()), torch.zeros(()), 0, 0
     for inputs, targets in batches:
+        # a run trained with data.doc_mask is evaluated as it validated: inside each document
+        docs = [document_ids(inputs, run.tokenizer.eos_id)] if run.cfg.data.doc_mask else []
         with precision.autocast():
-            loss = loss_fn(run.model(inputs), targets)
+            loss = loss_fn(run.model(inputs, *docs), targets)
         total += loss.float() * targets.numel()
         count += targets.numel()
         total_bytes += int(nbytes[targets].sum())
