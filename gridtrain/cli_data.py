@@ -9,7 +9,7 @@ from pathlib import Path
 from gridtrain.argtypes import number
 from gridtrain.errors import BadInput, MissingInput
 from gridtrain.rundir import unwritable
-from gridtrain.validate import tokenizer_vocab
+from gridtrain.validate_data import tokenizer_vocab
 
 DEFAULT_WORKERS = min(8, os.cpu_count() or 1)
 

@@ -6,31 +6,16 @@ Each problem names the key, the numbers and the fix; all problems are reported t
 from __future__ import annotations
 
 import importlib.util
-import math
 import os
-from pathlib import Path
 
 from gridtrain.config import Config, ConfigError
-from gridtrain.errors import MissingInput, UserError
-from gridtrain.inputs import read_json
 from gridtrain.layout.dims import ParallelDims, stage_layer_counts
 from gridtrain.layout.schedules import RUNTIME_SCHEDULES, SCHEDULES
 from gridtrain.model.args import PRESETS, ModelArgs
-from gridtrain.names import FLOAT8, LR_SCHEDULES, ON_SAVE_ERROR, PRECISIONS, RECOMPUTE
-
-
-def _choice(key: str, value: str, options: tuple[str, ...]) -> list[str]:
-    if value in options:
-        return []
-    return [f"{key} = '{value}' is not one of {', '.join(options)}"]
-
-
-def _at_least(key: str, value: float, low: float) -> list[str]:
-    return [] if value >= low else [f"{key} = {value} must be >= {low}"]
-
-
-def _in_range(key: str, value: float, low: float, high: float) -> list[str]:
-    return [] if low <= value <= high else [f"{key} = {value} must lie in [{low}, {high}]"]
+from gridtrain.names import FLOAT8, LR_SCHEDULES, PRECISIONS, RECOMPUTE
+from gridtrain.validate_data import check_data
+from gridtrain.validate_faults import check_fault_tolerance, check_resilience
+from gridtrain.validate_rules import at_least as _at_least, choice as _choice, in_range as _in_range, shape_of
 
 
 def model_problems(args: ModelArgs, seq_len: int | None = None) -> list[str]:
@@ -45,16 +30,6 @@ def model_problems(args: ModelArgs, seq_len: int | None = None) -> list[str]:
                         f"({args.head_dim // 2:,}) complex numbers, would need {gib:,.1f} GiB per process: lower "
                         f"max_seq_len{given} or head_dim = model.dim / model.n_heads")
     return problems
-
-
-def shape_of(cfg: Config) -> ModelArgs | None:
-    """The model's shape, or None where its keys cannot make one (`_check_model` says why)."""
-    if cfg.model.preset not in PRESETS:
-        return None
-    try:
-        return cfg.model.args()
-    except ValueError:  # MoE keys on a dense preset
-        return None
 
 
 def _check_model(cfg: Config) -> list[str]:
@@ -123,92 +98,6 @@ def _check_train(cfg: Config) -> list[str]:
             problems.append(f"train.threads = {t.threads} is more than this machine's {cores} CPUs: "
                             f"give at most {cores}")
     return problems
-
-
-def _check_data(cfg: Config) -> list[str]:
-    d = cfg.data
-    problems = []
-    if not 0 < d.val_fraction < 0.5:
-        problems.append(f"data.val_fraction = {d.val_fraction} must lie in (0, 0.5)")
-    problems += _check_documents(cfg)
-    sources = [("data.corpus", d.corpus)]
-    if d.mix is not None:
-        from gridtrain.data.mix_spec import parse_mix
-
-        if d.corpus is not None:
-            problems.append(f"data.mix and data.corpus ('{d.corpus}') are both set: a mixture names its sources; "
-                            "unset data.corpus or data.mix")
-        try:
-            sources = [(f"data.mix source '{s.path}'", s.path) for s in parse_mix(d.mix)]
-        except UserError as err:
-            return problems + [str(err)]
-    for key, corpus in sources:
-        problems += _check_source(cfg, key, corpus)
-    return list(dict.fromkeys(problems))  # a tokenizer's problem once, not once per source
-
-
-def _check_documents(cfg: Config) -> list[str]:
-    """data.doc_mask and data.doc_positions: what runs with them (one process, DP, FSDP, TP, PP, CP)."""
-    d = cfg.data
-    problems = _choice("data.doc_positions", d.doc_positions, ("continue", "restart"))
-    if d.doc_positions == "restart" and not d.doc_mask:
-        problems.append("data.doc_positions = 'restart' restarts RoPE positions at each document, which needs "
-                        "data.doc_mask: set data.doc_mask to true, or data.doc_positions to 'continue'")
-    if d.doc_mask and cfg.train.compile:
-        problems.append("data.doc_mask gives every micro-batch its own attention blocks, which train.compile's "
-                        "whole-block graphs cannot hold: set train.compile to false, or data.doc_mask to false")
-    return problems
-
-
-def _check_source(cfg: Config, key: str, corpus: str | None) -> list[str]:
-    """A corpus (None: the standard library) that is missing, unreadable, or of a vocabulary larger than the model's."""
-    d = cfg.data
-    label = f"{key} = '{corpus}'" if key == "data.corpus" else key
-    if corpus is not None and not Path(corpus).expanduser().exists():
-        return [f"{label} does not exist: give a file or directory"
-                + (", or leave it unset for the Python standard library" if key == "data.corpus" else "")]
-    index = Path(corpus).expanduser() / "index.json" if corpus is not None else None
-    if index is not None and index.is_file():  # a prepared corpus: its own tokens decide, not data.tokenizer
-        try:
-            vocab, source = int(read_json(index, str(index))["vocab_size"]), f"the prepared corpus {corpus}"
-        except (UserError, ValueError, KeyError, TypeError, OverflowError) as err:
-            return [f"{label} has an unreadable index.json ({err}): prepare it again with `gridtrain data prepare`"]
-        bad = None
-    else:
-        if index is not None:
-            from gridtrain.data.corpus import source_problem  # a corpus to prepare: its files' schemas, read now
-
-            found = source_problem(index.parent, d.text_column)
-            if found:
-                return [f"{key}: {found}"]
-        (vocab, bad), source = tokenizer_vocab(d.tokenizer), f"data.tokenizer '{d.tokenizer}'"
-    if vocab is None:
-        return [bad]
-    if shape_of(cfg) is not None and vocab > cfg.model.args().vocab_size:
-        return [f"model.vocab_size ({cfg.model.args().vocab_size}) is smaller than the vocabulary of "
-                f"{source} ({vocab}): set model.vocab_size to at least {64 * math.ceil(vocab / 64)}"]
-    return []
-
-
-def tokenizer_vocab(spec: str, key: str = "data.tokenizer") -> tuple[int | None, str | None]:
-    """The vocabulary a tokenizer spec will have, without building it, or why the spec is bad."""
-    if spec == "byte":
-        return 257, None  # 256 byte values + <eos>
-    if spec.startswith("bpe:"):
-        n = spec[4:]
-        if not n.isdigit():
-            return None, f"{key} = '{spec}': N in bpe:N must be a whole number, e.g. bpe:8192"
-        if int(n) < 257:
-            return None, f"{key} = '{spec}': a BPE needs N >= 257 (256 byte symbols + <eos>), e.g. bpe:8192"
-        return int(n), None
-    from gridtrain.data.tokenizer import read_tokenizer_json  # only for this path: the file must parse
-
-    try:
-        return read_tokenizer_json(Path(spec).expanduser(), f"{key} = '{spec}'").get_vocab_size(), None
-    except MissingInput:
-        return None, f"{key} = '{spec}' is not 'byte', 'bpe:N' or an existing tokenizer.json file"
-    except UserError as err:  # a directory, a device, too large, not a tokenizer.json
-        return None, str(err)
 
 
 def world_size(cfg: Config) -> int:
@@ -431,93 +320,15 @@ def _check_moe(cfg: Config, dims: ParallelDims) -> list[str]:
     return problems
 
 
-def _check_resilience(cfg: Config, dims: ParallelDims) -> list[str]:
-    """Checkpoint cadence and policy, guards, timeouts and fault injection."""
-    c, t, f = cfg.checkpoint, cfg.train, cfg.fault
-    if isinstance(c.interval, str):
-        problems = [] if c.interval == "auto" else [
-            f"checkpoint.interval = '{c.interval}' is neither a number of steps nor 'auto'"]
-    else:
-        problems = _at_least("checkpoint.interval", c.interval, 0)
-    problems += _at_least("checkpoint.keep", c.keep, 1) + _choice("checkpoint.on_save_error", c.on_save_error,
-                                                                  ON_SAVE_ERROR)
-    if c.timeout_s <= 0:
-        problems.append(f"checkpoint.timeout_s = {c.timeout_s} must be > 0")
-    if c.mtbf_hours <= 0:
-        problems.append(f"checkpoint.mtbf_hours = {c.mtbf_hours} must be > 0")
-    if not 0 <= c.signal_grace_s < math.inf:
-        problems.append(f"checkpoint.signal_grace_s = {c.signal_grace_s} must be a number of seconds >= 0 "
-                        "(0: exit at once on SIGTERM)")
-    if t.collective_timeout_s <= 0:
-        problems.append(f"train.collective_timeout_s = {t.collective_timeout_s} must be > 0")
-    problems += _at_least("train.max_bad_steps", t.max_bad_steps, 1) + _at_least("train.spike_zscore", t.spike_zscore, 0)
-    problems += _at_least("metrics.straggler_every", cfg.metrics.straggler_every, 0)
-    if not 1 <= f.slow_factor < math.inf:
-        problems.append(f"fault.slow_factor = {f.slow_factor} must be >= 1 (2: half speed)")
-    for key, rank in (("fault.kill_rank", f.kill_rank), ("fault.hang_rank", f.hang_rank),
-                      ("fault.slow_rank", f.slow_rank)):
-        if rank != -1 and not 0 <= rank < dims.world_size:
-            problems.append(f"{key} = {rank} is not a rank of this world (0..{dims.world_size - 1}): "
-                            f"pick one of them, or -1 for none")
-        elif rank != -1 and not 0 < f.at_step <= t.steps:
-            problems.append(f"{key} = {rank} needs fault.at_step in [1, train.steps ({t.steps})], "
-                            f"not {f.at_step}")
-    return problems
-
-
-def _check_fault_tolerance(cfg: Config, dims: ParallelDims, installed: bool = True) -> list[str]:
-    """torchft replica groups: parallel.dp_replicate jobs of HSDP's shard axis, met at a lighthouse."""
-    ft, p, groups = cfg.fault_tolerance, cfg.parallel, cfg.parallel.dp_replicate
-    if not 0 <= cfg.fault.pause_s < math.inf:
-        return [f"fault.pause_s = {cfg.fault.pause_s} must be a number of seconds >= 0 (0: never)"]
-    if not ft.enabled:
-        return []
-    if installed and importlib.util.find_spec("torchft") is None:
-        return ["fault_tolerance.enabled needs torchft, which is not installed: pip install 'gridtrain[ft]'"]
-    if not ft.lighthouse.strip():
-        return ["fault_tolerance.enabled needs fault_tolerance.lighthouse, the address of a running "
-                "torchft_lighthouse (e.g. http://127.0.0.1:29510)"]
-    if groups < 2:
-        return [f"fault_tolerance.enabled needs parallel.dp_replicate >= 2 replica groups, not {groups}"]
-    if not 0 <= ft.replica_group < groups:
-        return [f"fault_tolerance.replica_group = {ft.replica_group} is not one of the parallel.dp_replicate "
-                f"({groups}) replica groups: pick 0..{groups - 1}"]
-    if not 1 <= ft.min_replicas <= groups:
-        return [f"fault_tolerance.min_replicas = {ft.min_replicas} must be in [1, parallel.dp_replicate ({groups})]"]
-    if ft.quorum_timeout_s <= 0 or ft.timeout_s <= 0:
-        return [f"fault_tolerance.quorum_timeout_s ({ft.quorum_timeout_s}) and timeout_s ({ft.timeout_s}) must be > 0"]
-    if p.zero_stage < 2:
-        return [f"fault_tolerance replica groups run FSDP inside each group (parallel.zero_stage 2 or 3), not "
-                f"zero_stage {p.zero_stage}: torchft's DDP wrapper fails the survivor when a peer dies inside "
-                "its all-reduce; set parallel.zero_stage to 2"]
-    if dims.dp < 2:
-        return [f"fault_tolerance needs FSDP inside each replica group, over parallel.dp_shard >= 2 processes, not "
-                f"{dims.dp} (its all-reduce hook carries the gradients across groups): set parallel.dp_shard to 2"]
-    shape = shape_of(cfg)
-    moe = shape is not None and shape.moe is not None
-    if dims.tp * dims.cp * dims.pp * dims.ep > 1 or moe or cfg.train.precision == "fp16":
-        return [f"fault_tolerance runs dense models (moe: {moe}) over data parallelism (tp {dims.tp}, cp {dims.cp}, "
-                f"pp {dims.pp}, ep {dims.ep}) in fp32 or bf16 (not {cfg.train.precision}) only: other layouts are not "
-                "compared with one process yet; use a dense model, degrees 1 and fp32 or bf16"]
-    for live in range(ft.min_replicas, groups + 1):
-        per_step = live * dims.dp * cfg.train.micro_batch
-        if cfg.global_batch_seqs % per_step:
-            return [f"train.global_batch ({cfg.global_batch_seqs} sequences) must be divisible by {live} live replica "
-                    f"groups x dp_shard ({dims.dp}) x train.micro_batch ({cfg.train.micro_batch}) = {per_step}, for "
-                    f"every live count from fault_tolerance.min_replicas ({ft.min_replicas}) to {groups}: set it "
-                    f"to a multiple of {math.lcm(*range(ft.min_replicas, groups + 1)) * dims.dp * cfg.train.micro_batch}"]
-    return []
-
-
 def validate(cfg: Config, world: int | None = None, installed: bool = True) -> ParallelDims:
     """Raise ConfigError listing every broken relation; return the resolved layout. `installed`:
     also what this Python must have installed to run it (torchao for FP8); the planner, which may
     plan on a machine other than the one that trains, leaves it out."""
     dims = parallel_dims(cfg, world)
     problems = _check_model(cfg) + _check_parallel(cfg, dims)
-    problems += _check_batch(cfg, max(dims.dp, 1)) + _check_train(cfg) + _check_data(cfg)
-    problems += _check_resilience(cfg, dims) + _check_float8(cfg, dims, installed) + _check_moe(cfg, dims)
-    problems += _check_fault_tolerance(cfg, dims, installed)
+    problems += _check_batch(cfg, max(dims.dp, 1)) + _check_train(cfg) + check_data(cfg)
+    problems += check_resilience(cfg, dims) + _check_float8(cfg, dims, installed) + _check_moe(cfg, dims)
+    problems += check_fault_tolerance(cfg, dims, installed)
     problems += _at_least("metrics.log_every", cfg.metrics.log_every, 1)
     if not str(cfg.run_dir).strip():
         problems.append("run_dir is empty (it would write into the current directory): give --run_dir DIR")

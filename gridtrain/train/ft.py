@@ -18,7 +18,7 @@ sends it the live peer's state (model and optimizer shards of the same shard ran
 trainer's step, RNG and precision state) over its HTTP checkpoint transport before the step runs;
 nothing is read from a checkpoint.
 
-DDP and ZeRO-1 replicas are refused under fault tolerance (validate._check_fault_tolerance):
+DDP and ZeRO-1 replicas are refused under fault tolerance (validate_faults.check_fault_tolerance):
 torchft's DDP wrapper fails the survivor when a peer dies inside an all-reduce (`assert fut._fut`
 in torchft/ddp.py), so the groups are always FSDP (zero_stage 2 or 3) inside.
 """

@@ -1,0 +1,98 @@
+"""Validation of the data keys: the corpus or the mixture's sources (missing, unreadable, a
+vocabulary larger than the model's), the tokenizer spec, and document masking."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from gridtrain.config import Config
+from gridtrain.errors import MissingInput, UserError
+from gridtrain.inputs import read_json
+from gridtrain.validate_rules import choice as _choice, shape_of
+
+
+def check_data(cfg: Config) -> list[str]:
+    d = cfg.data
+    problems = []
+    if not 0 < d.val_fraction < 0.5:
+        problems.append(f"data.val_fraction = {d.val_fraction} must lie in (0, 0.5)")
+    problems += _check_documents(cfg)
+    sources = [("data.corpus", d.corpus)]
+    if d.mix is not None:
+        from gridtrain.data.mix_spec import parse_mix
+
+        if d.corpus is not None:
+            problems.append(f"data.mix and data.corpus ('{d.corpus}') are both set: a mixture names its sources; "
+                            "unset data.corpus or data.mix")
+        try:
+            sources = [(f"data.mix source '{s.path}'", s.path) for s in parse_mix(d.mix)]
+        except UserError as err:
+            return problems + [str(err)]
+    for key, corpus in sources:
+        problems += _check_source(cfg, key, corpus)
+    return list(dict.fromkeys(problems))  # a tokenizer's problem once, not once per source
+
+
+def _check_documents(cfg: Config) -> list[str]:
+    """data.doc_mask and data.doc_positions: what runs with them (one process, DP, FSDP, TP, PP, CP)."""
+    d = cfg.data
+    problems = _choice("data.doc_positions", d.doc_positions, ("continue", "restart"))
+    if d.doc_positions == "restart" and not d.doc_mask:
+        problems.append("data.doc_positions = 'restart' restarts RoPE positions at each document, which needs "
+                        "data.doc_mask: set data.doc_mask to true, or data.doc_positions to 'continue'")
+    if d.doc_mask and cfg.train.compile:
+        problems.append("data.doc_mask gives every micro-batch its own attention blocks, which train.compile's "
+                        "whole-block graphs cannot hold: set train.compile to false, or data.doc_mask to false")
+    return problems
+
+
+def _check_source(cfg: Config, key: str, corpus: str | None) -> list[str]:
+    """A corpus (None: the standard library) that is missing, unreadable, or of a vocabulary larger than the model's."""
+    d = cfg.data
+    label = f"{key} = '{corpus}'" if key == "data.corpus" else key
+    if corpus is not None and not Path(corpus).expanduser().exists():
+        return [f"{label} does not exist: give a file or directory"
+                + (", or leave it unset for the Python standard library" if key == "data.corpus" else "")]
+    index = Path(corpus).expanduser() / "index.json" if corpus is not None else None
+    if index is not None and index.is_file():  # a prepared corpus: its own tokens decide, not data.tokenizer
+        try:
+            vocab, source = int(read_json(index, str(index))["vocab_size"]), f"the prepared corpus {corpus}"
+        except (UserError, ValueError, KeyError, TypeError, OverflowError) as err:
+            return [f"{label} has an unreadable index.json ({err}): prepare it again with `gridtrain data prepare`"]
+        bad = None
+    else:
+        if index is not None:
+            from gridtrain.data.corpus import source_problem  # a corpus to prepare: its files' schemas, read now
+
+            found = source_problem(index.parent, d.text_column)
+            if found:
+                return [f"{key}: {found}"]
+        (vocab, bad), source = tokenizer_vocab(d.tokenizer), f"data.tokenizer '{d.tokenizer}'"
+    if vocab is None:
+        return [bad]
+    if shape_of(cfg) is not None and vocab > cfg.model.args().vocab_size:
+        return [f"model.vocab_size ({cfg.model.args().vocab_size}) is smaller than the vocabulary of "
+                f"{source} ({vocab}): set model.vocab_size to at least {64 * math.ceil(vocab / 64)}"]
+    return []
+
+
+def tokenizer_vocab(spec: str, key: str = "data.tokenizer") -> tuple[int | None, str | None]:
+    """The vocabulary a tokenizer spec will have, without building it, or why the spec is bad."""
+    if spec == "byte":
+        return 257, None  # 256 byte values + <eos>
+    if spec.startswith("bpe:"):
+        n = spec[4:]
+        if not n.isdigit():
+            return None, f"{key} = '{spec}': N in bpe:N must be a whole number, e.g. bpe:8192"
+        if int(n) < 257:
+            return None, f"{key} = '{spec}': a BPE needs N >= 257 (256 byte symbols + <eos>), e.g. bpe:8192"
+        return int(n), None
+    from gridtrain.data.tokenizer import read_tokenizer_json  # only for this path: the file must parse
+
+    try:
+        return read_tokenizer_json(Path(spec).expanduser(), f"{key} = '{spec}'").get_vocab_size(), None
+    except MissingInput:
+        return None, f"{key} = '{spec}' is not 'byte', 'bpe:N' or an existing tokenizer.json file"
+    except UserError as err:  # a directory, a device, too large, not a tokenizer.json
+        return None, str(err)
