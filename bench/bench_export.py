@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 from gridtrain.config_load import load_config  # noqa: E402
 from gridtrain.layout.dims import ParallelDims  # noqa: E402
 from gridtrain.rundir import RunRecord  # noqa: E402
-from gridtrain.train import checkpoint  # noqa: E402
+from gridtrain.checkpoint import store as checkpoint  # noqa: E402
 from gridtrain.train.build import build_model  # noqa: E402
 
 MODEL = {"model.preset": "small", "model.dim": 1536, "model.n_layers": 24, "model.n_heads": 12,

@@ -61,8 +61,8 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
         print("gridtrain: --max-restarts needs --nproc (or torchrun's own --max-restarts)", file=sys.stderr)
         return 2
     # torch and the data stack load only when needed
-    from gridtrain.train.checkpoint import CheckpointSaveError, InvalidCheckpointError
-    from gridtrain.train.checkpointer import Stopped
+    from gridtrain.checkpoint.store import CheckpointSaveError, InvalidCheckpointError
+    from gridtrain.checkpoint.checkpointer import Stopped
     from gridtrain.train.distributed import shutdown
     from gridtrain.train.resilience import CollectiveTimeout, TrainingDiverged
     from gridtrain.train.trainer import Trainer

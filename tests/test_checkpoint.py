@@ -19,11 +19,11 @@ from torch import nn
 
 from gridtrain.model.args import model_args
 from gridtrain.model.llama import Transformer
-from gridtrain.train import checkpoint
-from gridtrain.train.checkpoint import (AsyncSaver, CheckpointSaveError,
+from gridtrain.checkpoint import store as checkpoint
+from gridtrain.checkpoint.store import (AsyncSaver, CheckpointSaveError,
                                         InvalidCheckpointError, latest_valid_checkpoint, load, save)
-from gridtrain.train.checkpoint_writer import FAULT_ENV
-from gridtrain.train.manifest import MANIFEST, verify
+from gridtrain.checkpoint.writer import FAULT_ENV
+from gridtrain.checkpoint.manifest import MANIFEST, verify
 
 SHARD = "__0_0.distcp"  # a world of one writes a single shard
 
@@ -165,7 +165,7 @@ def test_corrupt_newest_is_skipped_and_previous_restores_exactly(two_checkpoints
     fragment = corrupt(newest)
     reason = verify(newest)
     assert reason is not None and fragment in reason
-    caplog.set_level(logging.WARNING, logger="gridtrain.train.checkpoint")
+    caplog.set_level(logging.WARNING, logger="gridtrain.checkpoint.store")
     chosen, skipped = latest_valid_checkpoint(root)
     assert chosen == root / "step-0000003"
     assert [p for p, _ in skipped] == [newest] and fragment in skipped[0][1]

@@ -108,7 +108,7 @@ def recording(trainer):
 
 
 def test_resume_mid_mixture_reads_the_same_next_batches(tmp_path, sources, make_config):
-    from gridtrain.train.checkpoint_state import InvalidCheckpointError
+    from gridtrain.checkpoint.state import InvalidCheckpointError
     from gridtrain.train.trainer import Trainer
 
     mix = ",".join(f"{sources[c]}={w}" for c, w in zip(LETTERS, (0.5, 0.3, 0.2)))

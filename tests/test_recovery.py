@@ -154,7 +154,7 @@ def test_sigterm_finishes_the_step_saves_and_says_how_to_resume(tmp_path, corpus
     (exit 143, nothing kept with checkpoint.interval 1000). Now every rank finishes its step, one
     checkpoint of that step is saved and verifies, one line says how to resume, and the resumed
     run goes on from there. Under --nproc the launcher passes the signal on through torchrun."""
-    from gridtrain.train.checkpoint import latest_valid_checkpoint
+    from gridtrain.checkpoint.store import latest_valid_checkpoint
 
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "gridtrain", "train", "--nproc", str(nproc), "--model.preset", "tiny",

@@ -133,7 +133,7 @@ def test_failed_saves_keep_the_earlier_checkpoint_and_follow_the_policy(tmp_path
     trains to the end, logs each failure and, its last save failed too, ends with an error (it
     once exited 0); with 'stop' it ends at the first failure. Step 2's checkpoint stays intact
     and loadable either way, and no half-written directory is left."""
-    from gridtrain.train.checkpoint import CheckpointSaveError, latest_valid_checkpoint
+    from gridtrain.checkpoint.store import CheckpointSaveError, latest_valid_checkpoint
     from gridtrain.train.trainer import Trainer
 
     base = {"checkpoint.interval": 2, "train.steps": 2}
@@ -166,7 +166,7 @@ def test_async_save_writes_the_same_checkpoints(tmp_path, make_config, checkpoin
 
 
 def test_auto_interval_times_a_save_after_the_warm_up(tmp_path, make_config, caplog):
-    from gridtrain.train.checkpointer import AUTO_AFTER
+    from gridtrain.checkpoint.checkpointer import AUTO_AFTER
     from gridtrain.train.trainer import Trainer
 
     with caplog.at_level(logging.INFO, logger="gridtrain"):
@@ -189,7 +189,7 @@ def test_auto_interval_times_a_save_after_the_warm_up(tmp_path, make_config, cap
 def test_async_save_is_committed_once_written_without_waiting_for_the_next(tmp_path, make_config):
     import time
 
-    from gridtrain.train.manifest import verify
+    from gridtrain.checkpoint.manifest import verify
     from gridtrain.train.trainer import Trainer
 
     trainer = Trainer(make_config(tmp_path, **{"checkpoint.async_save": True}))
@@ -210,7 +210,7 @@ def test_ctrl_c_commits_the_checkpoint_being_written_and_says_how_to_resume(tmp_
     it is committed, and one line says where the run stands; exit status 130."""
     from conftest import cli_train
 
-    from gridtrain.train.checkpoint import latest_valid_checkpoint
+    from gridtrain.checkpoint.store import latest_valid_checkpoint
     from gridtrain.train.trainer import Trainer
 
     real = Trainer.train_step

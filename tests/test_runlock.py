@@ -17,8 +17,8 @@ import pytest
 from test_recovery import _run_until_step as start_until
 
 from gridtrain.runlock import LOCK_FILE, Holder, RunDirInUse, RunLock, holder
-from gridtrain.train.checkpoint import list_checkpoints
-from gridtrain.train.manifest import verify
+from gridtrain.checkpoint.store import list_checkpoints
+from gridtrain.checkpoint.manifest import verify
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}

@@ -10,7 +10,7 @@ from gridtrain.cli import main
 from gridtrain.config import TrainConfig
 from gridtrain.model.args import model_args
 from gridtrain.parallel.parallelize import apply_recompute
-from gridtrain.train import checkpoint
+from gridtrain.checkpoint import store as checkpoint
 from gridtrain.train.metrics import MetricsWriter, format_line, read_metrics
 from gridtrain.train.optim import lr_at
 from gridtrain.train.precision import Precision

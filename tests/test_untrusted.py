@@ -32,8 +32,8 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from conftest import cli_train
 
 from gridtrain.cli import main
-from gridtrain.train.manifest import write_manifest
-from gridtrain.train.untrusted import MetadataUnpickler
+from gridtrain.checkpoint.manifest import write_manifest
+from gridtrain.checkpoint.untrusted import MetadataUnpickler
 
 STEP = "step-0000002"
 
@@ -278,7 +278,7 @@ def test_readers_of_no_checkpoint_never_touch_a_crafted_one(genuine, tmp_path, c
 def test_a_genuine_checkpoint_holds_no_pickled_item_and_resumes(genuine, corpus_dir, tmp_path):
     """gridtrain's own checkpoints store the optimizer's lr, betas, eps and weight decay as tensors:
     no bytes item at all, and a resume restores them."""
-    from gridtrain.train.untrusted import SafeReader
+    from gridtrain.checkpoint.untrusted import SafeReader
 
     metadata = SafeReader(genuine / "checkpoints" / STEP).read_metadata()
     kinds = {type(item).__name__ for item in metadata.state_dict_metadata.values()}
@@ -292,7 +292,7 @@ def test_a_genuine_checkpoint_holds_no_pickled_item_and_resumes(genuine, corpus_
 
 def test_optimizer_settings_round_trip_as_tensors():
     """The param groups' numbers come back in their own types; the switches from the live optimizer."""
-    from gridtrain.train.checkpoint_state import settings_as_tensors, settings_from_tensors
+    from gridtrain.checkpoint.state import settings_as_tensors, settings_from_tensors
 
     live = {"state.w.step": torch.tensor(3.0), "param_groups.w.lr": 0.002, "param_groups.w.betas": (0.9, 0.95),
             "param_groups.w.foreach": None, "param_groups.w.maximize": False, "param_groups.w.weight_decay": 0.1}

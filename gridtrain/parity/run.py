@@ -119,7 +119,7 @@ def save_on_sigterm(trainer) -> None:  # noqa: ANN001 - a Trainer
     SIGTERM, and every rank learns it after the step (`Trainer.stop_if_signalled`), saves and
     stops. The second leg resumes this checkpoint, so the stop-signal save of every layout is
     proven to resume."""
-    from gridtrain.train.checkpointer import Stopped
+    from gridtrain.checkpoint.checkpointer import Stopped
 
     signals = trainer.checkpointer.signals
     signals.catch()

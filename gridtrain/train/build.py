@@ -21,7 +21,7 @@ from gridtrain.data.shards import TokenStore, ensure_prepared
 from gridtrain.model.args import ModelArgs
 from gridtrain.model.documents import document_ids
 from gridtrain.model.llama import Transformer
-from gridtrain.train.checkpoint_state import InvalidCheckpointError
+from gridtrain.checkpoint.state import InvalidCheckpointError
 from gridtrain.train.distributed import World
 
 

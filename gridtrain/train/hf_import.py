@@ -36,7 +36,7 @@ from gridtrain.model.hf import (TIED_HEAD_DIFFERS, InterchangeError, check_hf_sh
                                 model_shapes)
 from gridtrain.model.hf_moe import Source, layout_of
 from gridtrain.model.llama import Transformer
-from gridtrain.train import checkpoint
+from gridtrain.checkpoint import store as checkpoint
 from gridtrain.train.hf_run import atomic_dir, require_free
 from gridtrain.train.optim import build_optimizer, set_lr
 from gridtrain.train.precision import Precision

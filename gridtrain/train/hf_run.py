@@ -26,10 +26,10 @@ from gridtrain.model.args import ModelArgs
 from gridtrain.model.hf import (InterchangeError, export_problems, export_refusal, hf_config, hf_source, model_shapes,
                                 to_hf_state_dict)
 from gridtrain.rundir import RunRecord
-from gridtrain.train import checkpoint
-from gridtrain.train.checkpoint_state import read_problem, read_state
-from gridtrain.train.manifest import verify
-from gridtrain.train.untrusted import SafeReader, fit_problems
+from gridtrain.checkpoint import store as checkpoint
+from gridtrain.checkpoint.state import read_problem, read_state
+from gridtrain.checkpoint.manifest import verify
+from gridtrain.checkpoint.untrusted import SafeReader, fit_problems
 
 
 # ---------------------------------------------------------------------------------------------
@@ -70,7 +70,7 @@ def find_checkpoint(root: Path, step: int | None = None) -> Path:
     """The newest complete checkpoint under `root`, or that of `step`, verified against its
     manifest (every byte).
 
-    The one place that asks gridtrain.train.checkpoint which checkpoints exist."""
+    The one place that asks gridtrain.checkpoint.store which checkpoints exist."""
     if step is None:
         path, skipped = checkpoint.latest_valid_checkpoint(root)
         if path is None:

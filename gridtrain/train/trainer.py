@@ -38,8 +38,8 @@ from gridtrain.runlock import job_dirs
 from gridtrain.train.balance import balance_step, set_loss_scale
 from gridtrain.train.build import Batch, build_data, loss_fn, restart_positions, scalar, with_documents
 from gridtrain.train.calibrate import cpu_peak_flops, peak_flops
-from gridtrain.train.checkpoint_state import InvalidCheckpointError
-from gridtrain.train.checkpointer import Checkpointer
+from gridtrain.checkpoint.state import InvalidCheckpointError
+from gridtrain.checkpoint.checkpointer import Checkpointer
 from gridtrain.train.device import device_name, memory_gib
 from gridtrain.train.distributed import any_rank, init_world
 from gridtrain.train.jobstart import agree_on_run_dir, hold_run_dir

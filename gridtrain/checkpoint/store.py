@@ -22,7 +22,7 @@ never a pickled object, through an all-reduce / broadcast of 8 bytes over the wo
 
 For tests only: `GRIDTRAIN_FAULT_SAVE_ERROR=ENOSPC` makes the save fail with that OSError while
 writing shards; `ENOSPC:prepare` or `EACCES:manifest` pick another stage, `ENOSPC@1` only rank 1
-(checkpoint_writer.inject_fault).
+(writer.inject_fault).
 """
 
 from __future__ import annotations
@@ -45,9 +45,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-from gridtrain.train.checkpoint_writer import Writer, fix_for, inject_fault, os_error
-from gridtrain.train.manifest import fsync_dir, verify, write_manifest
-from gridtrain.train.checkpoint_state import (InvalidCheckpointError, read_problem, read_state, set_optimizer_state,
+from gridtrain.checkpoint.writer import Writer, fix_for, inject_fault, os_error
+from gridtrain.checkpoint.manifest import fsync_dir, verify, write_manifest
+from gridtrain.checkpoint.state import (InvalidCheckpointError, read_problem, read_state, set_optimizer_state,
                                               state_of)
 
 log = logging.getLogger(__name__)
@@ -271,7 +271,7 @@ def save_state(root: Path, step: int, state: dict[str, object], keep: int, group
                planner: SavePlanner | None = None, own_file_from: int | None = None) -> Path:
     """`save` of a state dict as `state_of` makes it. `planner` may produce the tensors as DCP
     writes them (SavePlanner.resolve_data), and `own_file_from` gives each tensor of at least
-    that many bytes a file of its own (checkpoint_writer.Writer): together they write a state
+    that many bytes a file of its own (writer.Writer): together they write a state
     that is never whole in memory."""
     final = step_dir(root, step)
     _stage(final, step, "prepare", lambda: _prepare(final), all_ranks=False, group=group)

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gridtrain.config import CheckpointConfig
-from gridtrain.train import checkpoint
+from gridtrain.checkpoint import store as checkpoint
 from gridtrain.train.resilience import StopSignals, auto_interval
 
 log = logging.getLogger("gridtrain")

@@ -41,7 +41,7 @@ from torch.futures import Future
 
 from gridtrain.errors import UserError
 from gridtrain.inputs import read_input
-from gridtrain.train.manifest import read_manifest
+from gridtrain.checkpoint.manifest import read_manifest
 
 ALLOWED = {
     ("torch.distributed.checkpoint.metadata", name) for name in (

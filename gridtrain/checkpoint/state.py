@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, _get_fqns
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from gridtrain.errors import BadInput
-from gridtrain.train.untrusted import (SafeLoadPlanner, SafeReader, UntrustedCheckpointError, check_metadata,
+from gridtrain.checkpoint.untrusted import (SafeLoadPlanner, SafeReader, UntrustedCheckpointError, check_metadata,
                                        fit_problems, flat_shapes)
 
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
