@@ -20,6 +20,7 @@ would create never appears. `plan --check` and the explorer's runs view read no 
 from __future__ import annotations
 
 import io
+import os
 import pickle
 import shutil
 from pathlib import Path
@@ -340,3 +341,35 @@ def test_a_crafted_run_config_is_refused_before_anything_is_built(genuine, tmp_p
     assert code == 2 and len(lines) == 1 and words in lines[0], err
     assert elapsed < 5, elapsed
     assert not (tmp_path / "out").exists()
+
+
+class _Payload:
+    """What a crafted pickle would call on load."""
+
+    def __reduce__(self):
+        return (os.system, ("echo owned > /dev/null",))
+
+
+def test_a_rejoining_replica_group_runs_no_pickle_from_its_peer(tmp_path):
+    """torchft's HTTP transport loads a peer's state with weights_only=False; gridtrain's receives
+    tensors, numbers and containers, and refuses a pickled callable."""
+    pytest.importorskip("torchft")
+    from datetime import timedelta
+
+    from gridtrain.train.ft import safe_transport
+
+    transport = safe_transport(timedelta(seconds=5))
+    try:
+        good, bad = tmp_path / "good", tmp_path / "bad"
+        state = {"user": {"model": {"w": torch.ones(3)}, "step": 7, "rng": torch.get_rng_state()}, "torchft": {"step": 7}}
+        from torch.distributed._serialization import _streaming_save  # the format the transport sends
+
+        for path, obj in ((good, state), (bad, {"user": _Payload()})):
+            with open(path, "wb") as f:
+                _streaming_save(obj, f)
+        loaded = transport._load_from_address(good.as_uri(), timedelta(seconds=5))
+        assert loaded["user"]["step"] == 7 and torch.equal(loaded["user"]["model"]["w"], torch.ones(3))
+        with pytest.raises(pickle.UnpicklingError):
+            transport._load_from_address(bad.as_uri(), timedelta(seconds=5))
+    finally:
+        transport.shutdown()

@@ -15,7 +15,9 @@ new quorum, so no step is applied twice or lost.
 
 A group that starts while the others train (a restarted one) is behind the quorum's step: torchft
 sends it the live peer's state (model and optimizer shards of the same shard rank, and the
-trainer's step, RNG and precision state) over its HTTP checkpoint transport before the step runs;
+trainer's step, RNG and precision state) over its HTTP checkpoint transport before the step runs
+(received with torch.load(weights_only=True), not torchft's default weights_only=False: a peer's
+bytes are input like a checkpoint's, and no pickle from the wire runs: safe_transport);
 nothing is read from a checkpoint.
 
 DDP and ZeRO-1 replicas are refused under fault tolerance (validate_faults.check_fault_tolerance):
@@ -51,6 +53,25 @@ class Quorum:
     live: int
     rank: int
     healed: bool
+
+
+def safe_transport(timeout: timedelta):  # noqa: ANN201 - a torchft CheckpointTransport
+    """torchft's HTTP checkpoint transport, whose receiving side loads a peer's state with
+    torch.load(weights_only=True): tensors, numbers, strings and containers of them, and no
+    pickled callable (torchft's own loads with weights_only=False, for learning-rate schedulers we
+    do not send)."""
+    import urllib.request
+
+    from torch.distributed._serialization import _streaming_load
+    from torchft.checkpointing.http_transport import HTTPTransport
+
+    class SafeHTTPTransport(HTTPTransport):
+        @classmethod
+        def _load_from_address(cls, address: str, timeout: timedelta) -> object:
+            with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f:
+                return _streaming_load(f, weights_only=True)
+
+    return SafeHTTPTransport(timeout=timeout, num_chunks=0)
 
 
 def _local(value: Any) -> Any:
@@ -105,6 +126,7 @@ class ReplicaGroups:
         self.group, self.groups = ft.replica_group, cfg.parallel.dp_replicate
         timeout = timedelta(seconds=ft.timeout_s)
         self.manager = Manager(pg=ProcessGroupGloo(timeout=timeout), load_state_dict=None, state_dict=None,
+                               checkpoint_transport=safe_transport(timeout),
                                min_replica_size=ft.min_replicas, use_async_quorum=False, timeout=timeout,
                                quorum_timeout=timedelta(seconds=ft.quorum_timeout_s), rank=rank,
                                world_size=world_size, lighthouse_addr=ft.lighthouse,
