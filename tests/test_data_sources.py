@@ -88,3 +88,18 @@ def test_bad_record_files_are_one_line(tmp_path):
     (tmp_path / "cut.jsonl.gz").write_bytes(gzip.compress(b'{"text": "ok"}\n' * 1000)[:60])
     with pytest.raises(BadInput, match=r"cut.jsonl.gz:\d+ cannot be decompressed"):
         list(iter_texts(tmp_path / "cut.jsonl.gz"))
+
+
+def test_a_saved_datasets_json_goes_through_the_input_boundary(tmp_path):
+    """state.json of a handed-over save_to_disk folder is read as any input is: a FIFO (which
+    would block the read for ever) is refused in one line, before anything parses it."""
+    import os
+
+    from gridtrain.data.sources import saved_dataset_files
+    from gridtrain.errors import UserError
+
+    folder = tmp_path / "ds"
+    folder.mkdir()
+    os.mkfifo(folder / "state.json")
+    with pytest.raises(UserError, match="state.json"):
+        saved_dataset_files(folder)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from gridtrain.errors import BadInput
+from gridtrain.inputs import read_json
 
 BATCH_ROWS = 1024
 """Rows per record batch read from parquet and Arrow files: the most held in memory at once."""
@@ -73,9 +74,11 @@ def saved_dataset_files(path: Path) -> list[Path]:
 
 
 def _json_field(path: Path, key: str) -> Any:
+    """`key` of a JSON file handed over with a dataset, read through the input boundary (a regular
+    file, of bounded size, before it is parsed)."""
     try:
-        value = json.loads(path.read_text(encoding="utf-8"))[key]
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as err:
+        value = read_json(path, str(path))[key]
+    except (KeyError, TypeError) as err:
         raise BadInput(f"{path} is not what datasets' save_to_disk writes ({type(err).__name__}: {err})") from None
     if not isinstance(value, list):
         raise BadInput(f"{path}: {key} is a {type(value).__name__}, not a list")
