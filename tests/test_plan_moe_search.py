@@ -269,3 +269,24 @@ def test_selective_recomputation_reruns_the_grouped_experts_not_the_loops():
     base = 6 * (8 * 4096 + 2 * 3 * 4096 * 14336)
     assert moe_ffn_flops_per_token(MIXTRAL, "selective") == base + 2 * 2 * 3 * 4096 * 14336
     assert moe_ffn_flops_per_token(replace(MIXTRAL, moe_grouped=False), "selective") == base
+
+
+def test_the_ep_note_past_the_requests_time_says_so_and_keeps_the_plan():
+    """The explorer gives a request a time budget; the ep note's comparison searches share it, and
+    past it the note says the comparison ran out of time instead of failing the finished plan."""
+    import time
+
+    from gridtrain.plan.app.experts import ep_note
+    from gridtrain.plan.search import Constraints, Problem, search
+    from gridtrain.plan.stop import BUDGET, SearchBudget
+
+    problem = Problem(MIXTRAL, specs.cluster("dgx-h100"), 64, 4096, 64)
+    chosen = search(problem, Constraints(), top=1).ranked[0]
+    assert "s a step" in ep_note(problem, Constraints(), chosen)
+    past = time.monotonic() - 1
+    token = BUDGET.set(SearchBudget(past, past))
+    try:
+        note = ep_note(problem, Constraints(), chosen)
+    finally:
+        BUDGET.reset(token)
+    assert note.startswith(f"expert parallelism: ep {chosen.layout.ep};") and "ran out of this request's time" in note

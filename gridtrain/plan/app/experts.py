@@ -7,6 +7,7 @@ from dataclasses import replace
 
 from gridtrain.plan.moe_cost import ROUTING_IMBALANCE
 from gridtrain.plan.search import Candidate, Constraints, PlanError, Problem, _divisors, search
+from gridtrain.plan.stop import SearchTimeout
 
 PARTS = {"compute": "compute", "ep": "expert all-to-alls (in line)", "dp": "exposed DP/FSDP", "tp": "TP",
          "cp": "CP ring", "pp": "pipeline sends", "bubble": "bubble", "optimizer": "optimizer"}
@@ -38,12 +39,22 @@ def _differences(chosen: Candidate, other: Candidate) -> str:
 
 
 def ep_note(problem: Problem, constraints: Constraints, chosen: Candidate) -> str | None:
-    """One note on the expert-parallel degree of a mixture-of-experts plan; None for a dense model."""
-    experts = problem.shape.num_experts
-    if not experts:
+    """One note on the expert-parallel degree of a mixture-of-experts plan; None for a dense model.
+    Its comparison searches share the request's time budget (the explorer's): past it, the note
+    says so instead of turning a finished plan into a timeout."""
+    if not problem.shape.num_experts:
         return None
     if constraints.ep is not None:
         return f"expert parallelism: ep {constraints.ep}, as --layout fixes it"
+    try:
+        return _compared(problem, constraints, chosen)
+    except SearchTimeout:
+        return (f"expert parallelism: ep {chosen.layout.ep}; the comparison with the best layout of the other kind "
+                "ran out of this request's time (`gridtrain plan` has no limit)")
+
+
+def _compared(problem: Problem, constraints: Constraints, chosen: Candidate) -> str:
+    experts = problem.shape.num_experts
     ep = chosen.layout.ep
     allowance = (f"the busiest rank's routed experts are costed at {ROUTING_IMBALANCE}x the mean rows "
                  "(moe_cost.ROUTING_IMBALANCE)")
