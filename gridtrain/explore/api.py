@@ -72,6 +72,7 @@ FIELDS: dict[str, Field] = {
     "convention": Field("choice", choices=tuple(CONVENTIONS), flag="--convention"),
     "implementation": Field("choice", choices=("eager", "compiled", "megatron"), flag="--implementation"),
     "hbm_usable": Field("float", 0, 1, flag="--hbm-usable", low_open=True),
+    "doc_len": Field("int", 1, 1 << 24, flag="--doc-len"),  # tokens only: a request names no folder
     "price": Field("float", 0, 1e4, flag="--price"),
     "top": Field("int", 1, 50, flag="--top"),
     "any_layout": Field("bool", flag="--any-layout"),

@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 from gridtrain.errors import UserError
+from gridtrain.config import Config
 from gridtrain.rundir import RunRecord
 from gridtrain.train.metrics import read_metrics
 
@@ -82,8 +83,22 @@ def plan_state(record: RunRecord) -> dict[str, object]:
         layout |= {"schedule": cfg.parallel.pp_schedule, "v": cfg.parallel.pp_virtual_stages}
     if cfg.parallel.zero_stage >= 2:
         layout["rep"] = dims.dp_replicate  # the page's HSDP replicas
-    return {"model": cfg.model.preset, "num_gpus": dims.world_size, "seq_len": cfg.data.seq_len,
-            "global_batch": cfg.train.global_batch, "precision": cfg.train.precision, "layout": layout}
+    state = {"model": cfg.model.preset, "num_gpus": dims.world_size, "seq_len": cfg.data.seq_len,
+             "global_batch": cfg.train.global_batch, "precision": cfg.train.precision, "layout": layout}
+    return state | doc_len_state(cfg)
+
+
+def doc_len_state(cfg: Config) -> dict[str, int]:
+    """A data.doc_mask run: the page's document length, the whole documents of its measured span
+    (documents of L tokens filling the sequence attend L keys a query; plan/documents.py); nothing
+    where the run's prepared data is not here to measure."""
+    from gridtrain.data.doc_span import run_attention_span
+
+    try:
+        span = run_attention_span(cfg)
+    except (UserError, ValueError):
+        return {}
+    return {} if span is None else {"doc_len": max(1, round(span))}
 
 
 def run_page(root: Path | None, name: str) -> tuple[int, object]:

@@ -74,7 +74,8 @@ def _all_layers(moe: object) -> object:
     return None if moe is None else dataclasses.replace(moe, every=1, first_dense=0)
 
 
-def flops_per_token(args: ModelArgs, seq_len: int, counts: ParamCounts | None = None) -> float:
+def flops_per_token(args: ModelArgs, seq_len: int, counts: ParamCounts | None = None,
+                    span: float | None = None) -> float:
     """Model FLOPs per token of one training step (forward + backward): 6N + 12 L H Q T.
 
     N counts the parameters that take part in matmuls (every parameter but the input embedding,
@@ -84,7 +85,9 @@ def flops_per_token(args: ModelArgs, seq_len: int, counts: ParamCounts | None = 
     Recomputation is not counted: this is model FLOPs (MFU), not hardware FLOPs (HFU). For a
     mixture of experts N counts the parameters a token passes through (its top_k routed experts,
     the shared ones and the router), as Mixtral's and DeepSeek's active-parameter figures do.
+    With document masking (data.doc_mask) T is the attention span `span`, sum L_i^2 / T over a
+    sequence's documents: the masked FLOPs (plan/documents.py says why MFU counts those).
     """
     counts = counts or model_parameters(args)
     n = counts.active - counts.embedding + (counts.embedding if args.tie_embeddings else 0)
-    return 6 * n + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
+    return 6 * n + 12 * args.n_layers * args.n_heads * args.head_dim * (seq_len if span is None else span)

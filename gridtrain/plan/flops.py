@@ -3,22 +3,28 @@ per-iteration formula, and the roofline.
 
 gridtrain defines MFU once (DESIGN.md): model FLOPs per token = 6N + 12 L H Q T, where N counts
 the parameters in matmuls and 12 L H Q T is attention's scores and weighted sum counted in full
-(no causal halving; PaLM, Chowdhery et al. 2022, appendix B), divided by the dense peak.
+(no causal halving; PaLM, Chowdhery et al. 2022, appendix B), divided by the dense peak. With
+document masking (data.doc_mask) T in the attention term is the attention span, sum L_i^2 / T over
+the sequence's documents: MFU counts the masked FLOPs (documents.py says why).
 """
 
 from __future__ import annotations
 
+from gridtrain.plan.documents import attended
 from gridtrain.plan.shape import ModelShape, block_params, matmul_params, moe_block_active_params, norm_params
 
 
-def flops_per_token(shape: ModelShape, seq_len: int) -> float:
-    """Model FLOPs per trained token: 6N + 12 L H Q T (equals gridtrain.model.stats.flops_per_token).
+def flops_per_token(shape: ModelShape, seq_len: int, span: float | None = None) -> float:
+    """Model FLOPs per trained token: 6N + 12 L H Q T (equals gridtrain.model.stats.flops_per_token);
+    with `span` (documents.py: data.doc_mask's keys per query) 12 L H Q span in place of 12 L H Q T.
 
     6 = 2 (a multiply-add per parameter, forward) + 4 (input and weight gradients, backward)."""
-    return 6 * matmul_params(shape) + 12 * shape.num_layers * shape.num_heads * shape.head_dim * seq_len
+    keys = attended(seq_len, span)
+    return 6 * matmul_params(shape) + 12 * shape.num_layers * shape.num_heads * shape.head_dim * keys
 
 
-def hardware_flops_per_token(shape: ModelShape, seq_len: int, recompute: str = "none") -> float:
+def hardware_flops_per_token(shape: ModelShape, seq_len: int, recompute: str = "none",
+                              span: float | None = None) -> float:
     """FLOPs the hardware executes per token, recomputation included (HFU's numerator).
 
     full: every block's forward runs again, 2 N_blocks + 4 L H Q T more (the head is not
@@ -28,9 +34,9 @@ def hardware_flops_per_token(shape: ModelShape, seq_len: int, recompute: str = "
     more; gridtrain's selective saves the matmuls' and attention's outputs and recomputes only
     elementwise work, no FLOPs counted here (parallel/parallelize.py). Flash attention's
     own recomputation of the scores in backward is not counted (it is an implementation detail
-    of the kernel, as in Megatron's and torchtitan's accounting)."""
-    model = flops_per_token(shape, seq_len)
-    attention_fwd = 4 * shape.num_layers * shape.num_heads * shape.head_dim * seq_len
+    of the kernel, as in Megatron's and torchtitan's accounting). `span`: as flops_per_token's."""
+    model = flops_per_token(shape, seq_len, span)
+    attention_fwd = 4 * shape.num_layers * shape.num_heads * shape.head_dim * attended(seq_len, span)
     if recompute == "full":
         moe = shape.num_moe_layers
         blocks = ((shape.num_layers - moe) * block_params(shape) + moe * moe_block_active_params(shape)

@@ -50,6 +50,9 @@ class Layout:
     """Layers fewer on the first and last stage, which also hold embedding and head."""
     float8: str = "none"
     """FP8 training of the block linears (gridtrain.names.Float8; plan/float8.py)."""
+    attention_span: float | None = None
+    """With document masking (data.doc_mask), the keys a query attends to on average, sum L_i^2 / T
+    over a sequence's documents (plan/documents.py); None: the whole sequence."""
 
     @property
     def dp(self) -> int:

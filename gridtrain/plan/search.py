@@ -69,6 +69,8 @@ class Problem:
     """With model_keys: rank only layouts `gridtrain train` accepts (else rank all, labelled)."""
     float8: str = "none"
     """FP8 training of the block linears (train.float8): every layout ranked runs it."""
+    attention_span: float | None = None
+    """Keys per query under document masking (plan/documents.py); None: the whole sequence."""
 
     @property
     def filters_runnable(self) -> bool:
@@ -228,7 +230,8 @@ class Family:
                       num_microbatches=self.per_replica // micro_batch, pp_schedule=self.pp_schedule,
                       pp_virtual_stages=self.pp_virtual_stages,
                       sequence_parallel=self.tp > 1 and problem.sequence_parallel,
-                      recompute=self.recompute, flash_attention=problem.flash_attention, float8=problem.float8)
+                      recompute=self.recompute, flash_attention=problem.flash_attention, float8=problem.float8,
+                      attention_span=problem.attention_span)
 
 
 def degree_options(problem: Problem, c: Constraints) -> list[tuple[int, int, int, int]]:

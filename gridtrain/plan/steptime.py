@@ -8,7 +8,8 @@ One step on the slowest pipeline rank:
 
 - matmul: the layer's hardware FLOPs (model FLOPs plus recomputation, flops.py's convention;
   attention counted in full, as Megatron's Eq. 3 counts it: a causal flash kernel skips half the
-  work but runs it at a lower fraction of peak) over peak x `matmul`;
+  work but runs it at a lower fraction of peak; under document masking over the layout's
+  attention span, documents.py) over peak x `matmul`;
 - memory-bound: norms, activation functions, softmax, dropout, residual adds stream activations
   through HBM. Their bytes are the layer's saved activations (memory.layer_activation_bytes
   without recomputation), each written in forward, read back in backward, and its gradient
@@ -138,7 +139,8 @@ class LayerCost:
 
 def layer_hardware_flops_per_token(shape: ModelShape, seq_len: int, recompute: str) -> float:
     """One layer's share of flops.hardware_flops_per_token (blocks only; L x this + the edge =
-    that): 6 x block parameters + 12 h s, plus what recomputation repeats."""
+    that): 6 x block parameters + 12 h s, plus what recomputation repeats. `seq_len`: the keys a
+    query attends to (the sequence's length, or its attention span under doc_mask, documents.py)."""
     attn_fwd = 4 * shape.num_heads * shape.head_dim * seq_len
     model = 6 * block_params(shape) + 3 * attn_fwd
     if recompute == "full":
@@ -175,7 +177,8 @@ def edge_flops_per_token(shape: ModelShape) -> float:
 @functools.lru_cache(maxsize=4096)
 def layer_cost(shape: ModelShape, cluster: ClusterSpec, eff: Efficiency, seq_len: int, micro_batch: int,
                tp: int, cp: int, sequence_parallel: bool, recompute: str, flash: bool,
-               act_bytes: int = 2, float8: str = "none", moe: bool = False, ep: int = 1) -> LayerCost:
+               act_bytes: int = 2, float8: str = "none", moe: bool = False, ep: int = 1,
+               span: float | None = None) -> LayerCost:
     """The cost of one layer for one micro-batch on one GPU (module docstring). Collectives: over
     the tp axis, 4 all-reduces (6 with full recomputation) of tokens x h x act_bytes, tokens =
     micro_batch x seq_len / cp; over the cp axis, the ring's (1 + forwards) x (cp - 1) sends of a
@@ -188,16 +191,20 @@ def layer_cost(shape: ModelShape, cluster: ClusterSpec, eff: Efficiency, seq_len
     sequence parallelism the mixture's own all-gathers: its fp32 input along the sequence forward
     (again where the forward is recomputed) and its output's gradient backward (act_bytes), as
     dry runs of tiny-moe at tp 2 log them; its all-to-alls (ep_s) are added by pipeline_time,
-    which knows the layout's data-parallel ranks."""
+    which knows the layout's data-parallel ranks.
+
+    `span`: the keys a query attends to under document masking (documents.py), for the attention
+    core's FLOPs and what it hides of the ring; None: the whole sequence."""
     acc = cluster.accelerator
     tokens = micro_batch * seq_len / cp
+    keys = seq_len if span is None else span
     if moe:
         slow = ROUTING_IMBALANCE if ep > 1 else 1.0
-        hw = (layer_attention_part_flops_per_token(shape, seq_len, recompute) * tokens / tp
+        hw = (layer_attention_part_flops_per_token(shape, keys, recompute) * tokens / tp
               + moe_ffn_flops_per_token(shape, recompute, slow) * tokens)
     else:
-        hw = layer_hardware_flops_per_token(shape, seq_len, recompute) * tokens / tp
-    attention = layer_attention_flops_per_token(shape, seq_len, recompute) * tokens / tp
+        hw = layer_hardware_flops_per_token(shape, keys, recompute) * tokens / tp
+    attention = layer_attention_flops_per_token(shape, keys, recompute) * tokens / tp
     # Under FP8 the block linears run at the device's FP8 peak (plan/float8.py), attention at 16 bits.
     matmul_s = (hw - attention) / (matmul_peak(acc, float8) * eff.matmul) + attention / (acc.peak_flops * eff.attention_share)
     saved = layer_activation_bytes(shape, seq_len, micro_batch, tp, sequence_parallel, cp, "none",
@@ -226,7 +233,7 @@ def layer_cost(shape: ModelShape, cluster: ClusterSpec, eff: Efficiency, seq_len
         forwards = 1 if recompute == "none" else 2
         send = lambda size: placement.p2p_time(size, cluster, cp, tp, eff.intra_node, eff.inter_node)  # noqa: E731
         sends = (forwards + 1) * (cp - 1) * send(kv) + cp * send(kv * 4 / act_bytes)
-        attn_core = 12 * shape.hidden * seq_len * tokens / tp / (acc.peak_flops * eff.attention_share)
+        attn_core = 12 * shape.hidden * keys * tokens / tp / (acc.peak_flops * eff.attention_share)
         cp_s = max(0.0, sends - attn_core)
     fwd = 1 + (1 if recompute == "full" else 0)
     overhead = eff.layer_overhead_s + dict(eff.recompute_overhead_s).get(recompute, 0.0)
@@ -334,14 +341,14 @@ def pipeline_time(shape: ModelShape, layout: Layout, cluster: ClusterSpec, eff: 
     """m micro-batches through the pipeline on its slowest rank, with sends and the bubble."""
     args = (shape, cluster, eff, layout.seq_len, layout.micro_batch, layout.tp, layout.cp,
             layout.sequence_parallel, layout.recompute, layout.flash_attention, act_bytes, layout.float8)
-    lc = layer_cost(*args)
+    lc = layer_cost(*args, span=layout.attention_span)
     counts = layers_per_rank(shape.num_layers, layout.pp, layout.pp_virtual_stages, layout.pp_schedule,
                              layout.fewer_edge_layers)
     _, last = edge_ranks(layout)
     head = head_seconds(shape, cluster, eff, layout)
     moe_lc, moe = None, (0,) * layout.pp
     if shape.num_experts:
-        moe_lc = replace(layer_cost(*args, moe=True, ep=layout.ep),
+        moe_lc = replace(layer_cost(*args, moe=True, ep=layout.ep, span=layout.attention_span),
                          ep_s=ep_seconds(shape, layout, cluster, eff.intra_node, eff.inter_node, act_bytes))
         moe = moe_layers_per_rank(shape, layout.pp, layout.pp_virtual_stages, layout.pp_schedule,
                                   layout.fewer_edge_layers)
@@ -390,6 +397,7 @@ def step_time(shape: ModelShape, layout: Layout, cluster: ClusterSpec, eff: Effi
         bubble_s=pt.bubble_s, dp_s=dp_exposed, dp_total_s=dp_total,
         optimizer_s=optimizer_seconds(shape, layout, cluster, eff, pt.critical_rank, pt.layers, state),
         critical_rank=pt.critical_rank,
-        model_flops_per_token=flops_per_token(shape, layout.seq_len),
-        hardware_flops_per_token=hardware_flops_per_token(shape, layout.seq_len, layout.recompute),
+        model_flops_per_token=flops_per_token(shape, layout.seq_len, layout.attention_span),
+        hardware_flops_per_token=hardware_flops_per_token(shape, layout.seq_len, layout.recompute,
+                                                          layout.attention_span),
         peak_flops=cluster.accelerator.peak_flops)

@@ -3,7 +3,7 @@
 "use strict";
 
 const BASE_KEYS = ["model", "gpu", "cluster", "num_gpus", "seq_len", "global_batch", "tokens", "precision", "implementation",
-                   "convention", "hbm_usable"];
+                   "convention", "hbm_usable", "doc_len"];
 const LAYOUT_KEYS = ["tp", "pp", "cp", "zero", "rep", "mb", "schedule", "v", "recompute", "ep"];
 const SHAPE_KEYS = ["dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size"];
 const DEFAULTS = { model: "llama3-8b", gpu: "h100", num_gpus: "8", seq_len: "4096", global_batch: "512",
@@ -118,7 +118,7 @@ function requestBody(withLayout = true) {
   const body = { model: state.model, gpu: state.gpu, precision: state.precision, implementation: state.implementation,
                  convention: state.convention };
   if (state.cluster) body.cluster = state.cluster;
-  for (const k of ["num_gpus", "seq_len", "global_batch", "tokens", "hbm_usable"]) {
+  for (const k of ["num_gpus", "seq_len", "global_batch", "tokens", "hbm_usable", "doc_len"]) {
     if (number(state[k]) !== undefined) body[k] = number(state[k]);
   }
   const shape = {};

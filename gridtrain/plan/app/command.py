@@ -18,8 +18,8 @@ from gridtrain.config_load import BARE_FLAG, parse_overrides
 from gridtrain.plan import budget
 from gridtrain.plan.app import explain, ranking, render
 from gridtrain.plan.app.fixes import fix_dict, no_fit
-from gridtrain.plan.app.inputs import (batch_sequences, check_constraints, constraints_label, parse_count, parse_layout,
-                                       parse_whole, resolve_cluster, resolve_local, resolve_model)
+from gridtrain.plan.app.inputs import (batch_sequences, check_constraints, constraints_label, doc_span, parse_count,
+                                       parse_layout, parse_whole, resolve_cluster, resolve_local, resolve_model)
 from gridtrain.plan.app.report import Assumptions, build_report, no_fit_report
 from gridtrain.plan.memory import BUCKETS, GiB
 from gridtrain.plan.state import CONVENTIONS
@@ -44,7 +44,9 @@ def build_problem(args: argparse.Namespace, extra: list[str]) -> tuple[Problem, 
     model = resolve_model(args.model, overrides, args.arch)
     local = None
     if args.gpu == "local" and not args.cluster:
-        local = resolve_local(parse_whole(args.num_gpus, "--num-gpus"), args.precision, model.shape.head_dim)
+        seq = parse_whole(args.seq_len, "--seq-len") if args.seq_len else model.max_seq_len
+        local = resolve_local(parse_whole(args.num_gpus, "--num-gpus"), args.precision, model.shape.head_dim, seq,
+                              model.shape.hidden)
         cluster = local.cluster
     else:
         cluster = resolve_cluster(args.gpu, args.cluster, args.hardware)
@@ -76,12 +78,14 @@ def build_problem(args: argparse.Namespace, extra: list[str]) -> tuple[Problem, 
     if not 0 < args.hbm_usable <= 1:
         raise PlanError(f"--hbm-usable {args.hbm_usable} must be in (0, 1]")
     notes += float8_notes(args, cluster)
+    span, note = doc_span(getattr(args, "doc_len", None), seq_len)
+    notes += [note] if note else []
     state = CONVENTIONS[args.convention](args.precision)
     model_keys = None if args.arch == "gpt" else (("model.preset", args.model), *sorted(overrides.items()))
     problem = Problem(model.shape, cluster, num_gpus, seq_len, seqs, flash_attention=not args.no_flash,
                       hbm_usable=args.hbm_usable, state=state, act_bytes=4 if args.precision == "fp32" else 2,
                       model_keys=model_keys, precision=args.precision, runnable_only=not args.any_layout,
-                      float8=args.float8,
+                      float8=args.float8, attention_span=span,
                       eff=local.eff if local else IMPLEMENTATIONS[args.implementation])
     return problem, model.name, tokens, notes
 
@@ -168,6 +172,8 @@ def plan(args: argparse.Namespace, extra: list[str], out: TextIO) -> int:
     if problem.model_keys is not None:
         report["train_command"] = train_command(problem.model_keys, problem.global_batch_seqs, problem.precision,
                                                 chosen.layout, problem.cluster.gpus_per_node)
+        if problem.attention_span is not None:
+            report["train_command"] += " --data.doc_mask true"
         if result.refused:
             report["notes"].append(f"{result.refused} faster or leaner layouts that fit were left out: gridtrain "
                                    "train refuses them (--any-layout ranks them too, labelled)")

@@ -42,13 +42,14 @@ def layout_lines(problem: Problem, layout: Layout) -> list[str]:
 
 
 def flops_lines(problem: Problem, layout: Layout) -> list[str]:
-    s, t = problem.shape, layout.seq_len
+    s, t, span = problem.shape, layout.seq_len, layout.attention_span
     n = matmul_params(s)
-    model = flops_per_token(s, t)
-    hw = hardware_flops_per_token(s, t, layout.recompute)
+    model = flops_per_token(s, t, span)
+    hw = hardware_flops_per_token(s, t, layout.recompute, span)
+    keys = f"{t:,}" if span is None else f"span {span:,.1f} (documents: sum L_i^2 / T)"
     return [
         f"model FLOPs/token = 6N + 12 L H Q T = 6 x {_g(n)} + 12 x {s.num_layers} x {s.num_heads} x "
-        f"{s.head_dim} x {t:,} = {_g(model)}",
+        f"{s.head_dim} x {keys} = {_g(model)}",
         f"hardware FLOPs/token (recompute {layout.recompute}) = {_g(hw)} ({hw / model:.3f} x model)",
     ]
 
@@ -57,8 +58,9 @@ def layer_lines(problem: Problem, layout: Layout) -> list[str]:
     """One layer, one micro-batch, one GPU: matmuls, memory-bound kernels, TP."""
     s, eff, acc = problem.shape, problem.eff, problem.cluster.accelerator
     tokens = layout.tokens_per_microbatch / layout.cp
-    per_token = layer_hardware_flops_per_token(s, layout.seq_len, layout.recompute)
-    attention = layer_attention_flops_per_token(s, layout.seq_len, layout.recompute)
+    keys = layout.seq_len if layout.attention_span is None else layout.attention_span
+    per_token = layer_hardware_flops_per_token(s, keys, layout.recompute)
+    attention = layer_attention_flops_per_token(s, keys, layout.recompute)
     matmul = (per_token - attention) * tokens / layout.tp / (acc.peak_flops * eff.matmul)
     core = attention * tokens / layout.tp / (acc.peak_flops * eff.attention_share)
     args = (s, layout.seq_len, layout.micro_batch, layout.tp, layout.sequence_parallel, layout.cp)

@@ -165,10 +165,37 @@ def resolve_model(preset: str, overrides: dict[str, str], arch: str = "llama") -
     return ModelChoice(name + (" as GPT blocks" if arch == "gpt" else ""), s, margs.max_seq_len)
 
 
-def resolve_local(ranks: int, precision: str, head_dim: int) -> local.LocalPlanMachine:
-    """`--gpu local`: this machine's calibrated ranks (plan/local.py)."""
+def doc_span(text: str | None, seq_len: int) -> tuple[float | None, str | None]:
+    """--doc-len: (attention span, a note) from a document length in tokens or a prepared folder
+    (documents.py); (None, None) without it."""
+    if text is None:
+        return None, None
+    from pathlib import Path
+
+    from gridtrain.plan.documents import equal_documents_span, span_note
+
+    folder = Path(text).expanduser()
+    if not folder.exists():
+        doc_len = parse_whole(text, "--doc-len")
+        return (equal_documents_span(seq_len, doc_len),
+                span_note(seq_len, equal_documents_span(seq_len, doc_len),
+                          f"documents of {doc_len:,} tokens from each sequence's start"))
+    from gridtrain.data.doc_span import prepared_span
+    from gridtrain.errors import UserError
+
     try:
-        return local.local_machine(ranks, precision, head_dim=head_dim)
+        span = prepared_span(folder, seq_len)
+    except (UserError, ValueError) as err:
+        raise PlanError(f"--doc-len {text}: {err}") from None
+    return span, span_note(seq_len, span, f"the documents of {text}, cut at {seq_len:,} as training cuts them")
+
+
+def resolve_local(ranks: int, precision: str, head_dim: int, seq_len: int | None = None,
+                  dim: int | None = None) -> local.LocalPlanMachine:
+    """`--gpu local`: this machine's calibrated ranks (plan/local.py), for a model of `head_dim` and
+    width `dim` at `seq_len`."""
+    try:
+        return local.local_machine(ranks, precision, head_dim=head_dim, seq_len=seq_len, dim=dim)
     except local.NoCalibration as e:
         raise PlanError(str(e)) from None
 

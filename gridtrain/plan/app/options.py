@@ -31,6 +31,10 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--top", type=number(int, 1), default=10, help="layouts to rank")
     p.add_argument("--hbm-usable", type=number(float, 0, 1, low_open=True), default=0.9, help="share of HBM a layout may plan for")
     p.add_argument("--no-flash", action="store_true", help="attention keeps its s x s scores")
+    p.add_argument("--doc-len", help="document masking (data.doc_mask): documents of this many tokens, packed from "
+                   "each sequence's start (the last one cut), or a prepared folder (gridtrain data prepare) whose "
+                   "documents are cut at --seq-len as training cuts them; attention's FLOPs, the step time and "
+                   "MFU count attention inside documents only")
     p.add_argument("--precision", default="bf16", choices=PRECISIONS,
                    help="training precision (gridtrain's train.precision)")
     p.add_argument("--float8", default="none", choices=[*FLOAT8, "auto"],

@@ -182,6 +182,7 @@ def problem_dict(problem: Problem, model_name: str) -> dict[str, object]:
             "global_batch_seqs": problem.global_batch_seqs,
             "global_batch_tokens": problem.global_batch_seqs * problem.seq_len,
             "efficiency": asdict(problem.eff), "flash_attention": problem.flash_attention,
+            "attention_span": problem.attention_span,
             "state_bytes": asdict(problem.state)}
 
 
