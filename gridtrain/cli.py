@@ -234,6 +234,11 @@ def cmd_plan(args: argparse.Namespace, extra: list[str]) -> int:
         if record.backend == "fake":
             print("step time: none to check, a dry run computes nothing")
             return 0
+        from gridtrain.plan.check_run import span_line
+
+        doc_line = span_line(record.config)  # data.doc_mask: the attention the step time counts
+        if doc_line:
+            print(doc_line)
         if record.backend == "nccl":  # an accelerator's run: priced by its published peak
             from gridtrain.plan.check_device import check_device_memory, check_device_step_time
 

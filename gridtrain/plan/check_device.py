@@ -10,7 +10,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from gridtrain.plan.check_run import CheckRow, measured_data_wait, measured_step_seconds
+from gridtrain.plan.check_run import CheckRow, measured_data_wait, measured_step_seconds, run_span
 from gridtrain.plan.memory import rank_memory
 from gridtrain.plan.reference_gpu import ONE_GPU
 from gridtrain.plan.run_collectives import run_layout
@@ -36,7 +36,8 @@ def check_device_step_time(run_dir: Path) -> tuple[CheckRow, dict[str, float], s
     eff = ONE_GPU[implementation] if one else IMPLEMENTATIONS[implementation]
     node = dataclasses.replace(cluster("dgx-h100"), accelerator=spec)
     act_bytes = 4 if cfg.train.precision == "fp32" else 2
-    st = step_time(from_args(args), run_layout(args, record.dims, cfg), node, eff,
+    layout = dataclasses.replace(run_layout(args, record.dims, cfg), attention_span=run_span(cfg))
+    st = step_time(from_args(args), layout, node, eff,
                    StateBytes.gridtrain(cfg.train.precision), act_bytes)
     parts = {"compute_s": st.compute_s, "bubble_s": st.bubble_s, "comm_s": st.tp_s + st.cp_s + st.pp_s + st.dp_s,
              "optimizer_s": st.optimizer_s}

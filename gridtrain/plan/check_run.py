@@ -195,18 +195,45 @@ def check_step_time(run_dir: Path, calibration: dict | None = None) -> tuple[Che
                          f"`gridtrain calibrate --threads {threads}`")
     machine = LocalMachine.from_calibration(calibration, cfg.train.precision,
                                             record.cpu_count or os.cpu_count() or 1)
+    span = run_span(cfg)
     steps = []
     for rank in range(dims.world_size):
         coords = dims.coordinates(rank)
         params = predict_rank(args, dims, cfg, rank)["weights"] / 4
         acts = microbatch_activations(args, dims, cfg, coords["pp"])
         collectives = predict_collectives(args, dims, cfg, coords["pp"])
-        steps.append(local_step(args, dims, cfg, machine, coords["pp"], acts, collectives, params, threads))
+        steps.append(local_step(args, dims, cfg, machine, coords["pp"], acts, collectives, params, threads, span))
     slowest = max(steps, key=lambda s: s.compute_s if math.isnan(s.total_s) else s.total_s)
     parts = {"compute_s": slowest.compute_s, "bubble_s": slowest.bubble_s, "comm_s": slowest.comm_s,
              "optimizer_s": slowest.optimizer_s}
     return CheckRow(0, "step_time_s", slowest.total_s, measured_step_seconds(run_dir),
                     data_wait=measured_data_wait(run_dir)), parts
+
+
+def run_span(cfg: Config) -> float | None:
+    """The attention span of a data.doc_mask run (None without it), from its prepared data
+    (data/doc_span.py); ValueError, which the check prints as its step-time line, where the data
+    is not on this machine."""
+    from gridtrain.data.doc_span import run_attention_span
+    from gridtrain.errors import UserError
+
+    try:
+        return run_attention_span(cfg)
+    except UserError as err:
+        raise ValueError(str(err)) from None
+
+
+def span_line(cfg: Config) -> str | None:
+    """--check's line on document masking: the span its step time and MFU count (None without it)."""
+    if not cfg.data.doc_mask:
+        return None
+    from gridtrain.plan.documents import span_note
+
+    try:
+        span = run_span(cfg)
+    except ValueError as err:
+        return f"attention: {err}"
+    return "attention: " + span_note(cfg.data.seq_len, span, "the run's prepared documents, cut as it cut them")
 
 
 def format_step_time(row: CheckRow, parts: dict[str, float], where: str = "on this machine") -> str:

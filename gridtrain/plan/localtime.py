@@ -11,7 +11,9 @@ One optimizer step on one rank:
 - matmul FLOPs: 6 x the rank's matmul parameters x tokens per micro-batch (8 x with full
   recomputation; selective recomputation rebuilds only elementwise work); TP divides them;
 - attention: counted in full (no causal halving), 3 x 4 s^2 d per head, at the rate measured for
-  causal SDPA forward + backward (a CPU's attention kernel runs far below its matmul peak);
+  causal SDPA forward + backward (a CPU's attention kernel runs far below its matmul peak); under
+  data.doc_mask s^2 becomes s x the attention span (plan/documents.py), at the same rate (the
+  blockwise document kernel's own rate is not calibrated);
 - memory-bound work: the census of saved activations (check_run.microbatch_activations),
   each byte passed HBM_PASSES times at the measured bandwidth of an elementwise add;
 - bubble: GPipe and 1F1B idle p - 1 micro-batch slots per step;
@@ -70,15 +72,17 @@ class LocalStep:
 
 
 def microbatch_seconds(args: ModelArgs, dims: ParallelDims, cfg: Config, machine: LocalMachine,
-                       layers: int, last: bool, activation_bytes: float) -> float:
-    """One micro-batch's forward and backward on one rank holding `layers` blocks."""
+                       layers: int, last: bool, activation_bytes: float, span: float | None = None) -> float:
+    """One micro-batch's forward and backward on one rank holding `layers` blocks; `span`: the keys a
+    query attends to under data.doc_mask (plan/documents.py), None: the whole sequence."""
     seq, mb, recompute = cfg.data.seq_len, cfg.train.micro_batch, cfg.train.recompute
     # Under CP a rank computes its seq/cp tokens, each attending to the whole sequence.
     tokens, h, kv = seq * mb // dims.cp, args.dim, args.n_kv_heads * args.head_dim
     block_matmul = h * (2 * h + 2 * kv) + 3 * h * args.hidden_dim
     factor = 8 if recompute == "full" else 6
     matmul = factor * tokens * (layers * block_matmul + (args.vocab_size * h if last else 0)) / dims.tp
-    attention = (4 if recompute == "full" else 3) * 4 * tokens * seq * h * layers / dims.tp
+    keys = seq if span is None else span
+    attention = (4 if recompute == "full" else 3) * 4 * tokens * keys * h * layers / dims.tp
     return (matmul / (machine.matmul_flops * CPU_MATMUL) + attention / machine.attention_flops
             + activation_bytes * HBM_PASSES / machine.memory_bytes_per_s)
 
@@ -107,13 +111,14 @@ def collective_seconds(collectives: dict[str, float], dims: ParallelDims, machin
 
 
 def local_step(args: ModelArgs, dims: ParallelDims, cfg: Config, machine: LocalMachine, pp_rank: int,
-               activation_bytes: float, collectives: dict[str, float], local_params: float, threads: int) -> LocalStep:
+               activation_bytes: float, collectives: dict[str, float], local_params: float, threads: int,
+               span: float | None = None) -> LocalStep:
     """The predicted step of the rank at pipeline position `pp_rank` (module docstring)."""
     p, m = cfg.parallel, cfg.microbatches(dims.dp)
     counts = stage_layer_counts(args.n_layers, dims.pp, p.pp_fewer_edge_layers) if dims.pp > 1 else [args.n_layers]
     last = pp_rank == dims.pp - 1
     contention = max(1.0, dims.world_size * threads / machine.cores)
-    t_mb = contention * microbatch_seconds(args, dims, cfg, machine, counts[pp_rank], last, activation_bytes)
+    t_mb = contention * microbatch_seconds(args, dims, cfg, machine, counts[pp_rank], last, activation_bytes, span)
     bubble = (dims.pp - 1) * t_mb if dims.pp > 1 else 0.0
     optimizer = contention * local_params * ADAMW_BYTES / machine.memory_bytes_per_s
     return LocalStep(m * t_mb, bubble, collective_seconds(collectives, dims, machine), optimizer)

@@ -79,6 +79,16 @@ class Data:
     def mixture(self) -> MixtureReader | None:
         return self.train if isinstance(self.train, MixtureReader) else None
 
+    def attention_span(self, seq_len: int) -> float:
+        """data.doc_mask's keys per query over an epoch of the training split (data/doc_span.py), a
+        mixture's sources weighted as it draws them."""
+        from gridtrain.data.doc_span import mixture_span, store_span
+
+        if self.mixture is None:
+            return store_span(self.train.store, seq_len)
+        spans = [store_span(store, seq_len) for store in self.mixture.stores]
+        return mixture_span(spans, [float(q) for q in self.mixture.mix.quota])
+
     def position(self, samples: int) -> dict[str, torch.Tensor]:
         """What a checkpoint keeps of the data beside the sample offset: a mixture's samples per source."""
         if self.mixture is None:

@@ -100,12 +100,18 @@ def forget_meshes() -> None:
 def check_dry_run(cfg: Config, dims: ParallelDims, rank: int) -> None:
     """What a dry run refuses, before it starts: a rank outside the job, a run_dir that holds a
     real run or another job's dry run (its records would mix), and FP8, whose float8 gathers and
-    amax all-reduces the planner's collectives do not model yet. A mixture of experts is routed
-    by a fixed balanced rule (dry_routing.py), its grouped matmul in bf16 only."""
+    amax all-reduces the planner's collectives do not model yet, and document masking under a
+    pipeline (below). A mixture of experts is routed by a fixed balanced rule (dry_routing.py), its
+    grouped matmul in bf16 only; with data.doc_mask each sequence holds DRY_DOCUMENTS documents."""
     problems = []
     if cfg.train.float8 != "none":
         problems.append(f"a dry run of train.float8 = '{cfg.train.float8}' would measure float8 gathers and scale "
                         "all-reduces the planner does not predict yet: dry-run the layout with train.float8 = 'none'")
+    if cfg.data.doc_mask and dims.pp > 1:
+        problems.append(f"a dry run of data.doc_mask under parallel.pp = {dims.pp} cannot mask: the pipeline schedule "
+                        "cuts the document ids into micro-batches as fake tensors, whose values the mask reads: "
+                        "dry-run the layout with data.doc_mask = false (the mask changes neither the memory nor "
+                        "the collectives: the dry runs of one process, TP 2 and CP 2 measure the same bytes)")
     moe = cfg.model.args().moe
     if moe is not None and moe.grouped_mm and cfg.train.precision != "bf16":
         problems.append(f"a dry run of a mixture of experts in {cfg.train.precision} cannot run torch._grouped_mm on "
@@ -143,9 +149,11 @@ def _step(cfg: Config, dims: ParallelDims) -> dict[str, float]:
     account = StepAccount(True, pmodel, comm)
     vocab = cfg.model.args().vocab_size
 
-    def read(first: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    docs = dry_documents(cfg, local_batch)
+
+    def read(first: int, n: int) -> tuple[torch.Tensor, ...]:
         shape = (n, cfg.data.seq_len // dims.cp)  # two storages, as the data reader gives them (CP: a rank's chunks)
-        return torch.randint(0, vocab, shape), torch.randint(0, vocab, shape)
+        return torch.randint(0, vocab, shape), torch.randint(0, vocab, shape), *docs.get(n, ())
 
     precision.begin_step()  # outside the fake mode: fp16 reads its loss scale
     if pmodel.schedule is not None:
@@ -174,6 +182,21 @@ def _step(cfg: Config, dims: ParallelDims) -> dict[str, float]:
     record["memory/built_bytes"] = float(built)
     record["memory/peak_bytes"] = float(live.peak)
     return record
+
+
+DRY_DOCUMENTS = 4
+"""Documents per sequence in a dry run of data.doc_mask: equal ones, the last taking the remainder."""
+
+
+def dry_documents(cfg: Config, local_batch: int) -> dict[int, tuple[torch.Tensor]]:
+    """With data.doc_mask, each batch size's document ids (whole sequences, as with_documents gives
+    them), real tensors made outside the fake mode: the model reads the documents' spans from them
+    (Documents, which a fake tensor cannot answer). Empty without the mask."""
+    if not cfg.data.doc_mask:
+        return {}
+    seq = cfg.data.seq_len
+    row = torch.clamp(torch.arange(seq) // max(1, seq // DRY_DOCUMENTS), max=DRY_DOCUMENTS - 1)
+    return {n: (row.expand(n, seq).clone(),) for n in {cfg.train.micro_batch, local_batch}}
 
 
 def give_stage_shapes(pmodel: ParallelModel, micro_batch: int, seq_len: int, dim: int, seq_split: int,

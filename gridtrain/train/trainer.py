@@ -151,7 +151,9 @@ class Trainer:
         full = build_meta(self.args)  # parallelize gives each rank memory for its shards only
         counts = count_parameters(full)
         self.num_params = counts.total
-        self.flops_per_token = flops_per_token(self.args, cfg.data.seq_len, counts)
+        # With data.doc_mask attention works inside documents: MFU counts those FLOPs (plan/documents.py).
+        span = self.data.attention_span(cfg.data.seq_len) if cfg.data.doc_mask else None
+        self.flops_per_token = flops_per_token(self.args, cfg.data.seq_len, counts, span)
         self.precision = Precision(t, self.device)
         self.pmodel = parallelize(full, cfg, self.dims if self.world.distributed else None, self.mesh,
                                   self.pipeline_loss, self.accum, self.device)
