@@ -57,10 +57,14 @@ def _check_source(cfg: Config, key: str, corpus: str | None) -> list[str]:
     index = Path(corpus).expanduser() / "index.json" if corpus is not None else None
     if index is not None and index.is_file():  # a prepared corpus: its own tokens decide, not data.tokenizer
         try:
-            vocab, source = int(read_json(index, str(index))["vocab_size"]), f"the prepared corpus {corpus}"
+            manifest = read_json(index, str(index))
+            vocab, source = int(manifest["vocab_size"]), f"the prepared corpus {corpus}"
+            prepared_with = manifest.get("tokenizer")  # every prepare writes it; a hand-made index may not
         except (UserError, ValueError, KeyError, TypeError, OverflowError) as err:
             return [f"{label} has an unreadable index.json ({err}): prepare it again with `gridtrain data prepare`"]
-        bad = None
+        bad = None if prepared_with is None else tokenizer_mismatch(label, d.tokenizer, str(prepared_with), vocab)
+        if bad:
+            return [bad]
     else:
         if index is not None:
             from gridtrain.data.corpus import source_problem  # a corpus to prepare: its files' schemas, read now
@@ -75,6 +79,29 @@ def _check_source(cfg: Config, key: str, corpus: str | None) -> list[str]:
         return [f"model.vocab_size ({cfg.model.args().vocab_size}) is smaller than the vocabulary of "
                 f"{source} ({vocab}): set model.vocab_size to at least {64 * math.ceil(vocab / 64)}"]
     return []
+
+
+def tokenizer_mismatch(label: str, spec: str, prepared_with: str, vocab: int) -> str | None:
+    """Why data.tokenizer is not the tokenizer a prepared corpus was tokenized with (its index.json's
+    name: 'byte', or 'bpe-VOCAB-DIGEST' of the tokenizer.json's content), or None. Samples and
+    evaluation decode with data.tokenizer, so another one would read the run's tokens as other text.
+    A 'bpe:N' spec is held to the vocabulary only (its trained file lies in the data cache)."""
+    if spec == "byte":
+        same = prepared_with == "byte"
+    elif spec.startswith("bpe:"):
+        same = prepared_with.startswith(f"bpe-{spec[4:]}-")
+    else:
+        from gridtrain.data.tokenizer import BPETokenizer
+
+        try:
+            same = BPETokenizer.load(spec).name == prepared_with
+        except UserError as err:
+            return str(err)
+    if same:
+        return None
+    return (f"{label} was prepared with the tokenizer {prepared_with} (vocabulary {vocab:,}), not data.tokenizer "
+            f"'{spec}', which would decode its tokens as other text in samples and evaluation: set data.tokenizer "
+            "to what `gridtrain data prepare --tokenizer` was given, or prepare the corpus again with this one")
 
 
 def tokenizer_vocab(spec: str, key: str = "data.tokenizer") -> tuple[int | None, str | None]:

@@ -311,6 +311,12 @@ DATA = [  # the corpora of issue 32: `records` (in the inputs fixture) holds the
      "model.vocab_size (320) is smaller than the vocabulary of data.tokenizer '{d}/records/big.json' (401)"),
     (["train", "--data.mix", "{d}/afile=1", "--data.tokenizer", "{d}/records/big.json"],
      "set model.vocab_size to at least 448"),
+    (["train", "--data.corpus", "{d}/records/prepared"],
+     "was prepared with the tokenizer bpe-300-0badcafe (vocabulary 300), not data.tokenizer 'byte'"),
+    (["train", "--data.mix", "{d}/afile=1,{d}/records/prepared=1", "--data.tokenizer", "bpe:400"],
+     "not data.tokenizer 'bpe:400'"),
+    (["plan", "--doc-len", "0"], "--doc-len = '0' must be a positive finite count"),
+    (["plan", "--doc-len", "{d}/records"], "--doc-len {d}/records: {d}/records is not a prepared data directory"),
 ]
 
 CASES = PLAN + MODEL + TRAIN + OTHERS + DATA + generated()
@@ -379,7 +385,7 @@ def inputs(tmp_path: Path) -> Path:
 def write_records(r: Path) -> None:
     """Corpora refused in one line: a parquet file cut in half, a folder of parquet without a 'text'
     column, zstd JSON lines whose second line is not UTF-8, a tokenizer.json of 401 tokens (the
-    tiny model has 320)."""
+    tiny model has 320), a prepared folder's manifest naming another tokenizer than the default byte."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     import zstandard
@@ -392,6 +398,9 @@ def write_records(r: Path) -> None:
     (r / "bad.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(b'{"text": "ok"}\n{"text": "\xff"}\n'))
     vocab = {"<eos>": 0, "<unk>": 1} | {f"w{i}": i + 2 for i in range(399)}
     Tokenizer(models.WordLevel(vocab, unk_token="<unk>")).save(str(r / "big.json"))
+    (r / "prepared").mkdir()
+    (r / "prepared" / "index.json").write_text(json.dumps({"format_version": 1, "tokenizer": "bpe-300-0badcafe",
+                                                           "vocab_size": 300, "eos_id": 0, "splits": {}}))
 
 
 def snapshot(root: Path) -> dict[str, str]:
