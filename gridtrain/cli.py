@@ -215,6 +215,11 @@ def cmd_calibrate(args: argparse.Namespace, extra: list[str]) -> int:
         print(f"{mode:<5} peak matmul {flops / 1e9:10.1f} GFLOP/s{extra_text}")
     print(f"memory bandwidth {entry['memory_bytes_per_s'] / 1e9:.1f} GB/s; gloo all-reduce between two ranks "
           f"{entry['gloo_bytes_per_s'] / 1e9:.2f} GB/s, latency {entry['gloo_latency_s'] * 1e6:.0f} us")
+    for mode, share in entry.get("elementwise_share", {}).items():
+        widths = entry["matmul_flops_by_dim"][mode]
+        print(f"{mode:<5} a block's linear layers reach {min(widths.values()) / 1e9:.0f}-{max(widths.values()) / 1e9:.0f} "
+              f"GFLOP/s (widths {min(map(int, widths))}-{max(map(int, widths))}); its elementwise work runs at "
+              f"{share:.0%} of the memory bandwidth")
     print(f"calibration {not_cached}" if not_cached else f"cached in {calibration_path()}")
     return 0
 

@@ -68,3 +68,22 @@ def test_a_run_faster_than_its_cached_peak_measures_the_peak_again(tmp_path, mak
     assert calls == [("fp32",)]  # once, not every step
     assert all(m < 100 for m in mfus) and trainer.peak == 1e15
     assert any("measured low" in r.getMessage() for r in caplog.records)
+
+
+def test_the_elementwise_share_is_what_the_block_spends_beyond_its_kernels(monkeypatch):
+    """A block of 100 ms whose matmuls take 40 and attention 30, with 1 ms of framework time, spends
+    29 ms on elementwise work; the share is the planner's memory-bound seconds for that block (4
+    passes over its saved activations at the measured bandwidth) over those 29 ms, at most 1."""
+    import torch
+
+    from gridtrain.plan import shape
+    from gridtrain.plan.memory import layer_activation_bytes
+    from gridtrain.train import calibrate_kernels as kernels
+
+    monkeypatch.setattr(kernels, "block_parts", lambda dtype, seconds: {"block": 0.1, "matmul": 0.04, "attention": 0.03})
+    b = kernels.BLOCK
+    saved = layer_activation_bytes(shape.from_args(kernels.calibration_block_args()), b["seq"], b["batch"], act_bytes=2)
+    assert saved > 0
+    share = kernels.measure_elementwise_share(torch.bfloat16, 4e12, 1e-3)
+    assert share == pytest.approx(4 * saved / 4e12 / 0.029)
+    assert kernels.measure_elementwise_share(torch.bfloat16, 1e6, 1e-3) == 1.0  # never above the bandwidth

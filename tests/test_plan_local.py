@@ -106,3 +106,31 @@ def test_attention_at_the_models_head_size_and_recomputations_own_time():
     costs = {mode: steptime.layer_cost(s, m.cluster, m.eff, 256, 4, 1, 1, False, mode, True).overhead_s
              for mode in ("none", "selective", "full")}
     assert costs == pytest.approx({"none": 4e-4, "selective": 1.4e-3, "full": 2.4e-3})
+
+
+def test_kernels_at_the_models_width_and_sequence():
+    """A newer calibration times attention by head size and sequence, a block's linear layers by
+    width, and a real block's elementwise work (train/calibrate_kernels.py). Attention at head 32
+    and sequence 256 lies halfway (in log sequence) between 10 and 30 GFLOP/s at 128 and 512: 20;
+    at head 64, 40; past the grid, its edge. Linear layers of width 128, halfway between 20 and 36
+    GFLOP/s at 64 and 256: 28, 0.7 of the 40 GFLOP/s peak. Elementwise work at a quarter of the
+    bandwidth charges the memory-bound traffic four times over."""
+    entry = {**ENTRY, "attention_flops_by_shape": {"bf16": {"32": {"128": 10e9, "512": 30e9},
+                                                            "64": {"128": 20e9, "512": 60e9}}},
+             "matmul_flops_by_dim": {"bf16": {"64": 20e9, "256": 36e9}}, "elementwise_share": {"bf16": 0.25}}
+    assert local.attention_rate(entry, "bf16", 32, 256) == pytest.approx(20e9)
+    assert local.attention_rate(entry, "bf16", 64, 256) == pytest.approx(40e9)
+    assert local.attention_rate(entry, "bf16", 128, 4096) == pytest.approx(60e9)
+    assert local.attention_rate(entry, "bf16", 32, None) == ENTRY["attention_flops"]["bf16"]  # no sequence: the old rate
+    assert local.matmul_share(entry, "bf16", 128) == pytest.approx(0.7)
+    assert local.matmul_share(entry, "bf16", 4096) == pytest.approx(0.9)
+    assert local.matmul_share(ENTRY, "bf16", 128) == local.CPU_MATMUL  # an older calibration
+    m = local.local_machine(2, "bf16", entry=entry, cores=2, ram=16e9, head_dim=32, seq_len=256, dim=128)
+    assert (m.eff.matmul, m.eff.hbm, m.eff.attention) == pytest.approx((0.7, 0.25, 0.5))
+    s = shape.from_args(load_config(None, {"model.preset": "tiny"}).model.args())
+    old = local.local_machine(2, "bf16", entry=ENTRY, cores=2, ram=16e9, head_dim=32, seq_len=256, dim=128)
+    new_cost, old_cost = (steptime.layer_cost(s, x.cluster, x.eff, 256, 4, 1, 1, False, "none", True) for x in (m, old))
+    assert new_cost.memory_bound_s == pytest.approx(4 * old_cost.memory_bound_s)
+    attention = steptime.layer_attention_flops_per_token(s, 256, "none") * 4 * 256
+    hw = steptime.layer_hardware_flops_per_token(s, 256, "none") * 4 * 256
+    assert new_cost.matmul_s == pytest.approx((hw - attention) / (40e9 * 0.7) + attention / 20e9)

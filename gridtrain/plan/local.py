@@ -4,12 +4,15 @@ as any GPU cluster, its constants the ones `gridtrain calibrate` measured here.
 
 Each rank is a "GPU" of one node holding all N:
 - peak: the calibrated matmul peak at the rank's threads, shared when N x threads exceeds the
-  cores (each rank gets cores / (N x threads) of its threads' time); matmuls reach
-  localtime.CPU_MATMUL of it;
-- memory bandwidth: the calibrated elementwise rate, shared the same way; memory: the machine's
-  RAM split evenly over the ranks;
-- attention: the SDPA forward + backward rate calibrate timed at the model's head size
-  (interpolated between 32, 64 and 128), shared the same way;
+  cores (each rank gets cores / (N x threads) of its threads' time); a block's matmuls reach the
+  share of it calibrate measured for a block's linear layers at the model's width
+  (train/calibrate_kernels.py; localtime.CPU_MATMUL in an older calibration);
+- memory bandwidth: the bandwidth of a large elementwise add, shared the same way; memory-bound
+  work runs at the share of it that calibrate measured for a real block's elementwise work (its
+  norms, RoPE, SiLU x gate and autocast's casts: about a quarter in bf16 on this 2-core machine,
+  half in fp32); memory: the machine's RAM split evenly over the ranks;
+- attention: the SDPA forward + backward rate calibrate timed at the model's head size and
+  sequence length (interpolated over 32-128 x 128-2,048), shared the same way;
 - framework time: the calibrated forward and backward of a block too small to compute (op
   dispatch, autograd, autocast), per layer per micro-batch, and what each recomputation mode's
   checkpoint machinery adds to it;
@@ -67,29 +70,49 @@ def ram_bytes() -> float:
         return 8e9
 
 
-def attention_rate(entry: dict, mode: str, head_dim: int | None) -> float | None:
-    """The calibrated attention rate at the model's head size: interpolated (in log head size)
-    between the sizes calibrate timed, the nearest beyond them; the one rate of an older
-    calibration, or None, without them."""
-    grid = {int(d): r for d, r in entry.get("attention_flops_by_head_dim", {}).get(mode, {}).items()}
-    if not grid or head_dim is None:
-        return entry.get("attention_flops", {}).get(mode)
-    dims = sorted(grid)
-    if head_dim <= dims[0] or head_dim >= dims[-1]:
-        return grid[dims[0] if head_dim <= dims[0] else dims[-1]]
-    low = max(d for d in dims if d <= head_dim)
-    high = min(d for d in dims if d >= head_dim)
+def log_interpolate(grid: dict[int, float], x: float) -> float:
+    """`grid` (size -> value) at `x`, linear in log size between the two sizes around it, the
+    nearest beyond them."""
+    sizes = sorted(grid)
+    if x <= sizes[0] or x >= sizes[-1]:
+        return grid[sizes[0] if x <= sizes[0] else sizes[-1]]
+    low, high = max(d for d in sizes if d <= x), min(d for d in sizes if d >= x)
     if low == high:
         return grid[low]
-    t = (math.log(head_dim) - math.log(low)) / (math.log(high) - math.log(low))
+    t = (math.log(x) - math.log(low)) / (math.log(high) - math.log(low))
     return grid[low] + t * (grid[high] - grid[low])
 
 
+def attention_rate(entry: dict, mode: str, head_dim: int | None, seq_len: int | None = None) -> float | None:
+    """The calibrated attention rate at the model's head size and sequence length: interpolated in
+    log size over the grid calibrate timed (attention_flops_by_shape: head size x sequence); an
+    older calibration's rate by head size alone, or its one rate, without it; None without any."""
+    by_shape = entry.get("attention_flops_by_shape", {}).get(mode, {})
+    if by_shape and head_dim is not None and seq_len is not None:
+        per_dim = {int(d): log_interpolate({int(s): r for s, r in seqs.items()}, seq_len)
+                   for d, seqs in by_shape.items()}
+        return log_interpolate(per_dim, head_dim)
+    grid = {int(d): r for d, r in entry.get("attention_flops_by_head_dim", {}).get(mode, {}).items()}
+    if not grid or head_dim is None:
+        return entry.get("attention_flops", {}).get(mode)
+    return log_interpolate(grid, head_dim)
+
+
+def matmul_share(entry: dict, mode: str, dim: int | None) -> float:
+    """The fraction of the matmul peak a block's linear layers reach at the model's width (calibrate's
+    matmul_flops_by_dim, interpolated in log width); CPU_MATMUL without it."""
+    grid = {int(d): r for d, r in entry.get("matmul_flops_by_dim", {}).get(mode, {}).items()}
+    if not grid or dim is None:
+        return CPU_MATMUL
+    return min(1.0, log_interpolate(grid, dim) / entry["peak_flops"][mode])
+
+
 def local_machine(ranks: int, precision: str, entry: dict | None = None, cores: int | None = None,
-                  ram: float | None = None, head_dim: int | None = None) -> LocalPlanMachine:
+                  ram: float | None = None, head_dim: int | None = None, seq_len: int | None = None,
+                  dim: int | None = None) -> LocalPlanMachine:
     """This machine as a one-node cluster of `ranks` CPU ranks (module docstring), for a model of
-    `head_dim`. `entry`, `cores` and `ram` replace the cached calibration and the machine's own
-    figures (tests)."""
+    `head_dim` and width `dim` at `seq_len`. `entry`, `cores` and `ram` replace the cached
+    calibration and the machine's own figures (tests)."""
     threads = rank_threads(ranks)
     entry = entry if entry is not None else cached_entry(threads)
     if any(k not in entry for k in ("gloo_bytes_per_s", "layer_overhead_s")) or precision not in entry.get("peak_flops", {}):
@@ -98,7 +121,7 @@ def local_machine(ranks: int, precision: str, entry: dict | None = None, cores: 
     cores = cores or usable_cores()
     contention = max(1.0, ranks * threads / cores)
     peak = entry["peak_flops"][precision] / contention
-    attention = attention_rate(entry, precision, head_dim)
+    attention = attention_rate(entry, precision, head_dim, seq_len)
     gloo = entry["gloo_bytes_per_s"] / contention
     acc = AcceleratorSpec(f"local CPU rank ({cpu_model_name()}, {threads} thread(s))", peak / 1e12,
                           (ram or ram_bytes()) / ranks / 1e9, entry["memory_bytes_per_s"] / contention / 1e9, 0,
@@ -106,7 +129,8 @@ def local_machine(ranks: int, precision: str, entry: dict | None = None, cores: 
     step_latency = entry.get("gloo_latency_s", 0.0) / 2 * contention
     cluster = ClusterSpec("local", acc, ranks, gloo / 1e9, step_latency, gloo / 1e9, step_latency,
                           price_per_gpu_hour=0.0, gloo_step_s=step_latency)
-    eff = Efficiency(matmul=CPU_MATMUL, hbm=1.0, intra_node=1.0, inter_node=1.0,
+    eff = Efficiency(matmul=matmul_share(entry, precision, dim),
+                     hbm=entry.get("elementwise_share", {}).get(precision, 1.0), intra_node=1.0, inter_node=1.0,
                      layer_overhead_s=entry["layer_overhead_s"] * contention,
                      recompute_overhead_s=tuple((k, v * contention)
                                                 for k, v in sorted(entry.get("recompute_overhead_s", {}).items())),

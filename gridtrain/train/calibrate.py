@@ -21,6 +21,7 @@ import torch
 
 from gridtrain.plan.machine import cached_entry, calibration_path, machine_key
 from gridtrain.plan.specs import ACCELERATORS, accelerator_of_device
+from gridtrain.train.calibrate_kernels import measure_kernels
 
 log = logging.getLogger(__name__)
 
@@ -204,6 +205,7 @@ def calibrate(threads: int | None = None, seconds: float = 2.0, modes: tuple[str
         entry["attention_flops_by_head_dim"] = {
             mode: {str(d): measure_attention_flops(CALIBRATION_DTYPES[mode], seconds / 8, attention_shape(d))
                    for d in ATTENTION_HEAD_DIMS} for mode in modes if mode != "fp16"}
+        entry.update(measure_kernels([m for m in modes if m != "fp16"], seconds, entry))
     entry.update(measured_at=time.time(), machine=platform.node(), cpu_share=share)
     if share < LOADED_SHARE:
         why = (f"not cached: this process had {share:.0%} of its {threads} thread(s)' CPU time while it measured "
