@@ -2,12 +2,14 @@
 `validate` accepts compared with one process (losses, gradient norms with clipping active,
 gathered weights), every other one listed with validate's reason.
 
-    python bench/parity_sweep.py [--results FILE] [--pairwise] [--only SUBSTRING] [--chunk 24]
+    python bench/parity_sweep.py [--results FILE] [--pairwise] [--only SUBSTRING] [--name NAME ...] [--chunk 24]
 
 Verdicts go to FILE (JSON lines, default runs/parity/results.jsonl) as they come, so a stopped
 sweep resumes where it stopped; delete the file to start over. The default corpus (the Python
 standard library) is prepared once in the usual cache. At the end it prints the counts by status
-and world size, the largest deviations that passed, per precision, and every failure.
+and world size, the largest deviations that passed, per precision, and every failure. The
+attention axis's cases (`--only .doc_`) read a corpus of short documents written into the results'
+folder (`gridtrain.parity.sweep.write_short_documents`), whatever --corpus says.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ def main() -> None:
     parser.add_argument("--results", type=Path, default=Path("runs/parity/results.jsonl"))
     parser.add_argument("--pairwise", action="store_true", help="only the pairwise subset CI runs")
     parser.add_argument("--only", default="", help="only cases whose name contains this")
+    parser.add_argument("--name", action="append", default=[], help="only this case (repeatable)")
     parser.add_argument("--chunk", type=int, default=24, help="cases per torchrun launch")
     parser.add_argument("--corpus", type=Path, default=None, help="default: the Python standard library")
     parser.add_argument("--resume-world", type=int, default=matrix.RESUME_MAX_WORLD,
@@ -40,7 +43,10 @@ def main() -> None:
     cases = all_cases()
     if args.pairwise:
         cases = pairwise(cases)
-    cases = [c for c in cases if args.only in c.name]
+    cases = [c for c in cases if args.only in c.name and (not args.name or c.name in args.name)]
+    unknown = sorted(set(args.name) - {c.name for c in all_cases()})
+    if unknown:
+        parser.error(f"no case of the matrix is named {', '.join(unknown)}")
     args.results.parent.mkdir(parents=True, exist_ok=True)
     work = args.results.parent / "work"
     work.mkdir(exist_ok=True)

@@ -1,13 +1,15 @@
 """The parity matrix (gridtrain/parity): every layout `validate` accepts trains as one process does.
 
 The matrix is generated from the choices along each axis (data, tensor and pipeline parallelism,
-embeddings, precision, recomputation, accumulation); CI runs a deterministic subset that covers
+embeddings, precision, recomputation, accumulation, context parallelism, model, expert parallelism,
+attention); CI runs a deterministic subset that covers
 every pair of choices, plus the layouts that once trained wrong in silence. The full sweep, every
 accepted combination at world sizes 1 to 8, is `python bench/parity_sweep.py` (README, "Parity").
 """
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import subprocess
@@ -30,7 +32,7 @@ SUBSET = pairwise(CASES, REQUIRED)
 
 
 def test_matrix_is_every_combination_of_the_axes():
-    assert len(CASES) == math.prod(len(choices) for choices in AXES.values()) == 41472
+    assert len(CASES) == math.prod(len(choices) for choices in AXES.values()) == 124416
     assert len({c.name for c in CASES}) == len(CASES)
     assert {c.world for c in CASES if c.accepted} == {1, 2, 4, 8}
 
@@ -44,10 +46,21 @@ def test_matrix_is_every_combination_of_the_axes():
     ("zero1.none.none.untied.fp32.none.one.none.moe.none", "is not compared under parallel.zero_stage 1"),
     ("none.tp.none.untied.fp32.none.one.none.moe.ep", "parallel.ep (2) borrows its ranks from the data- and"),
     ("ddp.none.none.untied.fp32.none.one.none.dense.ep", "parallel.ep (2) shards the routed experts of a mixture"),
+    ("zero1.tp.none.untied.fp32.none.one.none.doc_mask", "parallel.zero_stage 1 shards a plain optimizer"),
+    ("none.none.dualpipev.untied.fp32.none.one.none.moe.none.doc_restart", "too few micro-batches"),
 ])
 def test_refused_layouts_carry_validates_reason(name, reason):
     case = next(c for c in CASES if c.name == name)
     assert reason in case.refused
+
+
+def test_earlier_cases_keep_their_names():
+    """The attention axis came later: a causal case is named as before it (a sweep's verdicts are
+    keyed by name), a doc_mask or doc_restart case by its choice after the earlier ones."""
+    causal = [c for c in CASES if c.choice("attention") == "causal"]
+    assert not any("causal" in c.name for c in causal) and set(REQUIRED) <= {c.name for c in causal}
+    masked = next(c for c in CASES if c.choice("attention") == "doc_restart" and c.choice("model") == "moe")
+    assert masked.name.endswith(".moe.none.doc_restart") and masked.overrides["data.doc_positions"] == "restart"
 
 
 def test_pairwise_subset_covers_every_pair_of_accepted_choices():
@@ -59,9 +72,45 @@ def test_pairwise_subset_covers_every_pair_of_accepted_choices():
 
 
 def test_matrix_arithmetic_imports_no_torch():
-    code = "import sys, gridtrain.parity.matrix as m; m.all_cases(); print('torch' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
+    """In a fresh process, the matrix's verdicts (the subset's cases, and a case refused for each of
+    the matrix's reasons: every branch of `validate` it reaches) import no torch, and come out as
+    in this process."""
+    refused = list({c.refused: c for c in CASES if c.refused}.values())
+    sample = [dict(c.choices) for c in SUBSET + refused]
+    code = ("import json, sys, gridtrain.parity.matrix as m\n"
+            "cases = [m.make_case(c) for c in json.load(sys.stdin)]\n"
+            "print(json.dumps(['torch' in sys.modules, [c.refused for c in cases]]))")
+    out = subprocess.run([sys.executable, "-c", code], input=json.dumps(sample), capture_output=True, text=True,
+                         check=True)
+    torch_imported, reasons = json.loads(out.stdout)
+    assert not torch_imported and len(refused) > 100
+    assert reasons == [c.refused for c in SUBSET + refused]
+
+
+def test_doc_mask_cases_read_sequences_that_cross_documents(tmp_path, corpus_dir):
+    """A doc_mask case and its reference read the short documents: every sequence of its steps
+    and of its validation holds at least 3 documents (2 ends of documents inside it), so a mask
+    that leaked across them would show; a causal case reads the matrix's corpus."""
+    import torch
+
+    from gridtrain.config_load import load_config
+    from gridtrain.model.documents import document_ids
+    from gridtrain.train.build import build_data
+    from gridtrain.train.distributed import World
+
+    refs = References(corpus_dir, tmp_path / "cache", tmp_path)
+    case = next(c for c in SUBSET if c.choice("attention") == "doc_mask" and c.world == 1)
+    overrides = case_overrides(case, refs)
+    assert overrides["data.corpus"] != str(corpus_dir) and overrides["data.doc_mask"] is True
+    assert case_overrides(make_case({**dict(case.choices), "attention": "causal"}), refs)["data.corpus"] == str(corpus_dir)
+    cfg = load_config(None, {k: v for k, v in overrides.items() if k.startswith(("data.", "train.", "model."))})
+    data = build_data(cfg, World(0, 1, 0, 1, torch.device("cpu")))
+    inputs, _ = data.train.read(0, cfg.train.steps * cfg.train.global_batch)
+    val = torch.cat([x for x, _ in data.val.batches(cfg.train.micro_batch, cfg.train.val_batches)])
+    for seqs in (inputs, val):
+        docs = document_ids(seqs, data.eos_id).max(dim=1).values + 1  # documents per sequence
+        assert docs.min().item() >= 3, docs.tolist()
+    assert len(val) >= cfg.train.micro_batch * min(4, cfg.train.val_batches)
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +197,8 @@ def test_parity_check_fails_on_other_data_and_without_clipping(tmp_path_factory,
     """The check can fail: FSDP 2 runs on another corpus, and without the reference's gradient
     clipping, each differ from one process beyond the tolerance (in losses and in the weights'
     updates); from another seed, its initial weights differ; the same layout on the same data
-    does not."""
+    does not. In fp32, the doc_mask case of that layout run without the mask (attention across
+    its short documents) differs from its reference in the same way."""
     from conftest import write_corpus
 
     work = tmp_path_factory.mktemp(f"detect-{precision}")
@@ -156,13 +206,17 @@ def test_parity_check_fails_on_other_data_and_without_clipping(tmp_path_factory,
     case = make_case({"dp": "zero3", "tp": "none", "pp": "none", "embeddings": "untied",
                       "precision": precision, "recompute": "none", "accumulation": "many", "cp": "none"})
     same = case_overrides(case, refs)
+    masked = make_case({**dict(case.choices), "attention": "doc_mask"})
     spec = {"same": same, "other-data": {**same, "data.corpus": str(write_corpus(work / "other", seed=1))},
             "no-clip": {**same, "train.grad_clip": 0.0}, "other-init": {**same, "train.seed": 1}}
+    if precision == "fp32":
+        spec["no-mask"] = {**case_overrides(masked, refs), "data.doc_mask": False}
     proc = launch(2, spec, work / "runs")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    found = {name: verdict(case, load_result(work / "runs", name), "", refs) for name in spec}
+    found = {name: verdict(masked if name == "no-mask" else case, load_result(work / "runs", name), "", refs)
+             for name in spec}
     assert found["same"]["status"] == "passed", found["same"]["problems"]
-    for name in ("other-data", "no-clip"):
+    for name in ("other-data", "no-clip") + (("no-mask",) if precision == "fp32" else ()):
         rec = found[name]
         assert rec["status"] == "failed", name
         assert any("loss" in p for p in rec["problems"]), (name, rec["problems"])

@@ -16,14 +16,19 @@ Axes and choices (degree 2 on each parallel axis, so the world is 1, 2, 4 or 8 p
 | cp | none, cp (2: each sequence split over 2 ranks, ring attention) |
 | model | dense (`tiny`), moe (`tiny-moe`: 8 experts of ffn 32, top-2, the auxiliary loss) |
 | ep | none, ep (the experts sharded over every data- and context-parallel rank, ep = dp x cp) |
+| attention | causal, doc_mask (data.doc_mask), doc_restart (doc_mask, RoPE positions restarted per document) |
 
 The model is the `tiny` preset (or `tiny-moe`) widened to 4 layers, 8 query and 4 KV heads, so every
-schedule gets at least one layer per stage. Everything here is arithmetic on configurations: no torch.
+schedule gets at least one layer per stage. A doc_mask or doc_restart case, and its one-process
+reference, read a corpus of short documents (`gridtrain.parity.sweep.write_short_documents`: 4 to
+12 bytes each, so every 32-token sequence crosses at least two ends of documents); the others the
+matrix's corpus. Everything here is arithmetic on configurations: no torch.
 """
 
 from __future__ import annotations
 
 import functools
+import heapq
 import itertools
 import zlib
 from dataclasses import dataclass, field
@@ -70,15 +75,22 @@ MODEL_CHOICES: dict[str, dict[str, object]] = {"dense": {}, "moe": {"model.prese
 EP_CHOICES = ("none", "ep")
 """ep: the routed experts sharded over every data- and context-parallel rank (ep = dp x cp: EP 2 beside
 DDP, ZeRO-2 or FSDP 2, or beside CP 2; EP 4 beside HSDP 2 x 2 or beside CP)."""
-NEW_AXES_DEFAULT = ("dense", "none")
-"""The model and ep choices of every case before those axes existed: left out of a case's name, so
-the names (and a sweep's verdicts) of the dense cases stay what they were."""
+ATTENTION_CHOICES: dict[str, dict[str, object]] = {
+    "causal": {},
+    "doc_mask": {"data.doc_mask": True},
+    "doc_restart": {"data.doc_mask": True, "data.doc_positions": "restart"},
+}
+NEW_AXES_DEFAULT: dict[tuple[str, ...], tuple[str, ...]] = {("model", "ep"): ("dense", "none"),
+                                                             ("attention",): ("causal",)}
+"""The choices of every case on the axes added later, before they existed: a group at these is left
+out of a case's name, so the names (and a sweep's verdicts) of the earlier cases stay what they were."""
+NEW_AXES = tuple(axis for group in NEW_AXES_DEFAULT for axis in group)
 
 AXES: dict[str, tuple[str, ...]] = {
     "dp": tuple(DP_CHOICES), "tp": tuple(TP_CHOICES), "pp": tuple(PP_CHOICES),
     "embeddings": tuple(EMBEDDING_CHOICES), "precision": tuple(PRECISION_CHOICES),
     "recompute": tuple(RECOMPUTE_CHOICES), "accumulation": ACCUMULATION_CHOICES, "cp": tuple(CP_CHOICES),
-    "model": tuple(MODEL_CHOICES), "ep": EP_CHOICES,
+    "model": tuple(MODEL_CHOICES), "ep": EP_CHOICES, "attention": tuple(ATTENTION_CHOICES),
 }
 
 
@@ -105,9 +117,12 @@ class Case:
 
     @property
     def name(self) -> str:
-        base = [choice for axis, choice in self.choices if axis not in ("model", "ep")]
-        new = tuple(choice for axis, choice in self.choices if axis in ("model", "ep"))
-        return ".".join(base + ([] if new in (NEW_AXES_DEFAULT, ()) else list(new)))
+        chosen = dict(self.choices)
+        parts = [choice for axis, choice in self.choices if axis not in NEW_AXES]
+        for group, default in NEW_AXES_DEFAULT.items():
+            new = tuple(chosen.get(axis, d) for axis, d in zip(group, default))
+            parts += [] if new == default else list(new)
+        return ".".join(parts)
 
     @property
     def accepted(self) -> bool:
@@ -121,13 +136,17 @@ class Case:
         return set(itertools.combinations(self.choices, 2))
 
 
+_DEFAULTS = {axis: d for group, default in NEW_AXES_DEFAULT.items() for axis, d in zip(group, default)}
+
+
 def layout_overrides(choices: dict[str, str]) -> dict[str, object]:
     """The config keys of one choice per axis (without the shared base)."""
     out: dict[str, object] = {}
     for table, axis in ((DP_CHOICES, "dp"), (TP_CHOICES, "tp"), (PP_CHOICES, "pp"),
                         (EMBEDDING_CHOICES, "embeddings"), (PRECISION_CHOICES, "precision"),
-                        (RECOMPUTE_CHOICES, "recompute"), (CP_CHOICES, "cp"), (MODEL_CHOICES, "model")):
-        out.update(table[choices.get(axis, "dense")])
+                        (RECOMPUTE_CHOICES, "recompute"), (CP_CHOICES, "cp"), (MODEL_CHOICES, "model"),
+                        (ATTENTION_CHOICES, "attention")):
+        out.update(table[choices.get(axis, _DEFAULTS.get(axis, ""))])
     dp = out.get("parallel.dp_replicate", 1) * out.get("parallel.dp_shard", 1)
     if choices.get("ep", "none") == "ep":  # over no data- or context-parallel rank: 2, which validate refuses
         out["parallel.ep"] = max(2, dp * int(out.get("parallel.cp", 1)))
@@ -150,7 +169,7 @@ def make_case(choices: dict[str, str], max_world: int = 8) -> Case:
     """The case for one choice per axis, with validate's verdict at its world size."""
     overrides = layout_overrides(choices)
     world = world_of(overrides)
-    choices = {**dict(zip(("model", "ep"), NEW_AXES_DEFAULT)), **choices}  # a dense case may leave them out
+    choices = {**_DEFAULTS, **choices}  # an earlier case may leave the later axes out
     ordered = tuple((axis, choices[axis]) for axis in AXES)
     if world > max_world:
         return Case(ordered, world, overrides, f"needs {world} processes, more than {max_world}")
@@ -164,12 +183,17 @@ def make_case(choices: dict[str, str], max_world: int = 8) -> Case:
 
 def all_cases(max_world: int = 8) -> list[Case]:
     """Every combination of the axes' choices, each accepted or refused."""
-    return [make_case(dict(zip(AXES, combo)), max_world) for combo in itertools.product(*AXES.values())]
+    return list(_all_cases(max_world))
+
+
+@functools.cache
+def _all_cases(max_world: int) -> tuple[Case, ...]:  # validated once per process: about 2 s per 10,000
+    return tuple(make_case(dict(zip(AXES, combo)), max_world) for combo in itertools.product(*AXES.values()))
 
 
 @functools.cache
 def _accepted(max_world: int = 8) -> tuple[Case, ...]:
-    return tuple(c for c in all_cases(max_world) if c.accepted)
+    return tuple(c for c in _all_cases(max_world) if c.accepted)
 
 
 RESUME_MAX_WORLD = 4
@@ -182,32 +206,53 @@ minutes and its resumption under ZeRO-3 x TP 2 x CP 2 more than 17."""
 def resume_layout(case: Case, max_world: int | None = None) -> Case | None:
     """The layout the case's checkpoint resumes under for its second leg: drawn deterministically
     (a CRC of the case's name) from one process (None) and every other accepted layout of the same
-    world size with the case's precision, embeddings and micro-batch (so that the one-process
-    reference's next step is this step's too); for worlds past `max_world`, one process. One
-    process is left out only where it is the case's own layout."""
+    world size with the case's precision, embeddings, model, attention and micro-batch (so that
+    the one-process reference's next step is this step's too); for worlds past `max_world`, one
+    process. One process is left out only where it is the case's own layout."""
     options: list[Case | None] = [] if case.world == 1 and case.choice("recompute") == "none" else [None]
     if case.world > (RESUME_MAX_WORLD if max_world is None else max_world):
         return None
-    options += sorted((c for c in _accepted() if c.world == case.world and c.name != case.name
-                       and all(c.choice(a) == case.choice(a) for a in ("precision", "embeddings", "model"))
-                       and c.overrides["train.micro_batch"] == case.overrides["train.micro_batch"]),
-                      key=lambda c: c.name)
+    options += [c for c in _runs().get(_run_of(case), ()) if c.name != case.name]
     return options[zlib.crc32(case.name.encode()) % len(options)] if options else None
+
+
+def _run_of(case: Case) -> tuple[object, ...]:
+    """What a layout the case resumes under must share with it: its world, precision, embeddings,
+    model, attention and micro-batch."""
+    return (case.world, *(case.choice(a) for a in ("precision", "embeddings", "model", "attention")),
+            case.overrides["train.micro_batch"])
+
+
+@functools.cache
+def _runs() -> dict[tuple[object, ...], tuple[Case, ...]]:
+    """The accepted cases by `_run_of`, each run's by name."""
+    runs: dict[tuple[object, ...], list[Case]] = {}
+    for c in _accepted():
+        runs.setdefault(_run_of(c), []).append(c)
+    return {run: tuple(sorted(cases, key=lambda c: c.name)) for run, cases in runs.items()}
 
 
 def pairwise(cases: list[Case], required: tuple[str, ...] = ()) -> list[Case]:
     """A deterministic subset of the accepted cases that covers every pair of choices (on two
     different axes) that any accepted case covers: the `required` cases first, then greedily the
     case adding the most uncovered pairs per process it starts (ties: smaller world, then name).
+    Lazily: a case's gain only falls as pairs get covered, so one whose gain, counted again, still
+    leads every other's last count (ties to the earlier) is the one a full scan would pick.
     """
     accepted = [c for c in cases if c.accepted]
     by_name = {c.name: c for c in accepted}
     chosen = [by_name[name] for name in required]
     uncovered = set().union(*(c.pairs() for c in accepted)) - set().union(set(), *(c.pairs() for c in chosen))
     pool = sorted((c for c in accepted if c.name not in required), key=lambda c: (c.world, c.name))
+    pairs = [c.pairs() for c in pool]
+    heap = [(-len(p & uncovered) / c.world, i) for i, (c, p) in enumerate(zip(pool, pairs))]
+    heapq.heapify(heap)
     while uncovered:
-        best = max(pool, key=lambda c: len(c.pairs() & uncovered) / c.world)
-        chosen.append(best)
-        uncovered -= best.pairs()
-        pool.remove(best)
+        _, i = heapq.heappop(heap)
+        gain = -len(pairs[i] & uncovered) / pool[i].world
+        if heap and (gain, i) > heap[0]:  # another may gain more now: count it again first
+            heapq.heappush(heap, (gain, i))
+            continue
+        chosen.append(pool[i])
+        uncovered -= pairs[i]
     return chosen

@@ -11,9 +11,12 @@ case that then ran keeps the first death in its line (`retried`), so a flaky lau
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import random
 import re
+import string
 import shutil
 import tempfile
 from pathlib import Path
@@ -25,19 +28,46 @@ from gridtrain.parity.matrix import GLOBAL_BATCH, STEPS, Case, base_overrides, r
 from gridtrain.parity.run import LEG, Result, launch, load_result, resume_in_one_process, run_reference
 
 
+SHORT_DOCUMENTS = 30_000
+"""Documents of the doc_mask cases' corpus (about 270,000 tokens): enough that its validation split
+(data.val_fraction's 0.5%, about 1,300 tokens) fills the 4 validation micro-batches of 8
+sequences that a case of one process reads."""
+
+
+def write_short_documents(folder: Path, count: int = SHORT_DOCUMENTS, seed: int = 0) -> Path:
+    """JSON lines of `count` documents of 4 to 12 lowercase letters (one byte token each, and the
+    end-of-document token): any 13 tokens in a row hold an end of a document, so every 32-token
+    sequence crosses at least two, and attention kept inside documents (data.doc_mask) differs
+    from causal attention in every sequence. Deterministic in `seed`; the
+    file is named by its content's hash, since the prepared-token cache is keyed by the path."""
+    rng = random.Random(seed)
+    lines = [json.dumps({"text": "".join(rng.choices(string.ascii_lowercase, k=rng.randint(4, 12)))})
+             for _ in range(count)]
+    text = "\n".join(lines) + "\n"
+    path = folder / f"short-documents-{hashlib.sha256(text.encode()).hexdigest()[:12]}.jsonl"
+    if not path.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return path
+
+
 class References:
-    """The one-process runs the cases are compared with, one per model, precision, micro-batch size
-    and embedding choice (no recomputation in the reference: recomputation must
-    not change the numbers either), each with the second leg's validation and last step."""
+    """The one-process runs the cases are compared with, one per model, precision, micro-batch size,
+    embedding and attention choice (no recomputation in the reference: recomputation must
+    not change the numbers either), each with the second leg's validation and last step. A case
+    with data.doc_mask and its reference read the short documents (`write_short_documents`, in
+    `work`), every other case `corpus`."""
 
     def __init__(self, corpus: Path, cache_dir: Path, work: Path) -> None:
         self.corpus, self.cache_dir, self.work = corpus, cache_dir, work
         self._runs: dict[tuple, Result] = {}
+        self._documents: Path | None = None
 
     @staticmethod
     def key(overrides: dict[str, object]) -> tuple:
         return (overrides["model.preset"], overrides["train.precision"], overrides["train.micro_batch"],
-                overrides["model.tie_embeddings"], overrides["train.steps"], LEG in overrides)
+                overrides["model.tie_embeddings"], overrides["train.steps"], LEG in overrides,
+                bool(overrides.get("data.doc_mask", False)), overrides.get("data.doc_positions", "continue"))
 
     def get(self, overrides: dict[str, object]) -> Result:
         """The reference of a case; with the second leg's validation and last step where the case
@@ -46,12 +76,17 @@ class References:
         if key not in self._runs:
             one = {k: v for k, v in overrides.items()
                    if not k.startswith("parallel.") and k not in ("train.recompute", LEG)}
-            one.update(self.data_overrides(), run_dir=str(self.work / f"reference-{len(self._runs)}"))
+            one.update(self.data_overrides(one), run_dir=str(self.work / f"reference-{len(self._runs)}"))
             self._runs[key] = run_reference(one, leg=LEG in overrides)
         return self._runs[key]
 
-    def data_overrides(self) -> dict[str, object]:
-        return {"data.corpus": str(self.corpus), "data.cache_dir": str(self.cache_dir)}
+    def data_overrides(self, overrides: dict[str, object] | None = None) -> dict[str, object]:
+        """The corpus a case of these overrides reads, and the cache of its prepared tokens."""
+        masked = bool((overrides or {}).get("data.doc_mask", False))
+        if masked and self._documents is None:
+            self._documents = write_short_documents(self.work)
+        corpus = self._documents if masked else self.corpus
+        return {"data.corpus": str(corpus), "data.cache_dir": str(self.cache_dir)}
 
 
 VAL_BATCHES = 4
@@ -68,7 +103,7 @@ def case_overrides(case: Case, refs: References) -> dict[str, object]:
     None: one process)."""
     other = resume_layout(case)
     resume = None if other is None else {**other.overrides, "train.recompute": other.choice("recompute")}
-    return {**base_overrides(), **case.overrides, **refs.data_overrides(), **LEG_OVERRIDES, LEG: resume}
+    return {**base_overrides(), **case.overrides, **refs.data_overrides(case.overrides), **LEG_OVERRIDES, LEG: resume}
 
 
 def verdict(case: Case, result: Result | None, error: str, refs: References) -> dict[str, object]:
