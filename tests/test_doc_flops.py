@@ -84,6 +84,17 @@ def test_prepared_span_equals_the_models_documents(tmp_path):
     squares = sum(int((torch.bincount(row) ** 2).sum()) for row in ids)
     assert prepared_span(out, seq) == pytest.approx(squares / (count * seq), rel=1e-12)
     assert prepared_span(out, seq) < seq
+    from gridtrain.data.stats import span_lines
+
+    line, = span_lines(out)  # what `gridtrain data stats` prints of it
+    assert f"1,024: {prepared_span(out, 1024):,.1f} ({prepared_span(out, 1024) / 1024:.3f} of causal)" in line
+
+
+def test_a_mixture_weighs_its_sources_spans():
+    # Three samples of the first source for one of the second, T tokens each: (3 x 100 + 400) / 4.
+    from gridtrain.data.doc_span import mixture_span
+
+    assert mixture_span([100.0, 400.0], [3.0, 1.0]) == 175.0
 
 
 def test_layer_cost_counts_the_span():

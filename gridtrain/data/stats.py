@@ -37,7 +37,25 @@ def summary_lines(prepared_dir: Path) -> list[str]:
     p50, p90, p99 = np.percentile(lengths, [50, 90, 99])
     lines.append(f"document length in tokens (eos included): mean {lengths.mean():,.1f}, min {lengths.min():,}, "
                  f"median {p50:,.0f}, p90 {p90:,.0f}, p99 {p99:,.0f}, max {lengths.max():,}")
-    return lines
+    return lines + span_lines(prepared_dir)
+
+
+SPAN_SEQ_LENS = (1024, 2048, 4096, 8192)
+"""Sequence lengths at which `data stats` prints the attention span under data.doc_mask."""
+
+
+def span_lines(prepared_dir: Path) -> list[str]:
+    """The attention span under data.doc_mask (data/doc_span.py) of the training split at a few
+    sequence lengths: what `gridtrain plan --doc-len DIR` counts."""
+    from gridtrain.data.doc_span import store_span
+
+    store = TokenStore(prepared_dir, "train")
+    found = {t: store_span(store, t) for t in SPAN_SEQ_LENS if store.num_tokens > t}
+    spans = [f"{t:,}: {span:,.1f} ({span / t:.3f} of causal)" for t, span in found.items()]
+    if not spans:
+        return []
+    return [f"with data.doc_mask, keys per query (sum L_i^2 / T over each sequence's documents) at seq "
+            f"{'; '.join(spans)}: `gridtrain plan --doc-len {prepared_dir}` plans with them"]
 
 
 def source_lines(index: dict[str, Any]) -> list[str]:
