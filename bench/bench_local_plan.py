@@ -16,10 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -28,6 +30,9 @@ from gridtrain.plan.layout import Layout  # noqa: E402
 from gridtrain.plan.runnable import train_command  # noqa: E402
 
 MODEL, SEQ, BATCH = "small", 256, 16
+QUIET_SHARE = 0.8
+"""Below this share of the cores a run could use (CPU time of its processes over wall time), other
+processes took the machine during it and its step time says nothing about the plan."""
 
 
 def plan(world: int, rows: int) -> list[dict]:
@@ -52,20 +57,25 @@ def label(layout: dict) -> str:
     return ", ".join(parts)
 
 
-def measure(layout: dict, world: int, steps: int, tmp: Path) -> float:
+def measure(layout: dict, world: int, steps: int, tmp: Path) -> tuple[float, float]:
+    """The run's median step in seconds, and the share of the machine's cores (up to its ranks and
+    the launcher) that its processes got: well below 1, other processes were busy beside it."""
     lay = Layout(**{k: v for k, v in layout.items() if k != "dp"})
     words = train_command((("model.preset", MODEL),), BATCH, "bf16", lay, world).split()
     run_dir = tmp / f"run{len(list(tmp.iterdir()))}"
     cmd = [sys.executable, "-m", "gridtrain", *words[1:], "--run_dir", str(run_dir), "--train.steps", str(steps),
            "--train.warmup_steps", "1", "--train.val_every", "0", "--metrics.account_every", "0",
            "--metrics.tensorboard", "false", "--checkpoint.interval", "0", "--checkpoint.final", "false"]
+    before, start = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    after, wall = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter() - start
     if done.returncode:
         print(f"{' '.join(cmd)}\nexited {done.returncode}:\n{done.stderr[-3000:]}", file=sys.stderr)
-        return float("nan")
+        return float("nan"), 0.0
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     tput = [r["throughput/tokens_per_s"] for r in records if "throughput/tokens_per_s" in r][2:]
-    return BATCH * SEQ / statistics.median(tput)
+    cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    return BATCH * SEQ / statistics.median(tput), cpu / (wall * min(world + 1, os.cpu_count() or 1))
 
 
 def main() -> int:
@@ -75,27 +85,33 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--json", help="write the rows here too")
     args = ap.parse_args()
-    results, ok = [], True
+    results, ok, busy = [], True, False
     with tempfile.TemporaryDirectory() as tmp:
         for world in args.worlds:
             rows = plan(world, args.rows)
-            measured = [measure(r["layout"], world, args.steps, Path(tmp)) for r in rows]
+            runs = [measure(r["layout"], world, args.steps, Path(tmp)) for r in rows]
+            measured, shares = [m for m, _ in runs], [c for _, c in runs]
+            busy |= min(shares) < QUIET_SHARE
             ok &= all(m == m for m in measured)  # a run that failed fails the verdict
             best = min(range(len(rows)), key=lambda i: measured[i] if measured[i] == measured[i] else float("inf"))
             print(f"\n{world} processes (`gridtrain plan --model {MODEL} --gpu local --num-gpus {world} --seq-len {SEQ} "
                   f"--global-batch {BATCH}`):")
-            print("| # | layout | predicted s | measured s | measured/predicted |")
-            print("|---|---|---|---|---|")
-            for i, (r, m) in enumerate(zip(rows, measured), 1):
+            print("| # | layout | predicted s | measured s | measured/predicted | CPU share |")
+            print("|---|---|---|---|---|---|")
+            for i, (r, m, c) in enumerate(zip(rows, measured, shares), 1):
                 ratio = m / r["step_s"]
                 ok &= abs(ratio - 1) <= 0.20
-                print(f"| {i} | {label(r['layout'])} | {r['step_s']:.3f} | {m:.3f} | {ratio:.2f} |")
+                print(f"| {i} | {label(r['layout'])} | {r['step_s']:.3f} | {m:.3f} | {ratio:.2f} | {c:.0%} |")
                 results.append({"world": world, "rank": i, "layout": r["layout"], "predicted_s": r["step_s"],
-                                "measured_s": m})
+                                "measured_s": m, "cpu_share": c})
             ok &= best < 2
             print(f"measured best: #{best + 1}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
+    if busy:
+        print(f"\nverdict: none; a run got less than {QUIET_SHARE:.0%} of the cores its processes could use "
+              "(other processes were busy beside it): run the bench again on a quiet machine")
+        return 1
     print("\nverdict:", "every prediction within 20%, measured best among the predicted first two" if ok else "MISSED")
     return 0 if ok else 1
 
