@@ -194,7 +194,7 @@ def check_step_time(run_dir: Path, calibration: dict | None = None) -> tuple[Che
         raise ValueError(f"no calibration of this machine at {threads} thread(s) per rank: run "
                          f"`gridtrain calibrate --threads {threads}`")
     machine = LocalMachine.from_calibration(calibration, cfg.train.precision,
-                                            record.cpu_count or os.cpu_count() or 1)
+                                            record.cpu_count or os.cpu_count() or 1, args, cfg.data.seq_len)
     span = run_span(cfg)
     steps = []
     for rank in range(dims.world_size):

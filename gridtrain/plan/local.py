@@ -26,11 +26,10 @@ keeps torch's default, the cores.
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 
-from gridtrain.plan.localtime import CPU_MATMUL
+from gridtrain.plan.localtime import CPU_MATMUL, attention_rate, log_interpolate, matmul_share  # noqa: F401 (the kernels' rates)
 from gridtrain.plan.machine import cached_entry, cpu_model_name
 from gridtrain.plan.specs import AcceleratorSpec, ClusterSpec
 from gridtrain.plan.steptime import Efficiency
@@ -68,43 +67,6 @@ def ram_bytes() -> float:
         return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError, AttributeError):
         return 8e9
-
-
-def log_interpolate(grid: dict[int, float], x: float) -> float:
-    """`grid` (size -> value) at `x`, linear in log size between the two sizes around it, the
-    nearest beyond them."""
-    sizes = sorted(grid)
-    if x <= sizes[0] or x >= sizes[-1]:
-        return grid[sizes[0] if x <= sizes[0] else sizes[-1]]
-    low, high = max(d for d in sizes if d <= x), min(d for d in sizes if d >= x)
-    if low == high:
-        return grid[low]
-    t = (math.log(x) - math.log(low)) / (math.log(high) - math.log(low))
-    return grid[low] + t * (grid[high] - grid[low])
-
-
-def attention_rate(entry: dict, mode: str, head_dim: int | None, seq_len: int | None = None) -> float | None:
-    """The calibrated attention rate at the model's head size and sequence length: interpolated in
-    log size over the grid calibrate timed (attention_flops_by_shape: head size x sequence); an
-    older calibration's rate by head size alone, or its one rate, without it; None without any."""
-    by_shape = entry.get("attention_flops_by_shape", {}).get(mode, {})
-    if by_shape and head_dim is not None and seq_len is not None:
-        per_dim = {int(d): log_interpolate({int(s): r for s, r in seqs.items()}, seq_len)
-                   for d, seqs in by_shape.items()}
-        return log_interpolate(per_dim, head_dim)
-    grid = {int(d): r for d, r in entry.get("attention_flops_by_head_dim", {}).get(mode, {}).items()}
-    if not grid or head_dim is None:
-        return entry.get("attention_flops", {}).get(mode)
-    return log_interpolate(grid, head_dim)
-
-
-def matmul_share(entry: dict, mode: str, dim: int | None) -> float:
-    """The fraction of the matmul peak a block's linear layers reach at the model's width (calibrate's
-    matmul_flops_by_dim, interpolated in log width); CPU_MATMUL without it."""
-    grid = {int(d): r for d, r in entry.get("matmul_flops_by_dim", {}).get(mode, {}).items()}
-    if not grid or dim is None:
-        return CPU_MATMUL
-    return min(1.0, log_interpolate(grid, dim) / entry["peak_flops"][mode])
 
 
 def local_machine(ranks: int, precision: str, entry: dict | None = None, cores: int | None = None,

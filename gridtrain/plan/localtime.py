@@ -30,6 +30,7 @@ count of collectives per step is not modelled), and collectives whose bytes are 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from gridtrain.config import Config
@@ -43,6 +44,43 @@ CPU_MATMUL = 0.85
 ADAMW_BYTES = 28
 
 
+def log_interpolate(grid: dict[int, float], x: float) -> float:
+    """`grid` (size -> value) at `x`, linear in log size between the two sizes around it, the
+    nearest beyond them."""
+    sizes = sorted(grid)
+    if x <= sizes[0] or x >= sizes[-1]:
+        return grid[sizes[0] if x <= sizes[0] else sizes[-1]]
+    low, high = max(d for d in sizes if d <= x), min(d for d in sizes if d >= x)
+    if low == high:
+        return grid[low]
+    t = (math.log(x) - math.log(low)) / (math.log(high) - math.log(low))
+    return grid[low] + t * (grid[high] - grid[low])
+
+
+def attention_rate(entry: dict, mode: str, head_dim: int | None, seq_len: int | None = None) -> float | None:
+    """The calibrated attention rate at the model's head size and sequence length: interpolated in
+    log size over the grid calibrate timed (attention_flops_by_shape: head size x sequence); an
+    older calibration's rate by head size alone, or its one rate, without it; None without any."""
+    by_shape = entry.get("attention_flops_by_shape", {}).get(mode, {})
+    if by_shape and head_dim is not None and seq_len is not None:
+        per_dim = {int(d): log_interpolate({int(s): r for s, r in seqs.items()}, seq_len)
+                   for d, seqs in by_shape.items()}
+        return log_interpolate(per_dim, head_dim)
+    grid = {int(d): r for d, r in entry.get("attention_flops_by_head_dim", {}).get(mode, {}).items()}
+    if not grid or head_dim is None:
+        return entry.get("attention_flops", {}).get(mode)
+    return log_interpolate(grid, head_dim)
+
+
+def matmul_share(entry: dict, mode: str, dim: int | None) -> float:
+    """The fraction of the matmul peak a block's linear layers reach at the model's width (calibrate's
+    matmul_flops_by_dim, interpolated in log width); CPU_MATMUL without it."""
+    grid = {int(d): r for d, r in entry.get("matmul_flops_by_dim", {}).get(mode, {}).items()}
+    if not grid or dim is None:
+        return CPU_MATMUL
+    return min(1.0, log_interpolate(grid, dim) / entry["peak_flops"][mode])
+
+
 @dataclass(frozen=True)
 class LocalMachine:
     matmul_flops: float
@@ -50,12 +88,21 @@ class LocalMachine:
     memory_bytes_per_s: float
     gloo_bytes_per_s: float
     cores: int
+    matmul_share: float = CPU_MATMUL
+    """The share of the peak a block's linear layers reach at the model's width (calibrate_kernels)."""
+    elementwise_share: float = 1.0
+    """The share of the memory bandwidth the elementwise work reaches (calibrate_kernels)."""
 
     @classmethod
-    def from_calibration(cls, entry: dict, precision: str, cores: int) -> LocalMachine:
+    def from_calibration(cls, entry: dict, precision: str, cores: int, args: ModelArgs | None = None,
+                         seq_len: int | None = None) -> LocalMachine:
+        """The calibrated rates, at the shape of model `args` at `seq_len` where the calibration has
+        them by shape (plan/local.py: attention by head size and sequence, matmuls by width)."""
         peak = entry["peak_flops"][precision]
-        return cls(peak, entry.get("attention_flops", {}).get(precision, peak), entry["memory_bytes_per_s"],
-                   entry["gloo_bytes_per_s"], cores)
+        head_dim, dim = (args.head_dim, args.dim) if args is not None else (None, None)
+        attention = attention_rate(entry, precision, head_dim, seq_len) or peak
+        return cls(peak, attention, entry["memory_bytes_per_s"], entry["gloo_bytes_per_s"], cores,
+                   matmul_share(entry, precision, dim), entry.get("elementwise_share", {}).get(precision, 1.0))
 
 
 @dataclass(frozen=True)
@@ -83,8 +130,8 @@ def microbatch_seconds(args: ModelArgs, dims: ParallelDims, cfg: Config, machine
     matmul = factor * tokens * (layers * block_matmul + (args.vocab_size * h if last else 0)) / dims.tp
     keys = seq if span is None else span
     attention = (4 if recompute == "full" else 3) * 4 * tokens * keys * h * layers / dims.tp
-    return (matmul / (machine.matmul_flops * CPU_MATMUL) + attention / machine.attention_flops
-            + activation_bytes * HBM_PASSES / machine.memory_bytes_per_s)
+    return (matmul / (machine.matmul_flops * machine.matmul_share) + attention / machine.attention_flops
+            + activation_bytes * HBM_PASSES / (machine.memory_bytes_per_s * machine.elementwise_share))
 
 
 def axis_size(dims: ParallelDims, axis: str) -> int:
