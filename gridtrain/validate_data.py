@@ -62,7 +62,8 @@ def _check_source(cfg: Config, key: str, corpus: str | None) -> list[str]:
             prepared_with = manifest.get("tokenizer")  # every prepare writes it; a hand-made index may not
         except (UserError, ValueError, KeyError, TypeError, OverflowError) as err:
             return [f"{label} has an unreadable index.json ({err}): prepare it again with `gridtrain data prepare`"]
-        bad = None if prepared_with is None else tokenizer_mismatch(label, d.tokenizer, str(prepared_with), vocab)
+        bad = None if prepared_with is None else tokenizer_mismatch(label, d.tokenizer, str(prepared_with), vocab,
+                                                                    trained_bpe(d.tokenizer, manifest, d.cache_dir))
         if bad:
             return [bad]
     else:
@@ -81,26 +82,39 @@ def _check_source(cfg: Config, key: str, corpus: str | None) -> list[str]:
     return []
 
 
-def tokenizer_mismatch(label: str, spec: str, prepared_with: str, vocab: int) -> str | None:
+def trained_bpe(spec: str, manifest: dict, cache_dir: str) -> Path | None:
+    """For a 'bpe:N' spec, the BPE of N trained on the prepared corpus's source, where the data cache
+    keeps it (what samples and evaluation will load), if it is there."""
+    if not spec.startswith("bpe:") or not spec[4:].isdigit() or not isinstance(manifest.get("source"), str):
+        return None
+    from gridtrain.data.tokenizer import trained_bpe_path
+
+    path = trained_bpe_path(Path(manifest["source"]), int(spec[4:]), Path(cache_dir).expanduser())
+    return path if path.is_file() else None
+
+
+def tokenizer_mismatch(label: str, spec: str, prepared_with: str, vocab: int, trained: Path | None = None) -> str | None:
     """Why data.tokenizer is not the tokenizer a prepared corpus was tokenized with (its index.json's
     name: 'byte', or 'bpe-VOCAB-DIGEST' of the tokenizer.json's content), or None. Samples and
     evaluation decode with data.tokenizer, so another one would read the run's tokens as other text.
-    A 'bpe:N' spec is held to the vocabulary only (its trained file lies in the data cache)."""
+    A 'bpe:N' spec is held to the BPE the data cache keeps for the corpus's source (`trained`), or
+    where it keeps none (it would be trained again on that source), to the vocabulary."""
     if spec == "byte":
         same = prepared_with == "byte"
-    elif spec.startswith("bpe:"):
+    elif spec.startswith("bpe:") and trained is None:
         same = prepared_with.startswith(f"bpe-{spec[4:]}-")
     else:
         from gridtrain.data.tokenizer import BPETokenizer
 
         try:
-            same = BPETokenizer.load(spec).name == prepared_with
+            same = BPETokenizer.load(trained or spec).name == prepared_with
         except UserError as err:
             return str(err)
     if same:
         return None
+    kept = f" (the data cache's {trained})" if trained else ""
     return (f"{label} was prepared with the tokenizer {prepared_with} (vocabulary {vocab:,}), not data.tokenizer "
-            f"'{spec}', which would decode its tokens as other text in samples and evaluation: set data.tokenizer "
+            f"'{spec}'{kept}, which would decode its tokens as other text in samples and evaluation: set data.tokenizer "
             "to what `gridtrain data prepare --tokenizer` was given, or prepare the corpus again with this one")
 
 

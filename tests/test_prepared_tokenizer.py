@@ -63,3 +63,28 @@ def test_a_mixture_source_is_held_to_it_too(folders, make_config, tmp_path):
     problems = _problems(make_config, tmp_path, **{"data.mix": mix, "data.corpus": None})
     assert any(f"data.mix source '{folders['one']}' was prepared with" in p for p in problems)
     assert not any(str(folders["byte"]) in p for p in problems)
+
+
+def test_a_bpe_prepared_folder_samples_with_the_bpe_that_prepared_it(tmp_path, make_config):
+    """`data prepare --tokenizer bpe:300` trains its BPE on the source and keeps it in the cache;
+    a run on the prepared folder with data.tokenizer = 'bpe:300' passes, and its samples and
+    evaluations load that BPE (they used to train another one on the prepared folder's own files)."""
+    from gridtrain.cli import main
+    from gridtrain.train.inference import run_tokenizer
+
+    corpus, cache, out = tmp_path / "corpus", tmp_path / "cache", tmp_path / "prepared"
+    corpus.mkdir()
+    for i in range(40):
+        (corpus / f"d{i}.txt").write_text(f"def f{i}(x):\n    return x * {i} + 1\n" * 4)
+    assert main(["data", "prepare", str(corpus), "--tokenizer", "bpe:300", "--out", str(out),
+                 "--cache-dir", str(cache), "--workers", "1"]) == 0
+    keys = {"data.corpus": str(out), "data.tokenizer": "bpe:300", "data.cache_dir": str(cache)}
+    assert _problems(make_config, tmp_path, **keys) == []
+    assert run_tokenizer(make_config(tmp_path, **keys)).name == load_index(out)["tokenizer"]
+    # Another BPE of 300 kept under the source's name: refused, naming the cached file.
+    (other := tmp_path / "other").mkdir()
+    (other / "a.txt").write_text("lorem ipsum dolor sit amet " * 50)
+    trained = next(cache.glob("tokenizer-bpe300-*.json"))
+    BPETokenizer.train([(other / "a.txt").read_text()], 300, save_path=trained)
+    problems = _problems(make_config, tmp_path, **keys)
+    assert len(problems) == 1 and f"not data.tokenizer 'bpe:300' (the data cache's {trained})" in problems[0]

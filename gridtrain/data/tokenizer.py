@@ -181,6 +181,12 @@ def build_tokenizer(spec: str, corpus: str | Path | None = None,
                      "of vocab N on the corpus) or a path to a tokenizer.json")
 
 
+def trained_bpe_path(source: Path, vocab_size: int, cache_dir: Path) -> Path:
+    """Where `bpe:N` trained on `source` (resolved) is kept in `cache_dir`."""
+    key = hashlib.sha256(f"{source}\0{vocab_size}".encode()).hexdigest()[:12]
+    return cache_dir / f"tokenizer-bpe{vocab_size}-{key}.json"
+
+
 def _build_trained_bpe(spec: str, corpus: str | Path | None,
                        cache_dir: Path | None) -> BPETokenizer:
     from gridtrain.data.corpus import default_corpus, iter_documents
@@ -195,8 +201,7 @@ def _build_trained_bpe(spec: str, corpus: str | Path | None,
         logger.info("training BPE (vocab %d) on %s without a cache_dir: it will not be reused",
                     vocab_size, source)
         return BPETokenizer.train(iter_documents(source), vocab_size)
-    key = hashlib.sha256(f"{source}\0{vocab_size}".encode()).hexdigest()[:12]
-    path = Path(cache_dir) / f"tokenizer-bpe{vocab_size}-{key}.json"
+    path = trained_bpe_path(source, vocab_size, Path(cache_dir))
     if path.is_file():
         return BPETokenizer.load(path)
     logger.info("training BPE (vocab %d) on %s -> %s", vocab_size, source, path)

@@ -38,8 +38,11 @@ class LoadedRun:
 def run_tokenizer(cfg: Config) -> Tokenizer:
     """The tokenizer the run trained with (a trained BPE comes from the data cache)."""
     from gridtrain.data.corpus import default_corpus
+    from gridtrain.data.shards import INDEX_FILE, load_index
 
     corpus = Path(cfg.data.corpus).resolve() if cfg.data.corpus else default_corpus()
+    if (corpus / INDEX_FILE).is_file():  # a prepared folder: a bpe:N was trained on the source it names
+        corpus = Path(load_index(corpus)["source"])
     return build_tokenizer(cfg.data.tokenizer, corpus=corpus, cache_dir=Path(cfg.data.cache_dir).expanduser())
 
 
