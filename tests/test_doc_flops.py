@@ -141,3 +141,24 @@ def test_plan_doc_len_refusals(value, says):
 def test_plan_doc_len_of_a_folder_that_is_not_prepared(tmp_path):
     rc, _, err = _plan(["--model", "llama3-8b", "--num-gpus", "8", "--doc-len", str(tmp_path)])
     assert rc == 2 and "is not a prepared data directory" in err and err.count("\n") == 1
+
+
+def test_the_explorer_asks_and_answers_with_a_document_length(tmp_path):
+    """The page's document length becomes --doc-len (a number only: a request names no folder), and
+    a doc_mask run opens the explorer with its measured span's whole tokens."""
+    from gridtrain.config_load import load_config
+    from gridtrain.data.shards import prepare
+    from gridtrain.data.tokenizer import ByteTokenizer
+    from gridtrain.explore.api import BadRequest, plan_args
+    from gridtrain.explore.runs import doc_len_state
+
+    args = plan_args({"model": "llama3-8b", "num_gpus": 8, "doc_len": 2048})
+    assert args[args.index("--doc-len") + 1] == "2048"
+    with pytest.raises(BadRequest, match="doc_len: expected a number"):
+        plan_args({"model": "llama3-8b", "num_gpus": 8, "doc_len": "/etc"})
+    out = prepare(_byte_corpus(tmp_path / "c", [40, 7, 90, 3] * 60), ByteTokenizer(), tmp_path / "p", val_fraction=0.05)
+    keys = {"model.preset": "tiny", "data.corpus": str(out), "data.seq_len": "64"}
+    assert doc_len_state(load_config(None, keys)) == {}
+    assert doc_len_state(load_config(None, keys | {"data.doc_mask": "true"})) == {"doc_len": round(prepared_span(out, 64))}
+    gone = load_config(None, keys | {"data.doc_mask": "true", "data.corpus": str(tmp_path / "c")})
+    assert doc_len_state(gone) == {}  # not prepared in its cache: nothing to measure
