@@ -50,6 +50,19 @@ def test_equal_documents_cut_at_the_sequence_end():
         span_of_documents([4, 0])
 
 
+def test_a_span_as_one_document_length():
+    # 415.2 keys of 1,024 as one document length: L = 415 gives (2 x 415^2 + 194^2) / 1,024 =
+    # 382,086 / 1,024 = 373.1 (the cut third document lowers it); L = 453: (2 x 453^2 + 118^2) / 1,024
+    # = 424,342 / 1,024 = 414.4; L = 454: (2 x 454^2 + 116^2) / 1,024 = 425,688 / 1,024 = 415.7, the first.
+    from gridtrain.plan.documents import doc_len_for_span
+
+    assert equal_documents_span(1024, 415) == 382_086 / 1024
+    assert equal_documents_span(1024, 454) == 425_688 / 1024
+    assert doc_len_for_span(1024, 415.2) == 454
+    assert all(equal_documents_span(1024, n) < 415.2 for n in range(1, 454))
+    assert doc_len_for_span(8192, 2048.0) == 2048 and doc_len_for_span(1024, 1024.0) == 1024
+
+
 def test_window_span_by_hand():
     # Documents start at 0, 3, 10 in a stream of 17 tokens, T = 8: windows (17 - 1) // 8 = 2,
     # [0, 8) cut at 3 -> 3 + 5, [8, 16) cut at 10 -> 2 + 6; (9 + 25 + 4 + 36) / 16 = 74 / 16.
@@ -159,6 +172,8 @@ def test_the_explorer_asks_and_answers_with_a_document_length(tmp_path):
     out = prepare(_byte_corpus(tmp_path / "c", [40, 7, 90, 3] * 60), ByteTokenizer(), tmp_path / "p", val_fraction=0.05)
     keys = {"model.preset": "tiny", "data.corpus": str(out), "data.seq_len": "64"}
     assert doc_len_state(load_config(None, keys)) == {}
-    assert doc_len_state(load_config(None, keys | {"data.doc_mask": "true"})) == {"doc_len": round(prepared_span(out, 64))}
+    span = prepared_span(out, 64)
+    length = doc_len_state(load_config(None, keys | {"data.doc_mask": "true"}))["doc_len"]
+    assert equal_documents_span(64, length) >= span > equal_documents_span(64, length - 1)
     gone = load_config(None, keys | {"data.doc_mask": "true", "data.corpus": str(tmp_path / "c")})
     assert doc_len_state(gone) == {}  # not prepared in its cache: nothing to measure

@@ -89,16 +89,16 @@ def plan_state(record: RunRecord) -> dict[str, object]:
 
 
 def doc_len_state(cfg: Config) -> dict[str, int]:
-    """A data.doc_mask run: the page's document length, the whole documents of its measured span
-    (documents of L tokens filling the sequence attend L keys a query; plan/documents.py); nothing
-    where the run's prepared data is not here to measure."""
+    """A data.doc_mask run: the page's document length, the one whose span reaches the run's measured
+    span (plan/documents.py doc_len_for_span); nothing where the run's prepared data is not here."""
     from gridtrain.data.doc_span import run_attention_span
+    from gridtrain.plan.documents import doc_len_for_span
 
     try:
         span = run_attention_span(cfg)
     except (UserError, ValueError):
         return {}
-    return {} if span is None else {"doc_len": max(1, round(span))}
+    return {} if span is None else {"doc_len": doc_len_for_span(cfg.data.seq_len, span)}
 
 
 def run_page(root: Path | None, name: str) -> tuple[int, object]:

@@ -21,6 +21,7 @@ counted, as flash attention's own recomputation is not)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 
@@ -46,6 +47,16 @@ def equal_documents_span(seq_len: int, doc_len: int) -> float:
         raise ValueError(f"seq_len ({seq_len}) and doc_len ({doc_len}) must be positive")
     whole, rest = divmod(seq_len, doc_len)
     return (whole * doc_len * doc_len + rest * rest) / seq_len
+
+
+def doc_len_for_span(seq_len: int, span: float) -> int:
+    """The shortest document length whose equal_documents_span reaches `span`: what a measured span
+    is as one `--doc-len` (the explorer's input). equal_documents_span(T, L) lies in
+    [L - L^2 / (4 T), L], so the search starts at `span` and stops within span^2 / (4 T) + 1."""
+    length = max(1, math.floor(span))
+    while length < seq_len and equal_documents_span(seq_len, length) < span:
+        length += 1
+    return min(length, seq_len)
 
 
 def attended(seq_len: int, span: float | None) -> float:
