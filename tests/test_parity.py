@@ -71,6 +71,16 @@ def test_pairwise_subset_covers_every_pair_of_accepted_choices():
     assert len(SUBSET) < 100  # what CI can afford; the full sweep runs the other 7,300
 
 
+def test_subset_masks_documents_under_every_parallelism_in_fp32():
+    """Issue 32's document masking under TP 2, PP 2 and CP 2, and beside each data parallelism, is
+    proven by the subset: a doc_mask or doc_restart case of each, in fp32 (1e-5) for TP, PP and CP."""
+    masked = [c for c in SUBSET if c.choice("attention") != "causal"]
+    fp32 = [c for c in masked if c.choice("precision") == "fp32"]
+    assert all(any(c.choice(axis) != "none" for c in fp32) for axis in ("tp", "pp", "cp"))
+    assert {c.choice("dp") for c in masked} == set(AXES["dp"])
+    assert {c.choice("attention") for c in fp32} == {"doc_mask", "doc_restart"}
+
+
 def test_matrix_arithmetic_imports_no_torch():
     """In a fresh process, the matrix's verdicts (the subset's cases, and a case refused for each of
     the matrix's reasons: every branch of `validate` it reaches) import no torch, and come out as
