@@ -11,6 +11,7 @@ continue into the next shard. gridtrain.data.prepare writes it.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import os
@@ -28,7 +29,7 @@ import numpy as np
 from gridtrain.data.corpus import default_corpus
 from gridtrain.data.tokenizer import Tokenizer, build_tokenizer, encode_batch
 from gridtrain.errors import BadInput, ExistingOutput, MissingInput
-from gridtrain.inputs import read_json
+from gridtrain.inputs import read_input, read_json
 
 logger = logging.getLogger(__name__)
 
@@ -208,15 +209,19 @@ class TokenStore:
     def __init__(self, prepared_dir: Path, split: str) -> None:
         self.prepared_dir = Path(prepared_dir)
         index = load_index(self.prepared_dir)
-        if split not in index["splits"]:
-            raise ValueError(f"no split {split!r} in {self.prepared_dir}; "
-                             f"available: {sorted(index['splits'])}")
-        self.split = split
-        self.vocab_size: int = index["vocab_size"]
-        self.eos_id: int = index["eos_id"]
-        self.dtype = np.dtype(index["dtype"])
-        self._shards = index["splits"][split]["shards"]
-        self._arrays = [self._open_shard(s) for s in self._shards]
+        try:
+            if split not in index["splits"]:
+                raise ValueError(f"no split {split!r} in {self.prepared_dir}; "
+                                 f"available: {sorted(index['splits'])}")
+            self.split = split
+            self.vocab_size: int = index["vocab_size"]
+            self.eos_id: int = index["eos_id"]
+            self.dtype = np.dtype(index["dtype"])
+            self._shards = index["splits"][split]["shards"]
+            self._arrays = [self._open_shard(s) for s in self._shards]
+        except (KeyError, TypeError) as err:  # a hand-edited or foreign index.json
+            raise BadInput(f"{self.prepared_dir / INDEX_FILE} lacks what `gridtrain data prepare` writes "
+                           f"({type(err).__name__}: {err}): prepare the corpus again") from None
         self._offsets = np.cumsum([0] + [len(a) for a in self._arrays])
 
     def _open_shard(self, shard: dict[str, Any]) -> np.ndarray:
@@ -253,6 +258,21 @@ class TokenStore:
     @cached_property
     def doc_starts(self) -> np.ndarray:
         """Start offsets of the documents in the concatenated stream (int64, ascending)."""
-        parts = [np.load(self.prepared_dir / s["docs_file"]) + int(offset)
-                 for s, offset in zip(self._shards, self._offsets[:-1])]
+        parts = [self._shard_starts(s) + int(offset) for s, offset in zip(self._shards, self._offsets[:-1])]
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+    def _shard_starts(self, shard: dict[str, Any]) -> np.ndarray:
+        """A shard's document starts, read as a bounded regular file (a fifo in its place would block
+        for ever) and held to index.json: num_docs of them, ascending, inside the shard."""
+        path = self.prepared_dir / shard["docs_file"]
+        count = int(shard["num_docs"])
+        data = read_input(path, str(path), max_bytes=8 * count + 4096)  # int64 .npy: 8 bytes each + header
+        try:
+            starts = np.load(io.BytesIO(data), allow_pickle=False)
+        except (ValueError, OSError, EOFError) as err:
+            raise BadInput(f"{path} is not a .npy of document starts ({err}): prepare the corpus again") from None
+        if (starts.dtype.kind not in "iu" or starts.shape != (count,)
+                or (count and (starts[0] < 0 or starts[-1] >= shard["num_tokens"] or np.any(np.diff(starts) <= 0)))):
+            raise BadInput(f"{path} does not hold {count} ascending document starts within the shard's "
+                           f"{shard['num_tokens']} tokens, as index.json says: prepare the corpus again")
+        return starts.astype(np.int64)

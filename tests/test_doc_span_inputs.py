@@ -1,0 +1,95 @@
+"""A prepared folder's document starts as `plan --doc-len DIR`, `plan --check` and the explorer read
+them (data/doc_span.py through TokenStore.doc_starts): a broken folder is one line naming the file,
+never a hang (a fifo in place of a .docs.npy), a traceback (an index.json without its splits) or a
+span computed from starts that contradict index.json."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import signal
+
+import numpy as np
+import pytest
+
+from gridtrain.data.shards import TokenStore, prepare
+from gridtrain.data.tokenizer import ByteTokenizer
+from gridtrain.errors import UserError
+
+DOCS = "train-00000.docs.npy"
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    root = tmp_path_factory.mktemp("corpus")
+    with open(root / "docs.jsonl", "w") as f:
+        for i in range(60):
+            f.write(json.dumps({"text": "x" * (10 + i % 7)}) + "\n")
+    return prepare(root, ByteTokenizer(), tmp_path_factory.mktemp("p") / "p", val_fraction=0.05)
+
+
+def _copy(prepared, tmp_path):
+    out = tmp_path / "p"
+    shutil.copytree(prepared, out)
+    return out
+
+
+def _plan_doc_len(folder):
+    from gridtrain.cli import build_parser
+    from gridtrain.plan.app.command import run_plan
+
+    args, extra = build_parser().parse_known_args(["plan", "--model", "tiny", "--num-gpus", "1", "--seq-len", "64",
+                                                   "--doc-len", str(folder)])
+    out, err = io.StringIO(), io.StringIO()
+    return run_plan(args, extra, out, err), out.getvalue(), err.getvalue()
+
+
+def _alarm(seconds):
+    def fail(*_):
+        raise TimeoutError(f"blocked for {seconds} s")
+    signal.signal(signal.SIGALRM, fail)
+    signal.alarm(seconds)
+
+
+def test_a_fifo_in_place_of_the_document_starts_is_refused_not_waited_on(prepared, tmp_path):
+    out = _copy(prepared, tmp_path)
+    os.remove(out / DOCS)
+    os.mkfifo(out / DOCS)
+    _alarm(20)  # np.load of a fifo waited for a writer for ever
+    try:
+        rc, _, err = _plan_doc_len(out)
+    finally:
+        signal.alarm(0)
+    assert rc == 2 and "is not a regular file" in err and DOCS in err and err.count("\n") == 1
+
+
+def test_missing_document_starts_and_an_index_without_splits_are_one_line(prepared, tmp_path):
+    out = _copy(prepared, tmp_path)
+    os.remove(out / DOCS)
+    rc, _, err = _plan_doc_len(out)
+    assert rc == 2 and DOCS in err and "does not exist" in err and err.count("\n") == 1
+    shutil.rmtree(out)
+    out = _copy(prepared, tmp_path)
+    index = json.loads((out / "index.json").read_text())
+    del index["splits"]
+    (out / "index.json").write_text(json.dumps(index))
+    rc, _, err = _plan_doc_len(out)
+    assert rc == 2 and "index.json lacks what `gridtrain data prepare` writes" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("starts", [[5, 3, 100_000], [], [0, 0], "pickled"])
+def test_starts_that_contradict_the_index_are_refused(prepared, tmp_path, starts):
+    """The shard holds len(TokenStore.doc_starts) documents by index.json (num_docs); starts out of
+    order, outside the shard, fewer, or an object array are refused instead of read as documents (an
+    empty array made the whole split one document: span = the sequence)."""
+    out = _copy(prepared, tmp_path)
+    num_docs = json.loads((out / "index.json").read_text())["splits"]["train"]["shards"][0]["num_docs"]
+    assert len(TokenStore(out, "train").doc_starts) == num_docs
+    if starts == "pickled":
+        np.save(out / DOCS, np.array([{"a": 1}] * num_docs, dtype=object), allow_pickle=True)
+    else:
+        np.save(out / DOCS, np.asarray(starts, np.int64))
+    with pytest.raises(UserError, match="prepare the corpus again"):
+        TokenStore(out, "train").doc_starts
