@@ -93,3 +93,27 @@ def test_starts_that_contradict_the_index_are_refused(prepared, tmp_path, starts
         np.save(out / DOCS, np.asarray(starts, np.int64))
     with pytest.raises(UserError, match="prepare the corpus again"):
         TokenStore(out, "train").doc_starts
+
+
+def test_a_mixtures_span_weighs_its_sources_by_the_samples_it_draws(tmp_path):
+    """plan --check's span of a data.mix run (run_attention_span) weighs its sources as MixtureReader
+    draws them, by the quotas per block of 1,000 samples, as the trainer's MFU does (Data.attention_span):
+    weights 999.5 and 0.5 draw 999 and 1 (every source at least one sample a block), so the span is
+    (999 short + 1 long) / 1,000, not (999.5 short + 0.5 long) / 1,000."""
+    from gridtrain.config_load import load_config
+    from gridtrain.data.doc_span import prepared_span, run_attention_span
+
+    def corpus(name, lengths):
+        root = tmp_path / name
+        root.mkdir()
+        with open(root / "docs.jsonl", "w") as f:
+            for n in lengths:
+                f.write(json.dumps({"text": "y" * n}) + "\n")
+        return prepare(root, ByteTokenizer(), tmp_path / f"{name}-p", val_fraction=0.05)
+
+    short, long = corpus("short", [3] * 200), corpus("long", [495] * 20)
+    s_short, s_long = prepared_span(short, 16), prepared_span(long, 16)
+    assert (s_short, s_long) == (4.0, 16.0)  # 3 bytes + eos fill 16 as 4 x 4; 495 + eos = 31 x 16 fill whole windows
+    cfg = load_config(None, {"model.preset": "tiny", "data.seq_len": "16", "data.doc_mask": "true",
+                             "data.mix": f"{short}=999.5,{long}=0.5"})
+    assert run_attention_span(cfg) == pytest.approx((999 * 4.0 + 1 * 16.0) / 1000, rel=1e-12)  # 4.012, not 4.006

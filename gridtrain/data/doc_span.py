@@ -4,8 +4,9 @@ training cuts the token stream (sampler.py: sample i is tokens [i T, (i + 1) T) 
 its documents split where one starts, the token after an end-of-document).
 
 The mean over every sample of an epoch is the expectation of a step's attention FLOPs: the
-sampler visits each window once per epoch, and a mixture draws its sources in proportion to
-their weights (every sample is T tokens, so the weights average the spans). No torch here: the
+sampler visits each window once per epoch, and a mixture draws its sources by their quotas, the
+weights rounded to samples per block (mix_spec.quotas; every sample is T tokens, so the quotas
+average the spans). No torch here: the
 planner reads it for `gridtrain plan --doc-len DIR` and `plan --check` of a doc_mask run."""
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import numpy as np
 
 from gridtrain.config import Config
 from gridtrain.data.corpus import default_corpus
-from gridtrain.data.mix_spec import parse_mix
+from gridtrain.data.mix_spec import parse_mix, quotas
 from gridtrain.data.shards import INDEX_FILE, TokenStore, _cache_name
 from gridtrain.errors import MissingInput
 
@@ -81,4 +82,4 @@ def run_attention_span(cfg: Config) -> float | None:
                                "the run prepared its data, or prepare it with `gridtrain data prepare`")
         spans.append(prepared_span(prepared, cfg.data.seq_len))
         weights.append(weight)
-    return mixture_span(spans, weights)
+    return mixture_span(spans, [float(q) for q in quotas(weights)])  # as MixtureReader draws them

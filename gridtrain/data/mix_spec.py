@@ -1,10 +1,14 @@
-"""data.mix as written: `PATH=WEIGHT,PATH=WEIGHT,...`, parsed without torch (validation reads it)."""
+"""data.mix as written: `PATH=WEIGHT,PATH=WEIGHT,...`, parsed without torch (validation reads it), and
+each source's samples per block of the interleaving (quotas: the planner's attention span weighs the
+sources by them, as the mixture reader draws them)."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from gridtrain.errors import BadInput
 
@@ -38,3 +42,21 @@ def parse_mix(spec: str) -> list[MixSource]:
                                                    if f"{name}-{i}" not in taken)
         sources.append(MixSource(name, path.strip(), value))
     return sources
+
+
+MIX_BLOCK = 1000
+"""Samples per block of the interleaving: each source's share of any block is within 1/MIX_BLOCK of its weight."""
+
+
+def quotas(weights: list[float], block: int = MIX_BLOCK) -> np.ndarray:
+    """Each source's samples per block: block x weight share, rounded by largest remainder (ties to the
+    earlier source); every source at least 1."""
+    share = np.asarray(weights, np.float64) / sum(weights) * block
+    counts = np.maximum(np.floor(share).astype(np.int64), 1)
+    while counts.sum() < block:
+        order = np.argsort(-(share - counts), kind="stable")
+        counts[order[0]] += 1
+    while counts.sum() > block:
+        order = np.argsort(share - counts, kind="stable")
+        counts[next(i for i in order if counts[i] > 1)] -= 1
+    return counts

@@ -19,26 +19,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from gridtrain.data.mix_spec import MIX_BLOCK, quotas  # noqa: F401 (imported from here too)
 from gridtrain.data.sampler import SampleOrder, num_windows, read_windows
 from gridtrain.data.shards import TokenStore
 
-MIX_BLOCK = 1000
-"""Samples per block of the interleaving: each source's share of any block is within 1/MIX_BLOCK of its weight."""
 _MIX_STREAM = 0x4D4958  # 'MIX': keeps the block permutations apart from the sources' own orders
-
-
-def quotas(weights: list[float], block: int = MIX_BLOCK) -> np.ndarray:
-    """Each source's samples per block: block x weight share, rounded by largest remainder (ties to the
-    earlier source); every source at least 1."""
-    share = np.asarray(weights, np.float64) / sum(weights) * block
-    counts = np.maximum(np.floor(share).astype(np.int64), 1)
-    while counts.sum() < block:
-        order = np.argsort(-(share - counts), kind="stable")
-        counts[order[0]] += 1
-    while counts.sum() > block:
-        order = np.argsort(share - counts, kind="stable")
-        counts[next(i for i in order if counts[i] > 1)] -= 1
-    return counts
 
 
 class MixtureOrder:
