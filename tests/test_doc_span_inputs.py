@@ -117,3 +117,28 @@ def test_a_mixtures_span_weighs_its_sources_by_the_samples_it_draws(tmp_path):
     cfg = load_config(None, {"model.preset": "tiny", "data.seq_len": "16", "data.doc_mask": "true",
                              "data.mix": f"{short}=999.5,{long}=0.5"})
     assert run_attention_span(cfg) == pytest.approx((999 * 4.0 + 1 * 16.0) / 1000, rel=1e-12)  # 4.012, not 4.006
+
+
+def test_a_number_is_tokens_even_beside_a_folder_of_that_name(prepared, tmp_path, monkeypatch):
+    """`--doc-len 2048` (and the explorer's doc_len, which sends digits) is documents of 2,048 tokens,
+    though the working directory holds a folder named 2048: 4 of them fill 8,192, span 2,048; the
+    folder is `./2048`. A word that is neither a count nor a folder says both."""
+    from gridtrain.cli import build_parser
+    from gridtrain.plan.app.command import run_plan
+
+    shutil.copytree(prepared, tmp_path / "2048")
+    monkeypatch.chdir(tmp_path)
+
+    def plan(doc_len, seq="8192"):
+        args, extra = build_parser().parse_known_args(["plan", "--model", "tiny", "--num-gpus", "1", "--seq-len", seq,
+                                                       "--doc-len", doc_len, "--json"])
+        out, err = io.StringIO(), io.StringIO()
+        rc = run_plan(args, extra, out, err)
+        return rc, (json.loads(out.getvalue()) if rc == 0 else None), err.getvalue()
+
+    rc, report, _ = plan("2048")
+    assert rc == 0 and report["problem"]["attention_span"] == 2048
+    rc, report, _ = plan("./2048", seq="64")
+    assert rc == 0 and report["problem"]["attention_span"] < 64  # the folder's documents, 10-16 tokens
+    rc, _, err = plan("./no-such-folder")
+    assert rc == 2 and "is not a count" in err and "nor is it a folder here" in err and err.count("\n") == 1

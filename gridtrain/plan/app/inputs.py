@@ -175,8 +175,13 @@ def doc_span(text: str | None, seq_len: int) -> tuple[float | None, str | None]:
     from gridtrain.plan.documents import equal_documents_span, span_note
 
     folder = Path(text).expanduser()
-    if not folder.exists():
-        doc_len = parse_whole(text, "--doc-len")
+    digits = text.strip().isdigit()  # tokens, even beside a folder of that name (the explorer sends digits)
+    if digits or not folder.exists():
+        try:
+            doc_len = parse_whole(text, "--doc-len")
+        except PlanError as err:
+            raise err if digits else PlanError(f"{err}; nor is it a folder here (a prepared one: gridtrain data "
+                                               "prepare)") from None
         return (equal_documents_span(seq_len, doc_len),
                 span_note(seq_len, equal_documents_span(seq_len, doc_len),
                           f"documents of {doc_len:,} tokens from each sequence's start"))
