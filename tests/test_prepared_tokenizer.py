@@ -88,3 +88,20 @@ def test_a_bpe_prepared_folder_samples_with_the_bpe_that_prepared_it(tmp_path, m
     BPETokenizer.train([(other / "a.txt").read_text()], 300, save_path=trained)
     problems = _problems(make_config, tmp_path, **keys)
     assert len(problems) == 1 and f"not data.tokenizer 'bpe:300' (the data cache's {trained})" in problems[0]
+
+
+def test_a_hand_made_index_without_its_source_samples_with_the_byte_tokenizer(folders, make_config, tmp_path):
+    """Only a bpe:N looks for the source a prepared folder names (where its BPE was trained): a byte
+    run on a folder whose index.json names no source (validation lets a hand-made index pass) loads
+    its tokenizer for samples and evaluation, where it raised KeyError: 'source'."""
+    import json
+
+    from gridtrain.train.inference import run_tokenizer
+
+    index_path = folders["byte"] / "index.json"
+    index = json.loads(index_path.read_text())
+    del index["source"]
+    index_path.write_text(json.dumps(index))
+    cfg = make_config(tmp_path, **{"data.corpus": str(folders["byte"])})
+    assert _problems(make_config, tmp_path, **{"data.corpus": str(folders["byte"])}) == []
+    assert list(run_tokenizer(cfg).encode("ab")) == [97, 98]

@@ -41,8 +41,9 @@ def run_tokenizer(cfg: Config) -> Tokenizer:
     from gridtrain.data.shards import INDEX_FILE, load_index
 
     corpus = Path(cfg.data.corpus).resolve() if cfg.data.corpus else default_corpus()
-    if (corpus / INDEX_FILE).is_file():  # a prepared folder: a bpe:N was trained on the source it names
-        corpus = Path(load_index(corpus)["source"])
+    if cfg.data.tokenizer.startswith("bpe:") and (corpus / INDEX_FILE).is_file():
+        source = load_index(corpus).get("source")  # a prepared folder: its bpe:N was trained on this source
+        corpus = Path(source) if isinstance(source, str) else corpus  # a hand-made index may name none
     return build_tokenizer(cfg.data.tokenizer, corpus=corpus, cache_dir=Path(cfg.data.cache_dir).expanduser())
 
 
