@@ -77,6 +77,13 @@ def test_missing_document_starts_and_an_index_without_splits_are_one_line(prepar
     (out / "index.json").write_text(json.dumps(index))
     rc, _, err = _plan_doc_len(out)
     assert rc == 2 and "index.json lacks what `gridtrain data prepare` writes" in err and err.count("\n") == 1
+    shutil.rmtree(out)
+    out = _copy(prepared, tmp_path)
+    index = json.loads((out / "index.json").read_text())
+    del index["splits"]["train"]["shards"][0]["docs_file"]
+    (out / "index.json").write_text(json.dumps(index))
+    rc, _, err = _plan_doc_len(out)
+    assert rc == 2 and "lacks a shard's document starts or count (KeyError" in err and err.count("\n") == 1
 
 
 @pytest.mark.parametrize("starts", [[5, 3, 100_000], [], [0, 0], "pickled"])

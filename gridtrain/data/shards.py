@@ -264,8 +264,11 @@ class TokenStore:
     def _shard_starts(self, shard: dict[str, Any]) -> np.ndarray:
         """A shard's document starts, read as a bounded regular file (a fifo in its place would block
         for ever) and held to index.json: num_docs of them, ascending, inside the shard."""
-        path = self.prepared_dir / shard["docs_file"]
-        count = int(shard["num_docs"])
+        try:
+            path, count = self.prepared_dir / shard["docs_file"], int(shard["num_docs"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise BadInput(f"{self.prepared_dir / INDEX_FILE} lacks a shard's document starts or count "
+                           f"({type(err).__name__}: {err}): prepare the corpus again") from None
         data = read_input(path, str(path), max_bytes=8 * count + 4096)  # int64 .npy: 8 bytes each + header
         try:
             starts = np.load(io.BytesIO(data), allow_pickle=False)
