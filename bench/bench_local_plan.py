@@ -57,6 +57,13 @@ def label(layout: dict) -> str:
     return ", ".join(parts)
 
 
+def cpu_share(cpu_s: float, wall_s: float, world: int, cores: int) -> float:
+    """The share of the cores a run's processes could use that they got: CPU seconds over wall
+    seconds x min(world, cores). Its world ranks compute at one thread each; gridtrain's launcher and
+    torchrun's agent only wait on them, so they add no core a quiet run could fill."""
+    return cpu_s / (wall_s * min(world, cores))
+
+
 def measure(layout: dict, world: int, steps: int, tmp: Path) -> tuple[float, float]:
     """The run's median step in seconds, and the share of the machine's cores (up to its ranks and
     the launcher) that its processes got: well below 1, other processes were busy beside it."""
@@ -75,7 +82,7 @@ def measure(layout: dict, world: int, steps: int, tmp: Path) -> tuple[float, flo
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     tput = [r["throughput/tokens_per_s"] for r in records if "throughput/tokens_per_s" in r][2:]
     cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
-    return BATCH * SEQ / statistics.median(tput), cpu / (wall * min(world + 1, os.cpu_count() or 1))
+    return BATCH * SEQ / statistics.median(tput), cpu_share(cpu, wall, world, os.cpu_count() or 1)
 
 
 def main() -> int:
