@@ -149,3 +149,6 @@ def test_a_number_is_tokens_even_beside_a_folder_of_that_name(prepared, tmp_path
     assert rc == 0 and report["problem"]["attention_span"] < 64  # the folder's documents, 10-16 tokens
     rc, _, err = plan("./no-such-folder")
     assert rc == 2 and "is not a count" in err and "nor is it a folder here" in err and err.count("\n") == 1
+    shutil.copy(tmp_path / "2048" / "index.json", tmp_path / "index.json")  # the working directory looks prepared
+    rc, _, err = plan("")
+    assert rc == 2 and "--doc-len = '' is not a count" in err and err.count("\n") == 1  # not read as "."

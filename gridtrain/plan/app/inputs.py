@@ -176,7 +176,7 @@ def doc_span(text: str | None, seq_len: int) -> tuple[float | None, str | None]:
 
     folder = Path(text).expanduser()
     digits = text.strip().isdigit()  # tokens, even beside a folder of that name (the explorer sends digits)
-    if digits or not folder.exists():
+    if digits or not text.strip() or not folder.exists():  # '' is no folder (Path('') is the working directory)
         try:
             doc_len = parse_whole(text, "--doc-len")
         except PlanError as err:
