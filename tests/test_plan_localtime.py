@@ -47,13 +47,17 @@ def test_a_calibration_by_shape_sets_the_kernels_rates_for_the_runs_model():
     """The same micro-batch with a calibration by shape (the small model: head size 32, width 256,
     at sequence 64): attention at 20 GFLOP/s (calibrated at head 32 and sequence 64), the linear
     layers at 30 of the 100 GFLOP/s peak at width 256 (0.3), elementwise work at a fifth of the
-    bandwidth."""
+    bandwidth, and the framework's time per layer (selective recomputation's on top)."""
     entry = {"peak_flops": {"bf16": 1e11}, "memory_bytes_per_s": 1e10, "gloo_bytes_per_s": 1e9,
              "attention_flops_by_shape": {"bf16": {"32": {"64": 2e10, "128": 4e10}}},
-             "matmul_flops_by_dim": {"bf16": {"256": 3e10}}, "elementwise_share": {"bf16": 0.2}}
+             "matmul_flops_by_dim": {"bf16": {"256": 3e10}}, "elementwise_share": {"bf16": 0.2},
+             "layer_overhead_s": 4e-4, "recompute_overhead_s": {"selective": 1e-3}}
     machine = LocalMachine.from_calibration(entry, "bf16", 2, model_args("small"), 64)
     got = microbatch_seconds(model_args("small"), dims(), config(), machine, layers=4, last=True, activation_bytes=1e6)
-    assert got == pytest.approx(2_478_833_664 / 3e10 + 100_663_296 / 2e10 + 4e6 / (1e10 * 0.2), rel=1e-12)
+    kernels = 2_478_833_664 / 3e10 + 100_663_296 / 2e10 + 4e6 / (1e10 * 0.2)
+    assert got == pytest.approx(kernels + 4 * 4e-4, rel=1e-12)  # and the framework's 0.4 ms per layer
+    selective = microbatch_seconds(model_args("small"), dims(), config(recompute="selective"), machine, 4, True, 1e6)
+    assert selective == pytest.approx(kernels + 4 * (4e-4 + 1e-3), rel=1e-12)
 
 
 def test_collective_seconds_ring_shares():

@@ -5,8 +5,9 @@ constants `gridtrain calibrate` measured on this machine instead of a data sheet
 One optimizer step on one rank:
 
     step = contention x (m + bubble) x t_mb + collectives + optimizer
-    t_mb = matmul FLOPs / (matmul peak x CPU_MATMUL) + attention FLOPs / attention rate
-           + saved-activation bytes x HBM_PASSES / memory bandwidth
+    t_mb = matmul FLOPs / (matmul peak x matmul share) + attention FLOPs / attention rate
+           + saved-activation bytes x HBM_PASSES / (memory bandwidth x elementwise share)
+           + layers x framework time per layer
 
 - matmul FLOPs: 6 x the rank's matmul parameters x tokens per micro-batch (8 x with full
   recomputation; selective recomputation rebuilds only elementwise work); TP divides them;
@@ -14,8 +15,14 @@ One optimizer step on one rank:
   causal SDPA forward + backward (a CPU's attention kernel runs far below its matmul peak); under
   data.doc_mask s^2 becomes s x the attention span (plan/documents.py), at the same rate (the
   blockwise document kernel's own rate is not calibrated);
+- the rates are calibrate's at the run's shape (train/calibrate_kernels.py, the same as
+  `plan --gpu local`'s): attention at its head size and sequence, the linear layers at its width
+  (CPU_MATMUL of the peak in an older calibration), elementwise work at the share of the
+  bandwidth a real block's reached;
 - memory-bound work: the census of saved activations (check_run.microbatch_activations),
   each byte passed HBM_PASSES times at the measured bandwidth of an elementwise add;
+- framework time: calibrate's time per layer per micro-batch of a block too small to compute,
+  with what the run's recomputation mode adds;
 - bubble: GPipe and 1F1B idle p - 1 micro-batch slots per step;
 - collectives: the predicted bytes per collective (run_collectives.predict_collectives), a ring all-reduce
   moving 2(N-1)/N of its payload and an all-gather (N-1)/N, at the bus bandwidth measured
@@ -92,6 +99,10 @@ class LocalMachine:
     """The share of the peak a block's linear layers reach at the model's width (calibrate_kernels)."""
     elementwise_share: float = 1.0
     """The share of the memory bandwidth the elementwise work reaches (calibrate_kernels)."""
+    layer_overhead_s: float = 0.0
+    """The framework's own time per layer per micro-batch (op dispatch, autograd, autocast)."""
+    recompute_overhead_s: tuple[tuple[str, float], ...] = ()
+    """What each recomputation mode's checkpoint machinery adds to it."""
 
     @classmethod
     def from_calibration(cls, entry: dict, precision: str, cores: int, args: ModelArgs | None = None,
@@ -102,7 +113,8 @@ class LocalMachine:
         head_dim, dim = (args.head_dim, args.dim) if args is not None else (None, None)
         attention = attention_rate(entry, precision, head_dim, seq_len) or peak
         return cls(peak, attention, entry["memory_bytes_per_s"], entry["gloo_bytes_per_s"], cores,
-                   matmul_share(entry, precision, dim), entry.get("elementwise_share", {}).get(precision, 1.0))
+                   matmul_share(entry, precision, dim), entry.get("elementwise_share", {}).get(precision, 1.0),
+                   entry.get("layer_overhead_s", 0.0), tuple(sorted(entry.get("recompute_overhead_s", {}).items())))
 
 
 @dataclass(frozen=True)
@@ -130,8 +142,9 @@ def microbatch_seconds(args: ModelArgs, dims: ParallelDims, cfg: Config, machine
     matmul = factor * tokens * (layers * block_matmul + (args.vocab_size * h if last else 0)) / dims.tp
     keys = seq if span is None else span
     attention = (4 if recompute == "full" else 3) * 4 * tokens * keys * h * layers / dims.tp
+    framework = layers * (machine.layer_overhead_s + dict(machine.recompute_overhead_s).get(recompute, 0.0))
     return (matmul / (machine.matmul_flops * machine.matmul_share) + attention / machine.attention_flops
-            + activation_bytes * HBM_PASSES / (machine.memory_bytes_per_s * machine.elementwise_share))
+            + activation_bytes * HBM_PASSES / (machine.memory_bytes_per_s * machine.elementwise_share) + framework)
 
 
 def axis_size(dims: ParallelDims, axis: str) -> int:
