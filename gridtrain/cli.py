@@ -239,11 +239,14 @@ def cmd_plan(args: argparse.Namespace, extra: list[str]) -> int:
         if record.backend == "fake":
             print("step time: none to check, a dry run computes nothing")
             return 0
-        from gridtrain.plan.check_run import span_line
+        from gridtrain.plan.check_run import DOC_KERNEL_NOTE, span_line
 
-        doc_line = span_line(record.config)  # data.doc_mask: the attention the step time counts
+        doc_line, span_known = span_line(record.config)  # data.doc_mask: the attention the step time counts
         if doc_line:
             print(doc_line)
+        if not span_known:
+            print("step time: not predicted without the run's documents (above)")
+            return 0
         if record.backend == "nccl":  # an accelerator's run: priced by its published peak
             from gridtrain.plan.check_device import check_device_memory, check_device_step_time
 
@@ -257,6 +260,8 @@ def cmd_plan(args: argparse.Namespace, extra: list[str]) -> int:
         try:
             calibration = local_machine(record.threads)  # measured now if not cached
             print(format_step_time(*check_step_time(run_dir, calibration)))
+            if record.config.data.doc_mask:
+                print(DOC_KERNEL_NOTE)
         except ValueError as err:
             print(f"step time: {err}")
         return 0

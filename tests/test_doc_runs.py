@@ -98,5 +98,22 @@ def test_check_refuses_a_step_time_without_the_documents(tmp_path):
     calibration = {"peak_flops": {"fp32": 1e10}, "memory_bytes_per_s": 1e10, "gloo_bytes_per_s": 1e9}
     with pytest.raises(ValueError, match="data.doc_mask: the prepared tokens of .* are not at .*cache"):
         check_step_time(result.run_dir, calibration)
-    assert span_line(cfg).startswith("attention: data.doc_mask: the prepared tokens")
-    assert span_line(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, doc_mask=False))) is None
+    line, known = span_line(cfg)
+    assert line.startswith("attention: data.doc_mask: the prepared tokens") and not known
+    assert span_line(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, doc_mask=False))) == (None, True)
+
+
+def test_check_without_the_documents_says_so_once_and_measures_nothing(tmp_path, monkeypatch, capsys):
+    """`plan --check` of a doc_mask run on CPU whose documents are not on this machine: the reason
+    once, and no step time, before any calibration (the suite fails a test that would measure)."""
+    from gridtrain.cli import main
+    from gridtrain.rundir import RunRecord
+
+    _, result = _dry(tmp_path, "run", 1)
+    real = RunRecord.load
+    monkeypatch.setattr(RunRecord, "load", lambda run_dir, with_layout=True: dataclasses.replace(
+        real(run_dir, with_layout), backend="gloo"))  # as a CPU run's record reads
+    assert main(["plan", "--check", str(result.run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("are not at") == 1, out
+    assert "step time: not predicted without the run's documents (above)" in out

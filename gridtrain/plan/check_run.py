@@ -223,17 +223,23 @@ def run_span(cfg: Config) -> float | None:
         raise ValueError(str(err)) from None
 
 
-def span_line(cfg: Config) -> str | None:
-    """--check's line on document masking: the span its step time and MFU count (None without it)."""
+def span_line(cfg: Config) -> tuple[str | None, bool]:
+    """--check's line on document masking: the span its step time and MFU count (None without it),
+    and whether the span is known (False: the run's documents are not on this machine)."""
     if not cfg.data.doc_mask:
-        return None
+        return None, True
     from gridtrain.plan.documents import span_note
 
     try:
         span = run_span(cfg)
     except ValueError as err:
-        return f"attention: {err}"
-    return "attention: " + span_note(cfg.data.seq_len, span, "the run's prepared documents, cut as it cut them")
+        return f"attention: {err}", False
+    return "attention: " + span_note(cfg.data.seq_len, span, "the run's prepared documents, cut as it cut them"), True
+
+
+DOC_KERNEL_NOTE = ("note: on a CPU, data.doc_mask runs gridtrain's blockwise document attention, priced here at "
+                   "causal SDPA's calibrated rate; its own rate is not calibrated, and at short sequences its "
+                   "per-block overhead makes it far slower (python bench/bench_doc_attention.py)")
 
 
 def format_step_time(row: CheckRow, parts: dict[str, float], where: str = "on this machine") -> str:
