@@ -63,7 +63,6 @@ PLAN = [
     (["plan", "--check", "{d}/run"], "{d}/run/config.json is not a gridtrain run record (KeyError: 'dims')"),
     (["plan", "--check", "{d}/badrun"], "{d}/badrun/config.json is not a gridtrain run record (TypeError"),
     (["plan", "--bogus"], "gridtrain plan takes model.* keys beyond its own options, not bogus"),
-    (["plan", "--model", "qwen3-30b-a3b"], "has heads wider than dim / n_heads or QK-norm"),
     (["plan", "--model", "small", "--model.moe.top_k", "2"], "model.moe.top_k is set, but model.preset 'small' is dense"),
 ]
 

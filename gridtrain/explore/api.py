@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from gridtrain.model.args import PLANNED_PRESETS, PRESETS
+from gridtrain.model.args import PRESETS
 from gridtrain.layout.schedules import RUNTIME_SCHEDULES, schedule as row_of
 from gridtrain.names import PLAN_RECOMPUTE
 from gridtrain.plan.replay import replay
@@ -60,7 +60,7 @@ def _gpu_names() -> tuple[str, ...]:
 
 
 FIELDS: dict[str, Field] = {
-    "model": Field("choice", choices=PLANNED_PRESETS, flag="--model"),
+    "model": Field("choice", choices=tuple(PRESETS), flag="--model"),
     "arch": Field("choice", choices=("llama", "gpt"), flag="--arch"),
     "gpu": Field("choice", choices=_gpu_names(), flag="--gpu"),
     "cluster": Field("choice", choices=tuple(CLUSTERS), flag="--cluster"),
@@ -287,7 +287,7 @@ def options() -> dict[str, object]:
     from gridtrain.plan.shape import from_args, param_counts
 
     models = {}
-    for name in PLANNED_PRESETS:
+    for name in PRESETS:
         a = PRESETS[name]()
         counts = param_counts(from_args(a))
         models[name] = {"dim": a.dim, "n_layers": a.n_layers, "n_heads": a.n_heads, "n_kv_heads": a.n_kv_heads,

@@ -263,9 +263,6 @@ PRESETS: dict[str, Callable[[], ModelArgs]] = {
 
 DENSE_PRESETS = tuple(name for name, make in PRESETS.items() if make().moe is None)
 """The dense presets."""
-PLANNED_PRESETS = tuple(name for name, make in PRESETS.items() if not (make().qk_norm or make().explicit_head_dim))
-"""The presets the planner and the explorer take: every one but those with QK-norm or heads wider
-than dim / n_heads (the Qwen3 ones), which the activation census does not cover yet."""
 
 FIELD_NAMES = tuple(f.name for f in fields(ModelArgs))
 

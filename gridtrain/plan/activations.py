@@ -2,8 +2,9 @@
 
 Measured tensor by tensor with saved-tensor hooks (parallel/accounting.py; selective
 checkpointing's own cache included) on gridtrain's Llama block, then fitted exactly over seven
-shapes: per token of a micro-batch and per block, bytes = c_h h + c_kv kv_width + c_F F + c_a a
-+ c_1 (h the width, kv_width the K and V width, F the SwiGLU width, a the query heads). Under
+shapes: per token of a micro-batch and per block, bytes = c_h h + c_q q + c_kv kv_width + c_F F
++ c_a a + c_1 (h the width, q = a x head_dim the Q width, equal to h unless the heads are wider
+(Qwen3), kv_width the K and V width, F the SwiGLU width, a the query heads). Under
 tensor parallelism over t ranks each coefficient splits into a part every rank holds in full
 ("replicated": the gathered matmul inputs, the partial sums a row-parallel matmul writes), a part
 sequence parallelism splits by t ("sequence": the residual stream, the norms' inputs and their
@@ -12,13 +13,18 @@ SwiGLU's four F-wide tensors). Fitted at t = 1 and t = 2, with and without SP, a
 
 | precision | recompute | replicated | sequence | heads |
 |---|---|---|---|---|
-| fp32 | none | 8h | 16h + 8 | 8h + 8kv + 16F + 4a |
-| fp32 | selective | 8h | 4h | 8h + 8kv + 8F + 4a |
+| fp32 | none | 8h | 16h + 8 | 8q + 8kv + 16F + 4a |
+| fp32 | selective | 8h | 4h | 8q + 8kv + 8F + 4a |
 | fp32 | full | | 4h | |
-| bf16/fp16 | none | 10h | 16h + 8 | 4h + 4kv + 8F + 4a |
-| bf16/fp16 | selective | 4h | 4h | 4h + 4kv + 4F + 4a |
+| bf16/fp16 | none | 10h | 16h + 8 | 4q + 4kv + 8F + 4a |
+| bf16/fp16 | selective | 4h | 4h | 4q + 4kv + 4F + 4a |
 | bf16/fp16 | full | | 4h | |
 
+QK-norm (Qwen3; fitted the same way over head widths, both precisions) adds, without
+recomputation, what its two RMSNorms save in fp32 over each head: their inputs and normalised
+outputs, 8q + 8kv, and their rsqrt, 4 bytes a query or KV head, 4a + 4k (heads, split by t);
+recomputation, selective or full, keeps none of it (the policy saves no norm). Under FSDP each
+also keeps its weight's fp32 copy, 4 head_dim a forward, as the block's norms do.
 Selective recomputation keeps what its policy saves (every matmul's and attention's output) and
 the block input; full keeps the block input alone (the residual stream is fp32 in every mode).
 Under bf16/fp16 autocast without FSDP, each matmul weight's 16-bit cast is saved too, once per
@@ -53,7 +59,8 @@ import functools
 
 from gridtrain.plan.shape import ModelShape
 
-# (replicated, sequence, heads), each a row of coefficients of (h, kv_width, F, a, 1).
+# (replicated, sequence, heads), each a row of coefficients of (h, kv_width, F, a, 1); in the heads
+# row the first is of q, the Q width (h unless the heads are wider).
 COEFFICIENTS: dict[tuple[str, str], tuple[tuple[int, ...], ...]] = {
     ("fp32", "none"): ((8, 0, 0, 0, 0), (16, 0, 0, 0, 8), (8, 8, 16, 4, 0)),
     ("fp32", "selective"): ((8, 0, 0, 0, 0), (4, 0, 0, 0, 0), (8, 8, 8, 4, 0)),
@@ -91,15 +98,26 @@ def moe_ffn_bytes_per_token(shape: ModelShape, precision: str, recompute: str, e
     return routed + router + experts_shared
 
 
+def qk_norm_bytes_per_token(shape: ModelShape, recompute: str) -> int:
+    """What QK-norm saves per token and block before TP's split by heads (module docstring): the
+    two head norms' fp32 inputs and outputs (8q + 8kv) and an rsqrt a head (4a + 4k), in either
+    precision; nothing under recomputation."""
+    if not shape.qk_norm or recompute != "none":
+        return 0
+    return 8 * (shape.q_width + shape.kv_width) + 4 * (shape.num_heads + shape.num_kv_heads)
+
+
 @functools.lru_cache(maxsize=4096)
 def block_bytes_per_token(shape: ModelShape, precision: str, recompute: str, tp: int = 1,
                           sequence_parallel: bool = False, moe: bool = False, ep: int = 1,
                           imbalance: float = 1.0) -> float:
     """Bytes one block saves per token of a micro-batch on one tensor-parallel rank (with
     `moe`, a mixture-of-experts block)."""
-    terms = (shape.hidden, shape.kv_width, 0 if moe else shape.ffn, shape.num_heads, 1)
-    replicated, sequence, heads = (sum(c * x for c, x in zip(row, terms))
-                                   for row in COEFFICIENTS[(_class(precision), recompute)])
+    rest = (shape.kv_width, 0 if moe else shape.ffn, shape.num_heads, 1)
+    replicated, sequence, heads = (sum(c * x for c, x in zip(row, (width,) + rest))
+                                   for row, width in zip(COEFFICIENTS[(_class(precision), recompute)],
+                                                         (shape.hidden, shape.hidden, shape.q_width)))
+    heads += qk_norm_bytes_per_token(shape, recompute)
     dense = replicated + sequence / (tp if sequence_parallel else 1) + heads / tp
     return dense + (moe_ffn_bytes_per_token(shape, precision, recompute, ep, imbalance) if moe else 0.0)
 
@@ -111,11 +129,11 @@ def ring_selective_bytes_per_token(shape: ModelShape, precision: str, recompute:
     of query and key chunks, (cp + cp_rank + 2) chunk-rows of output and log-sum-exp for the rank's
     2 chunks (parallel/context_parallel.py: query chunk r sees r earlier chunks and its own, chunk
     2cp-1-r one run of chunks per other rank, and its own pair as two), where SDPA's one call keeps
-    one: (cp + cp_rank) / 2 outputs (h wide, in the training dtype; 1/tp of the heads) and
+    one: (cp + cp_rank) / 2 outputs (q wide, in the training dtype; 1/tp of the heads) and
     log-sum-exps (one fp32 per query head) more."""
     if cp == 1 or recompute != "selective":
         return 0.0
-    out = (4 if precision == "fp32" else 2) * shape.hidden + 4 * shape.num_heads
+    out = (4 if precision == "fp32" else 2) * shape.q_width + 4 * shape.num_heads
     return (cp + cp_rank) / 2 * out / tp
 
 
@@ -179,7 +197,7 @@ def forward_extras(shape: ModelShape, layers: int, last: bool, precision: str, r
     """What a stage saves beyond its tokens' activations: (once per autocast region, once per
     forward). Without FSDP, bf16/fp16 autocast's weight casts (recomputed blocks recast them in
     backward instead). With FSDP the weights arrive in 16 bits and RMSNorm, which computes in
-    fp32, saves an fp32 copy of its weight (4h bytes) per norm and forward. MoE blocks copy their
+    fp32, saves an fp32 copy of its weight (4h bytes; QK-norm's two, 4 head_dim) per norm and forward. MoE blocks copy their
     router and experts by hand in every forward (moe_cast_bytes)."""
     if precision == "fp32":
         return 0.0, 0.0
@@ -187,7 +205,8 @@ def forward_extras(shape: ModelShape, layers: int, last: bool, precision: str, r
     moe = moe_layers if recompute == "none" else 0
     by_hand = moe_cast_bytes(shape, moe, fsdp, ep) if moe else 0.0
     if fsdp:
-        return 0.0, 4.0 * shape.hidden * (2 * blocks + last) + by_hand
+        qk_norms = 8.0 * shape.head_dim * blocks if shape.qk_norm else 0.0
+        return 0.0, 4.0 * shape.hidden * (2 * blocks + last) + qk_norms + by_hand
     return weight_cast_bytes(shape, blocks, last, tp, moe), by_hand
 
 

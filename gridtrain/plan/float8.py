@@ -42,10 +42,9 @@ def gathers_float8(recipe: str, zero_stage: int, shards: int) -> bool:
 
 
 def block_linear_params(shape: ModelShape) -> int:
-    """One llama block's linear parameters: attention's q and o (h x h each), k and v (h x kv_heads
-    x head_dim each), the MLP's three (h x ffn)."""
-    kv = shape.num_kv_heads * shape.head_dim
-    return 2 * shape.hidden * shape.hidden + 2 * shape.hidden * kv + 3 * shape.hidden * shape.ffn
+    """One llama block's linear parameters: attention's q and o (h x heads x head_dim each), k and v
+    (h x kv_heads x head_dim each), the MLP's three (h x ffn)."""
+    return 2 * shape.hidden * (shape.q_width + shape.kv_width) + 3 * shape.hidden * shape.ffn
 
 
 def gathered_bytes(shape: ModelShape, params: float, layers: int, tp: int, compute_bytes: float, recipe: str,

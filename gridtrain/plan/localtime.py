@@ -137,11 +137,12 @@ def microbatch_seconds(args: ModelArgs, dims: ParallelDims, cfg: Config, machine
     seq, mb, recompute = cfg.data.seq_len, cfg.train.micro_batch, cfg.train.recompute
     # Under CP a rank computes its seq/cp tokens, each attending to the whole sequence.
     tokens, h, kv = seq * mb // dims.cp, args.dim, args.n_kv_heads * args.head_dim
-    block_matmul = h * (2 * h + 2 * kv) + 3 * h * args.hidden_dim
+    q = args.n_heads * args.head_dim  # h unless the heads are wider (Qwen3)
+    block_matmul = h * (2 * q + 2 * kv) + 3 * h * args.hidden_dim
     factor = 8 if recompute == "full" else 6
     matmul = factor * tokens * (layers * block_matmul + (args.vocab_size * h if last else 0)) / dims.tp
     keys = seq if span is None else span
-    attention = (4 if recompute == "full" else 3) * 4 * tokens * keys * h * layers / dims.tp
+    attention = (4 if recompute == "full" else 3) * 4 * tokens * keys * q * layers / dims.tp
     framework = layers * (machine.layer_overhead_s + dict(machine.recompute_overhead_s).get(recompute, 0.0))
     return (matmul / (machine.matmul_flops * machine.matmul_share) + attention / machine.attention_flops
             + activation_bytes * HBM_PASSES / (machine.memory_bytes_per_s * machine.elementwise_share) + framework)

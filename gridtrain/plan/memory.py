@@ -27,7 +27,8 @@ from dataclasses import dataclass, fields
 from gridtrain.layout.dims import stage_layer_counts
 from gridtrain.layout.schedules import forwards_held, in_flight, schedule, stage_ranks
 from gridtrain.plan.activations import (block_bytes_per_token, head_bytes_per_token, held_bytes,
-                                        moe_ffn_bytes_per_token, ring_selective_bytes_per_token)
+                                        moe_ffn_bytes_per_token, qk_norm_bytes_per_token,
+                                        ring_selective_bytes_per_token)
 from gridtrain.plan.census import peak_dp_index, rank_elements
 from gridtrain.names import PLAN_RECOMPUTE, RECOMPUTE
 from gridtrain.plan.float8 import gathered_bytes, gathers_float8, scale_bytes
@@ -97,12 +98,14 @@ def layer_activation_bytes(shape: ModelShape, seq_len: int, micro_batch: int, tp
         mlp = moe_ffn_bytes_per_token(shape, precision, "none", ep, imbalance)
     else:
         mlp = 4 * e * shape.ffn / tp
-    sharded = (2 * e * h / tp + 2 * e * kv_width + mlp) * s * b
+    # Q and the attention output are q wide (h unless the heads are wider); QK-norm keeps its fp32 tensors.
+    qk_norm = qk_norm_bytes_per_token(shape, "none" if recompute == "attention" else recompute)
+    sharded = ((2 * e * shape.q_width + qk_norm) / tp + 2 * e * kv_width + mlp) * s * b
     heads = a / tp
     if recompute == "attention":
         core = 0.0
     elif flash:
-        core = e * s * b * h / tp + 4 * heads * s * b
+        core = e * s * b * shape.q_width / tp + 4 * heads * s * b
     else:
         core = (2 * e + 1 if gpt else e) * heads * s * s * b
     return replicated / replicated_div + sharded + core

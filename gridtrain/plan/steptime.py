@@ -233,7 +233,7 @@ def layer_cost(shape: ModelShape, cluster: ClusterSpec, eff: Efficiency, seq_len
         forwards = 1 if recompute == "none" else 2
         send = lambda size: placement.p2p_time(size, cluster, cp, tp, eff.intra_node, eff.inter_node)  # noqa: E731
         sends = (forwards + 1) * (cp - 1) * send(kv) + cp * send(kv * 4 / act_bytes)
-        attn_core = 12 * shape.hidden * keys * tokens / tp / (acc.peak_flops * eff.attention_share)
+        attn_core = 12 * shape.q_width * keys * tokens / tp / (acc.peak_flops * eff.attention_share)
         cp_s = max(0.0, sends - attn_core)
     fwd = 1 + (1 if recompute == "full" else 0)
     overhead = eff.layer_overhead_s + dict(eff.recompute_overhead_s).get(recompute, 0.0)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 from gridtrain import tomlread
 from gridtrain.config import ConfigError
 from gridtrain.config_load import load_config
-from gridtrain.model.args import PLANNED_PRESETS, PRESETS
+from gridtrain.model.args import PRESETS
 from gridtrain.layout.schedules import RUNTIME_SCHEDULES
 from gridtrain.plan import local, shape, specs
 from gridtrain.names import PLAN_RECOMPUTE
@@ -147,10 +147,6 @@ def resolve_model(preset: str, overrides: dict[str, str], arch: str = "llama") -
     problems = margs.validate()
     if problems:
         raise PlanError("; ".join(problems))
-    if margs.explicit_head_dim or margs.qk_norm:
-        raise PlanError(f"model {preset!r} has heads wider than dim / n_heads or QK-norm, which the planner does not "
-                        f"plan yet (its activation census assumes neither): plan one of {', '.join(PLANNED_PRESETS)}, "
-                        "or train it and read its metrics")
     if arch == "gpt" and margs.moe is not None:
         raise PlanError(f"--arch gpt plans dense GPT blocks, and model {preset!r} is a mixture of experts "
                         f"({margs.moe.num_experts} experts, top {margs.moe.top_k}): drop --arch gpt, or plan a dense preset")

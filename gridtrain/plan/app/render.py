@@ -35,9 +35,11 @@ def layout_label(layout: dict) -> str:
 
 def render_header(r: dict) -> list[str]:
     p, s = r["problem"], r["problem"]["shape"]
-    block = "GPT (LayerNorm, GELU, learned positions)" if s["block"] == "gpt" else "Llama (RMSNorm, GQA, SwiGLU)"
+    block = "GPT (LayerNorm, GELU, learned positions)" if s["block"] == "gpt" else (
+        "Llama (RMSNorm, GQA, SwiGLU" + (", QK-norm)" if s.get("qk_norm") else ")"))
+    width = f" of {s['explicit_head_dim']}" if s.get("explicit_head_dim") else ""  # wider than hidden / heads
     return [f"model {p['model']}: {_count(p['params'])} parameters, {s['num_layers']} layers, hidden "
-            f"{s['hidden']}, {s['num_heads']} heads ({s['num_kv_heads']} KV), ffn {s['ffn']}, vocab "
+            f"{s['hidden']}, {s['num_heads']} heads{width} ({s['num_kv_heads']} KV), ffn {s['ffn']}, vocab "
             f"{s['vocab']:,}, {block}",
             f"cluster {p['cluster']}: {p['num_gpus']:,} x {p['accelerator']}, {p['gpus_per_node']} per node; "
             f"sequence {p['seq_len']:,}, global batch {p['global_batch_seqs']:,} sequences = "
