@@ -166,6 +166,8 @@ TRAIN = [
     (["train", "--data.doc_positions", "restart"], "restarts RoPE positions at each document, which needs data.doc_mask"),
     (["train", "--data.doc_mask", "true", "--train.compile", "true"],
      "data.doc_mask gives every micro-batch its own attention blocks"),
+    (["train", "--nproc", "2", "--model.preset", "tiny-moe", "--data.doc_mask", "true", "--train.precision", "fp16"],
+     "data.doc_mask beside model.preset 'tiny-moe' (a mixture of experts) in fp16 is not compared over several ranks"),
     (["train", "--nproc", "2", "--parallel.ep", "2"], "parallel.ep (2) shards the routed experts of a mixture of "
      "experts, and model.preset 'small' is dense"),
     (["train", "--nproc", "2", "--parallel.tp", "2", "--parallel.sequence_parallel", "true", "--data.seq_len", "255"],

@@ -1,7 +1,9 @@
 """Document masking (issue 32): attention never crosses a document inside a packed sequence.
 
 References are independent: a dense boolean mask written out by hand for SDPA, and each document
-run alone through the model's own unmasked path (torch's SDPA, causal)."""
+run alone through the model's own unmasked path (torch's SDPA, causal). Under TP, PP, CP and every
+data parallelism, masked runs are compared with one process by the parity matrix's attention axis
+(tests/test_parity.py: its CI subset holds fp32 masked cases under TP, PP and CP)."""
 
 import copy
 from pathlib import Path
@@ -147,44 +149,6 @@ def short_documents(root: Path, count: int = 60) -> Path:
     for i in range(count):
         (root / f"d{i:02}.txt").write_text("abcdefghijklmnopqrstuvwxyz"[: 5 + (7 * i) % 20])
     return root
-
-
-RESTART = {"data.doc_positions": "restart"}
-LAYOUTS = {"tp2_full": {"parallel.tp": 2, "train.recompute": "full"},
-           "pp2_1f1b": {"parallel.pp": 2, "parallel.pp_schedule": "1f1b", **RESTART},
-           "cp2_selective": {"parallel.cp": 2, "train.recompute": "selective", **RESTART}}
-
-
-@pytest.mark.dist
-def test_doc_mask_under_tp2_pp2_and_cp2_trains_as_one_process(tmp_path):
-    """With data.doc_mask, TP 2 with full recomputation, a 2-stage pipeline (1F1B: the document ids
-    reach the second stage as the schedule's keyword argument) with positions restarted, and CP 2
-    with selective recomputation and positions restarted (each rank's ring blocks cut by the whole
-    sequences' documents, its tokens rotated at their positions in them: the same attention in exact
-    arithmetic as without the restart, so the test below checks the rotations) train as one process does, to the parity
-    matrix's fp32 tolerance, in one launch; the one-process run is the one the test above equates
-    with the documents run one by one. Without the mask the same run is not."""
-    from gridtrain.parity.compare import deviation, problems, tolerance
-    from gridtrain.parity.matrix import GLOBAL_BATCH, base_overrides
-    from gridtrain.parity.run import launch, load_result, run_reference
-
-    corpus = short_documents(tmp_path / "corpus")
-    base = {**base_overrides(), "data.corpus": str(corpus), "data.cache_dir": str(tmp_path / "cache"),
-            "train.micro_batch": 2, "train.steps": 3, "train.precision": "fp32", "model.tie_embeddings": False,
-            "parallel.dp_shard": -1, "data.doc_mask": True}
-    out = tmp_path / "world2"
-    proc = launch(2, {name: {**base, "run_dir": str(out / name), **layout} for name, layout in LAYOUTS.items()},
-                  out, timeout_s=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    one = {k: v for k, v in base.items() if not k.startswith("parallel.")}
-    refs = {positions: run_reference({**one, "data.doc_positions": positions, "run_dir": str(tmp_path / positions)})
-            for positions in ("continue", "restart")}
-    unmasked = run_reference({**one, "data.doc_mask": False, "run_dir": str(tmp_path / "unmasked")})
-    tol = tolerance("fp32", GLOBAL_BATCH * 32, refs["continue"].lrs, 0.9, 0.95)
-    for name, layout in LAYOUTS.items():
-        ref = refs[str(layout.get("data.doc_positions", "continue"))]
-        assert not problems(deviation(load_result(out, name), ref), tol), name
-    assert problems(deviation(unmasked, refs["continue"]), tol)
 
 
 def test_varlen_packing_hands_each_document_to_the_kernel():

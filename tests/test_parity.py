@@ -48,6 +48,7 @@ def test_matrix_is_every_combination_of_the_axes():
     ("ddp.none.none.untied.fp32.none.one.none.dense.ep", "parallel.ep (2) shards the routed experts of a mixture"),
     ("zero1.tp.none.untied.fp32.none.one.none.doc_mask", "parallel.zero_stage 1 shards a plain optimizer"),
     ("none.none.dualpipev.untied.fp32.none.one.none.moe.none.doc_restart", "too few micro-batches"),
+    ("zero3.none.none.tied.fp16.full.one.none.moe.ep.doc_mask", "data.doc_mask beside model.preset 'tiny-moe'"),
 ])
 def test_refused_layouts_carry_validates_reason(name, reason):
     case = next(c for c in CASES if c.name == name)
@@ -192,7 +193,10 @@ def test_every_layout_of_the_subset_dry_runs_its_last_rank_as_planned(tmp_path, 
 
     case = next(c for c in DRY_RUN if c.name == name)
     rank = case.world - 1
-    dry_run(load_config(None, {**base_overrides(), **case.overrides, "run_dir": str(tmp_path)}), case.world, rank)
+    overrides = dict(case.overrides)
+    if case.choice("pp") != "none":  # a dry run cannot mask under a pipeline (it refuses): the same bytes unmasked
+        overrides = {k: v for k, v in overrides.items() if k not in ("data.doc_mask", "data.doc_positions")}
+    dry_run(load_config(None, {**base_overrides(), **overrides, "run_dir": str(tmp_path)}), case.world, rank)
     rows = check_run(tmp_path)
     assert {r.rank for r in rows} == {rank}
     assert {"weights", "gradients", "optimizer", "activations"} <= {r.bucket for r in rows}
