@@ -12,8 +12,9 @@ The layouts: Llama 3 8B on 8 ranks (FSDP 8); 70B on 64 ranks (TP 8 with sequence
 PP 4, data parallel 2); 405B with the published layout (TP 8, PP 16 with one layer fewer on the
 first and last stage, data parallel 128: 16,384 GPUs), its first and its last pipeline rank;
 Mixtral 8x7B on 64 ranks (PP 8, FSDP 8 = EP 8: one expert of each layer per rank), routed by the
-dry run's fixed balanced rule (train/dry_routing.py). All at sequence length 8192, micro-batch 1,
-bf16, and global batches of 8, 16, 2048 and 64 sequences.
+dry run's fixed balanced rule (train/dry_routing.py); Qwen3-30B-A3B (heads of 128 beside dim 2048,
+QK-norm, 128 experts at top-8) on the same 64-rank layout, 16 experts of each layer per rank. All at
+sequence length 8192, micro-batch 1, bf16, and global batches of 8, 16, 2048, 64 and 64 sequences.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ LAYOUTS = {
                                  "--parallel.sequence_parallel=true"]),
     "mixtral": (64, [0, 63], ["--model.preset=mixtral-8x7b", "--train.global_batch=64", "--parallel.pp=8",
                               "--parallel.dp_shard=8", "--parallel.ep=8"]),
+    "qwen3": (64, [0, 63], ["--model.preset=qwen3-30b-a3b", "--train.global_batch=64", "--parallel.pp=8",
+                            "--parallel.dp_shard=8", "--parallel.ep=8"]),
 }
 
 
