@@ -140,8 +140,18 @@ def test_plan_doc_len_changes_flops_and_mfu():
     assert whole["chosen"]["model_flops_per_token"] - docs["chosen"]["model_flops_per_token"] == 9_663_676_416
     assert docs["chosen"]["step_s"] < whole["chosen"]["step_s"]
     assert docs["problem"]["attention_span"] == 2048
-    assert docs["train_command"].endswith("--data.doc_mask true")
+    assert "--data.doc_mask true" in docs["train_command"]
     assert any("0.250 x the causal" in n for n in docs["notes"])
+
+
+def test_plan_doc_len_ranks_only_what_train_runs_with_the_mask():
+    """validate refuses data.doc_mask beside a mixture of experts in fp16 on several ranks, so a plan
+    with --doc-len never prints that command: it was appended after the runnability check."""
+    rc, out, err = _plan(["--model", "tiny-moe", "--num-gpus", "4", "--precision", "fp16", "--seq-len", "256",
+                          "--doc-len", "64"])
+    assert rc != 0 and out == "" and "data.doc_mask beside" in err
+    rc, out, _ = _plan(["--model", "tiny-moe", "--num-gpus", "4", "--seq-len", "256", "--doc-len", "64", "--json"])
+    assert rc == 0 and "--data.doc_mask true" in json.loads(out)["train_command"]
 
 
 @pytest.mark.parametrize("value, says", [("0", "--doc-len = '0' must be a positive"),

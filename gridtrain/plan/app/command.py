@@ -82,6 +82,8 @@ def build_problem(args: argparse.Namespace, extra: list[str]) -> tuple[Problem, 
     notes += [note] if note else []
     state = CONVENTIONS[args.convention](args.precision)
     model_keys = None if args.arch == "gpt" else (("model.preset", args.model), *sorted(overrides.items()))
+    if model_keys is not None and span is not None:  # validate judges, and the command carries, the mask
+        model_keys += (("data.doc_mask", True),)
     problem = Problem(model.shape, cluster, num_gpus, seq_len, seqs, flash_attention=not args.no_flash,
                       hbm_usable=args.hbm_usable, state=state, act_bytes=4 if args.precision == "fp32" else 2,
                       model_keys=model_keys, precision=args.precision, runnable_only=not args.any_layout,
@@ -172,8 +174,6 @@ def plan(args: argparse.Namespace, extra: list[str], out: TextIO) -> int:
     if problem.model_keys is not None:
         report["train_command"] = train_command(problem.model_keys, problem.global_batch_seqs, problem.precision,
                                                 chosen.layout, problem.cluster.gpus_per_node)
-        if problem.attention_span is not None:
-            report["train_command"] += " --data.doc_mask true"
         if result.refused:
             report["notes"].append(f"{result.refused} faster or leaner layouts that fit were left out: gridtrain "
                                    "train refuses them (--any-layout ranks them too, labelled)")
