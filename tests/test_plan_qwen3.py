@@ -93,12 +93,16 @@ DRY_RUNS = [  # (world, rank, keys)
             "--train.recompute=selective"]),
     (4, 3, ["--model.preset=tiny-moe", "--train.global_batch=4", "--train.precision=bf16", "--parallel.pp=2",
             "--parallel.dp_shard=2", "--parallel.ep=2"]),
+    (2, 1, ["--model.preset=tiny", "--train.global_batch=2", "--train.precision=bf16", "--parallel.cp=2",
+            "--train.recompute=selective"]),
 ]
 
 
-@pytest.mark.parametrize("world, rank, keys", DRY_RUNS, ids=["fsdp2-bf16", "pp2-fp32-selective", "pp2-fsdp2-ep2"])
+@pytest.mark.parametrize("world, rank, keys", DRY_RUNS,
+                         ids=["fsdp2-bf16", "pp2-fp32-selective", "pp2-fsdp2-ep2", "cp2-bf16-selective"])
 def test_dry_run_of_a_tiny_qwen3_is_the_plan(tmp_path, world, rank, keys):
-    """A tiny model with heads of 32 (q 128 at dim 64) and QK-norm, dry-run on one rank: every
+    """A tiny model with heads of 32 (q 128 at dim 64) and QK-norm, dry-run on one rank (the last
+    CP rank keeps the most of ring attention's q-wide outputs under selective recomputation): every
     bucket and collective `plan --check` predicts is what the rank measured, to the byte; the
     search's own model of the rank (memory.rank_memory) holds the same state bytes, and without
     expert parallelism the same activations."""
