@@ -80,7 +80,7 @@ def test_the_elementwise_share_is_what_the_block_spends_beyond_its_kernels(monke
     from gridtrain.plan.memory import layer_activation_bytes
     from gridtrain.train import calibrate_kernels as kernels
 
-    monkeypatch.setattr(kernels, "block_parts", lambda dtype, seconds: {"block": 0.1, "matmul": 0.04, "attention": 0.03})
+    monkeypatch.setattr(kernels, "block_parts", lambda dtype: {"block": 0.1, "matmul": 0.04, "attention": 0.03})
     b = kernels.BLOCK
     saved = layer_activation_bytes(shape.from_args(kernels.calibration_block_args()), b["seq"], b["batch"], act_bytes=2)
     assert saved > 0

@@ -30,6 +30,8 @@ ATTENTION_HEAD_DIMS = (32, 64, 128)
 ATTENTION_SEQS = (128, 256, 512, 1024, 2048)
 ATTENTION_TOKENS, ATTENTION_WIDTH = 2048, 512
 """Each attention shape runs 2,048 tokens (batch = 2,048 / sequence) of 512 channels (heads = 512 / head size)."""
+ROUNDS = 7
+"""Rounds of the elementwise measurement (a difference of three timings: the median round)."""
 MATMUL_DIMS = (64, 128, 256, 512, 1024)
 MATMUL_TOKENS = 1024
 BLOCK = {"dim": 512, "n_heads": 8, "n_kv_heads": 4, "ffn_dim": 1536, "seq": 512, "batch": 2}
@@ -95,10 +97,10 @@ def calibration_block_args():
                      vocab_size=32, max_seq_len=BLOCK["seq"], ffn_dim=BLOCK["ffn_dim"])
 
 
-def block_parts(dtype: torch.dtype, seconds: float) -> dict[str, float]:
-    """Best seconds of the calibration block's forward + backward ('block'), and of its matmuls
+def block_parts(dtype: torch.dtype) -> dict[str, float]:
+    """Seconds of the calibration block's forward + backward ('block'), and of its matmuls
     ('matmul': the same GEMMs alone) and its attention ('attention': SDPA forward + backward at its
-    shape) timed apart."""
+    shape) timed apart: the round (of ROUNDS) whose difference is the median."""
     from gridtrain.model.llama import TransformerBlock, rope_frequencies
 
     args = calibration_block_args()
@@ -125,16 +127,21 @@ def block_parts(dtype: torch.dtype, seconds: float) -> dict[str, float]:
     def attention() -> None:
         torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).sum().backward()
 
-    return {name: best_seconds(fn, seconds / 3, at_least=5)
-            for name, fn in (("block", whole), ("matmul", matmuls), ("attention", attention))}
+    # Rounds of the three, each the best of 3 calls, so that a drift of the machine's speed falls on
+    # all three alike; the round with the median difference (the elementwise work) is the answer.
+    rounds = []
+    for _ in range(ROUNDS):
+        rounds.append({name: best_seconds(fn, 0.0, at_least=3)
+                       for name, fn in (("block", whole), ("matmul", matmuls), ("attention", attention))})
+    rounds.sort(key=lambda r: r["block"] - r["matmul"] - r["attention"])
+    return rounds[len(rounds) // 2]
 
 
-def measure_elementwise_share(dtype: torch.dtype, bytes_per_s: float, layer_overhead_s: float,
-                              seconds: float = 1.5) -> float:
+def measure_elementwise_share(dtype: torch.dtype, bytes_per_s: float, layer_overhead_s: float) -> float:
     """The fraction of the measured memory bandwidth at which the calibration block's elementwise
     work runs, in the planner's terms (module docstring): the memory-bound model's seconds for the
     block over what the block takes beyond its matmuls, its attention and the framework's time."""
-    parts = block_parts(dtype, seconds)
+    parts = block_parts(dtype)
     elementwise_s = max(parts["block"] - parts["matmul"] - parts["attention"] - layer_overhead_s, 1e-6)
     act_bytes = 4 if dtype == torch.float32 else 2
     saved = layer_activation_bytes(plan_shape.from_args(calibration_block_args()), BLOCK["seq"], BLOCK["batch"],
