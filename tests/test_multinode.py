@@ -43,6 +43,9 @@ def flags(corpus: Path, tmp: Path, *extra: str) -> list[str]:
             "--data.seq_len", "32", "--train.global_batch", "4", "--train.micro_batch", "1",
             "--train.steps", str(STEPS), "--train.warmup_steps", "1", "--train.val_every", "0",
             "--train.threads", "1", "--train.collective_timeout_s", "30", "--checkpoint.interval", "2",
+            # a node lost inside a save holds the others in the save group up to checkpoint.timeout_s
+            # (1,800 s by default): once in a clean run, node 0 waited there past the test's 180 s
+            "--checkpoint.timeout_s", "30",
             "--metrics.log_every", "1", "--metrics.tensorboard", "false", "--metrics.progress", "false",
             "--metrics.account_every", "0", "--run_dir", str(tmp / "run"), *extra]
 
