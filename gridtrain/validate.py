@@ -11,6 +11,7 @@ import os
 
 from gridtrain.config import Config, ConfigError
 from gridtrain.layout.dims import ParallelDims, stage_layer_counts
+from gridtrain.layout.experts import expert_data_parallel
 from gridtrain.layout.schedules import RUNTIME_SCHEDULES, SCHEDULES
 from gridtrain.model.args import PRESETS, ModelArgs
 from gridtrain.names import FLOAT8, LR_SCHEDULES, PRECISIONS, RECOMPUTE
@@ -288,8 +289,8 @@ def _float8_shape_problems(args: ModelArgs, tp: int) -> list[str]:
 def _check_moe(cfg: Config, dims: ParallelDims) -> list[str]:
     """A mixture-of-experts model where it has been compared with one process: one process, data
     parallelism (DDP, ZeRO-2, FSDP, HSDP), tensor parallelism (experts replicated over it), pipelines,
-    context parallelism, and expert parallelism over every data- and context-parallel rank
-    (tests/test_moe_parallel.py); expert parallelism only for a mixture of experts."""
+    context parallelism, and expert parallelism over any divisor of the data- and context-parallel
+    ranks (tests/test_moe_parallel.py); expert parallelism only for a mixture of experts."""
     args, p = shape_of(cfg), cfg.parallel
     if args is None or args.moe is None:
         if dims.ep > 1 and args is not None:
@@ -308,10 +309,7 @@ def _check_moe(cfg: Config, dims: ParallelDims) -> list[str]:
             problems.append(f"parallel.ep ({dims.ep}) must divide model.moe.num_experts ({args.moe.num_experts}), "
                             f"since each rank holds an equal share of the experts: set parallel.ep to a divisor of "
                             f"{args.moe.num_experts}")
-        if dims.ep != dims.dp * dims.cp:
-            problems.append(f"parallel.ep ({dims.ep}) must span every data- and context-parallel rank (dp_replicate x "
-                            f"dp_shard x cp = {dims.dp * dims.cp}) so far: set parallel.ep to {dims.dp * dims.cp}, or 1 "
-                            "(experts then replicated or sharded by FSDP like the other weights)")
+        problems += _check_expert_shards(cfg, dims, args.moe.num_experts)
     if cfg.data.doc_mask and cfg.train.precision == "fp16" and math.prod(dims.degrees.values()) > 1:
         # parity cases zero3.none.none.tied.fp16.full.one.none.moe.ep.doc_mask and none.none.none.tied.fp16.none.
         # many.cp.moe.ep.doc_restart: one token of the first step took another expert than in one process
@@ -326,6 +324,18 @@ def _check_moe(cfg: Config, dims: ParallelDims) -> list[str]:
         problems.append(f"train.float8 = '{cfg.train.float8}' converts the dense linears only, not the stacked "
                         f"experts of {name}: set train.float8 = 'none'")
     return problems
+
+
+def _check_expert_shards(cfg: Config, dims: ParallelDims, num_experts: int) -> list[str]:
+    """FSDP splits each expert weight's dimension 1 (w1 and w3: ffn, w2: dim) over the ranks that hold
+    the same experts (gridtrain.layout.experts), evenly or not at all."""
+    _, shard = expert_data_parallel(dims, cfg.parallel.zero_stage)
+    args = shape_of(cfg)
+    widths = {"moe.expert_ffn_dim": args.moe.expert_ffn_dim, "dim": args.dim}
+    return [f"model.{key} ({width}) must be a multiple of the {shard} ranks that FSDP shards each expert over "
+            f"(dp_shard x cp / ep = {dims.dp_shard} x {dims.cp} / {dims.ep}), which split its dimension 1: set "
+            f"model.{key} to a multiple of {shard}, or parallel.ep to {dims.dp_shard * dims.cp}"
+            for key, width in widths.items() if shard > 1 and width % shard]
 
 
 def validate(cfg: Config, world: int | None = None, installed: bool = True) -> ParallelDims:

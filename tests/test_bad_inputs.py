@@ -105,8 +105,9 @@ TRAIN = [
      "cannot run torch._grouped_mm on fake tensors (its meta kernel takes bf16 only)"),
     (["train", "--model.preset", "tiny-moe", "--nproc", "4", "--parallel.cp", "2", "--model.moe.capacity_factor", "1"],
      "model.moe.capacity_factor (1.0) keeps each expert's first tokens of a micro-batch, which parallel.cp (2) splits"),
-    (["train", "--model.preset", "tiny-moe", "--nproc", "4", "--parallel.ep", "2"],
-     "parallel.ep (2) must span every data- and context-parallel rank (dp_replicate x dp_shard x cp = 4) so far"),
+    (["train", "--model.preset", "tiny-moe", "--nproc", "16", "--parallel.ep", "2", "--model.moe.expert_ffn_dim", "36"],
+     "model.moe.expert_ffn_dim (36) must be a multiple of the 8 ranks that FSDP shards each expert over "
+     "(dp_shard x cp / ep = 16 x 1 / 2)"),
     (["train", "--model.preset", "tiny-moe", "--nproc", "2", "--parallel.ep", "2", "--model.moe.num_experts", "3",
       "--model.moe.top_k", "1"], "parallel.ep (2) must divide model.moe.num_experts (3)"),
     (["train", "--model.preset", "tiny-moe", "--train.compile"], "which train.compile has not been compared"),

@@ -20,6 +20,7 @@ FSDP2 = {"parallel.zero_stage": 3, "parallel.dp_shard": 2, "parallel.dp_replicat
 DDP2 = {"parallel.zero_stage": 0, "parallel.dp_shard": 1, "parallel.dp_replicate": 2}
 ZERO2 = {"parallel.zero_stage": 2, "parallel.dp_shard": 2, "parallel.dp_replicate": 1}
 FSDP4 = {"parallel.zero_stage": 3, "parallel.dp_shard": 4, "parallel.dp_replicate": 1}
+DDP4 = {"parallel.zero_stage": 0, "parallel.dp_shard": 1, "parallel.dp_replicate": 4}
 HSDP4 = {"parallel.zero_stage": 3, "parallel.dp_shard": 2, "parallel.dp_replicate": 2}
 EP2, EP4, EP1 = {"parallel.ep": 2}, {"parallel.ep": 4}, {"parallel.ep": 1}
 TP2, CP2 = {"parallel.tp": 2}, {"parallel.cp": 2, "parallel.zero_stage": 3}
@@ -63,6 +64,11 @@ WORLD4: dict[str, tuple[dict, dict | None]] = {
     "ep2.pp2.interleaved-zb.bias": ({**DDP2, **EP2, **PP2["interleaved-zb"], **BIAS}, None),
     "ep2.tp2.sp": ({**FSDP2, **EP2, **TP2, "parallel.sequence_parallel": True}, {**FSDP2, **EP1, **TP2}),
     "ep4.cp2.fsdp": ({**FSDP2, **CP2, **EP4, "model.moe.z_loss_coef": 1e-3}, None),
+    # ep below dp x cp: the experts FSDP-sharded over the data-parallel ranks left (gridtrain.layout.experts),
+    # resumed where ep spans every rank, and in one process
+    "ep2.fsdp4": ({**FSDP4, **EP2}, {**FSDP4, **EP4}),
+    "ep2.fsdp4.bias": ({**FSDP4, **EP2, **BIAS}, None),
+    "ep2.cp2.fsdp.bias": ({**FSDP2, **CP2, **EP2, **BIAS}, {**DDP4, **EP2}),  # the experts' copies all-reduced
 }
 MODEL_KEYS = ("model.", "train.precision", "train.recompute")
 

@@ -30,6 +30,7 @@ from torch.distributed._composable.replicate import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import Shard
 
 from gridtrain.parallel.expert_parallel import expert_parallel_modules
 from gridtrain.parallel.mesh import Mesh
@@ -57,7 +58,7 @@ def mixed_precision(param_dtype: torch.dtype | None) -> MixedPrecisionPolicy:
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool,
-               param_dtype: torch.dtype | None = None) -> None:
+               param_dtype: torch.dtype | None = None, expert_mesh: DeviceMesh | None = None) -> None:
     """fully_shard the embedding, each transformer block, and the final norm with the head, each
     a unit of its own (as torchtitan does), then the model as the root.
 
@@ -68,10 +69,15 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool,
     needs only the token ids), and the head's gradient is reduce-scattered as soon as it is
     computed, not at the end of backward. A tied head is the embedding's parameter: the two then
     stay in the root unit.
+
+    Expert-parallel experts: with `expert_mesh` (edp_replicate, edp_shard), the ranks that hold
+    the same experts, each layer's experts are a unit of their own over it, sharded on dimension 1
+    (`gridtrain.layout.experts`); without it ep spans every data-parallel rank, each expert's
+    gradient is whole on its rank, and FSDP leaves the experts alone.
     """
     policy = mixed_precision(param_dtype)
-    # Expert-parallel experts are sharded by expert already, and their gradients whole on their rank.
-    ignored = {p for m in expert_parallel_modules(model) for p in m.parameters()} or None
+    experts = expert_parallel_modules(model)
+    ignored = {p for m in experts for p in m.parameters()} if expert_mesh is None else set()
     embedding, head = model.tok_embeddings, [m for m in (model.norm, model.output) if m is not None]
     tied = embedding is not None and model.output is not None and model.output.weight is embedding.weight
     if embedding is not None and not tied:
@@ -80,12 +86,17 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool,
     blocks = list(model.layers.values())
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again at once by backward: keep them gathered.
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward and i < len(blocks) - 1,
-                    mp_policy=policy, ignored_params=ignored)
+        reshard = reshard_after_forward and i < len(blocks) - 1
+        if expert_mesh is not None:
+            for unit in (m for m in block.modules() if m in experts):
+                fully_shard(unit, mesh=expert_mesh, reshard_after_forward=reshard, mp_policy=policy,
+                            shard_placement_fn=lambda _: Shard(1))
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy,
+                    ignored_params=ignored or None)
     if head and not tied:  # needed again at once by backward, like the last block
         fully_shard(head, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy,
-                ignored_params=ignored)
+                ignored_params=ignored or None)
     for module in model.modules():
         if isinstance(module, FSDPModule):  # sum, do not average: see the module docstring
             module.set_gradient_divide_factor(1.0)
@@ -143,16 +154,19 @@ def uses_ddp(zero_stage: int, tp: int, pp: int, ep: int = 1) -> bool:
 
 
 def apply_data_parallel(model: nn.Module, mesh: Mesh, zero_stage: int, dp_replicate: int,
-                        tp: int, pp: int, param_dtype: torch.dtype | None = None, ep: int = 1) -> None:
+                        tp: int, pp: int, param_dtype: torch.dtype | None = None, ep: int = 1,
+                        expert_mesh: DeviceMesh | None = None) -> None:
     """DDP, ZeRO-1/2/3 or HSDP over the data-parallel axes; `param_dtype` is the training
-    precision's (bf16, fp16) in which FSDP gathers parameters, None for fp32."""
+    precision's (bf16, fp16) in which FSDP gathers parameters, None for fp32; `expert_mesh` the
+    experts' (edp_replicate, edp_shard) mesh when ep leaves data-parallel ranks over (apply_fsdp)."""
     if uses_ddp(zero_stage, tp, pp, ep):
         apply_ddp(model, mesh["dp_replicate"])
     elif zero_stage == 0:
-        apply_fsdp(model, mesh["dp_replicate", "dp_shard"], reshard_after_forward=False, param_dtype=param_dtype)
+        apply_fsdp(model, mesh["dp_replicate", "dp_shard"], reshard_after_forward=False, param_dtype=param_dtype,
+                   expert_mesh=expert_mesh)
     else:
         apply_fsdp(model, dp_mesh(mesh, dp_replicate), reshard_after_forward=zero_stage == 3,
-                   param_dtype=param_dtype)
+                   param_dtype=param_dtype, expert_mesh=expert_mesh)
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:

@@ -3,13 +3,21 @@ experts, and tokens travel to their experts' ranks and back by all-to-all (GShar
 al. 2021; as torchtitan and Megatron-core dispatch dropless MoE).
 
 The ep ranks are borrowed from the data- and context-parallel ranks (they hold different tokens),
-as in torchtitan and Megatron-core: so far ep equals dp x cp, and the experts are sharded over the
-flattened 'dp_cp' mesh by expert (a DTensor Shard(0) of the whole [E, ...] weight, so a checkpoint
-holds each expert once, under its own index, and resumes under any layout), while FSDP handles
-every other weight and leaves the experts alone. An expert's gradient is whole on its rank: the
-all-to-all's backward brings every rank's share of it home. Tensor-parallel ranks of one data
-coordinate hold the same experts and route the same tokens (tensor_parallel.moe_plan), each over
-its own 'dp_cp' group.
+as in torchtitan and Megatron-core: ep divides dp x cp, and an ep group is ep consecutive ranks of
+the flattened 'dp_cp' mesh (`gridtrain.layout.experts` draws the split). The experts are a DTensor
+Shard(0) of the whole [E, ...] weight over the group, so a checkpoint holds each expert once, under
+its own index, and resumes under any layout. An expert's gradient is whole on its ep rank: the
+all-to-all's backward brings every rank of the group's share of it home. What happens to the
+dp x cp / ep ranks left, which hold the same experts and route other tokens:
+- none left (ep = dp x cp): FSDP handles every other weight and leaves the experts alone;
+- ZeRO 2 and 3: each layer's experts are an FSDP unit of their own over the ranks left of
+  dp_shard x cp ('edp_shard'), split on dimension 1 (ffn of w1 and w3, dim of w2), gathered before
+  the layer's forward and backward and their gradients reduce-scattered, while replicated (HSDP) over
+  the rest ('edp_replicate', dp_replicate's ranks among them), as the dense weights are;
+- ZeRO 0: every copy whole, the gradients all-reduced over 'edp_replicate' (FSDP2 over
+  (edp_replicate, 1), as the dense weights beside EP).
+Tensor-parallel ranks of one data coordinate hold the same experts and route the same tokens
+(tensor_parallel.moe_plan), each over its own group.
 
 One MoE layer's forward on one rank (x: its tokens' assignments, sorted by global expert):
 1. the counts per expert are exchanged (an all-to-all of E integers), so each rank knows how many
@@ -93,7 +101,9 @@ class ExpertParallelExperts(nn.Module):
 
 
 def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
-    """Shard every MoE layer's routed experts over `mesh` by expert (on the meta device or not)."""
+    """Shard every MoE layer's routed experts over `mesh` (the ep group: 'dp_cp', or the experts'
+    mesh's 'ep') by expert, on the meta device or not; each forward then issues an all-to-all of E
+    int64 counts and two of the assignments' rows (dim x the activations' bytes each) over it."""
     for _, layer in moe_layers(model):
         layer.experts = ExpertParallelExperts(layer.experts, mesh)
 

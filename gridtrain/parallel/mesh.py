@@ -3,7 +3,9 @@
 Axes outer to inner pp, dp_replicate, dp_shard, cp, tp (`gridtrain.layout.dims` explains the rank
 grid), plus the flattened axes 'dp' (dp_replicate x dp_shard: the batch split and the loss
 average), 'dp_cp', and 'dp_shard_cp' (what FSDP shards over under context parallelism: the CP
-ranks of one batch slice hold the same weights, as torchtitan shards them).
+ranks of one batch slice hold the same weights, as torchtitan shards them). Under expert
+parallelism with data-parallel ranks left over, 'dp_cp' is unflattened into (edp_replicate,
+edp_shard, ep) (`gridtrain.layout.experts`): the experts' own mesh, beside the dense one.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from gridtrain.layout.dims import MESH_AXES, ParallelDims
+from gridtrain.layout.experts import expert_data_parallel
 
 
 class Mesh:
@@ -29,14 +32,28 @@ class Mesh:
             return self.flat[axes]
         return self.root[axes]
 
+    def experts(self, zero_stage: int) -> DeviceMesh:
+        """The experts' mesh (edp_replicate, edp_shard, ep), unflattened from 'dp_cp' so that it
+        shares the root with the dense axes (FSDP concatenates the two); built once, on every rank
+        alike (it creates process groups)."""
+        if "experts" not in self.flat:
+            replicate, shard = expert_data_parallel(self.dims, zero_stage)
+            self.flat["experts"] = self.flat["dp_cp"]._unflatten(
+                0, (replicate, shard, self.dims.ep), ("edp_replicate", "edp_shard", "ep"))
+        return self.flat["experts"]
+
     def axis_groups(self) -> dict[str, dist.ProcessGroup]:
-        """Process group of each mesh axis with more than one rank, then the flattened 'dp' and
-        the world: what the collective log names its records by."""
+        """Process group of each mesh axis with more than one rank, then the flattened 'dp', the
+        experts' axes (Mesh.experts, once built) and the world: what the collective log names its
+        records by."""
         groups = {axis: self[axis].get_group() for axis, n in self.dims.degrees.items() if n > 1}
         if self.dims.dp > 1:
             groups["dp"] = self["dp"].get_group()
         if self.dims.cp > 1:  # a group of its own, unless CP alone spans the world (then 'cp' names it)
             groups["dp_shard_cp"] = self["dp_shard_cp"].get_group()
+        if "experts" in self.flat:  # the experts' mesh, once parallelize has built it
+            groups.update((axis, self.flat["experts"][axis].get_group())
+                          for axis in ("ep", "edp_replicate", "edp_shard") if self.flat["experts"][axis].size() > 1)
         groups["world"] = dist.group.WORLD
         return groups
 
@@ -59,3 +76,13 @@ def group(mesh: Mesh | None, axis: str) -> dist.ProcessGroup | None:
         return dist.group.WORLD
     size = mesh.dims.dp if axis == "dp" else mesh.dims.degrees[axis]
     return mesh[axis].get_group() if size > 1 else None
+
+
+def expert_fsdp_mesh(experts: DeviceMesh | None) -> DeviceMesh | None:
+    """What FSDP keeps the experts over, from their mesh (Mesh.experts): 'edp_shard' alone when
+    no copies are left to replicate over, else (edp_replicate, edp_shard) as HSDP (with shards of
+    one rank: replicated, the gradients all-reduced), as the dense weights beside EP; None
+    without an experts' mesh."""
+    if experts is None:
+        return None
+    return experts["edp_shard"] if experts["edp_replicate"].size() == 1 else experts["edp_replicate", "edp_shard"]

@@ -17,8 +17,10 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from gridtrain.config import Config
 from gridtrain.layout.dims import ParallelDims
+from gridtrain.layout.experts import experts_fsdp_sharded
 from gridtrain.model.llama import Transformer
 from gridtrain.parallel.materialize import is_meta, materialize
+from gridtrain.parallel.mesh import Mesh, expert_fsdp_mesh
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -26,7 +28,6 @@ if TYPE_CHECKING:
     from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
     from gridtrain.parallel.context_parallel import RingTraffic
-    from gridtrain.parallel.mesh import Mesh
     from gridtrain.parallel.pipeline_parallel import PipelineTraffic
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -155,18 +156,22 @@ def parallelize(model: Transformer, cfg: Config, dims: ParallelDims | None = Non
         from gridtrain.parallel.data_parallel import apply_data_parallel, uses_ddp
 
         ddp = uses_ddp(p.zero_stage, dims.tp, dims.pp, dims.ep)
+    expert_mesh = None
+    if dims is not None and experts_fsdp_sharded(dims, p.zero_stage):
+        expert_mesh = mesh.experts(p.zero_stage)
     for _, part in stages:
         if dims is not None and dims.ep > 1:
             from gridtrain.parallel.expert_parallel import apply_expert_parallel
 
-            apply_expert_parallel(part, mesh["dp_cp"])
+            apply_expert_parallel(part, mesh["dp_cp"] if expert_mesh is None else expert_mesh["ep"])
         _apply_float8_and_tp(part, cfg, dims, mesh, data_parallel and not ddp, device or torch.device("cpu"))
         apply_recompute(part, t.recompute)
         if t.compile:
             apply_compile(part)
         if data_parallel and not ddp:
             apply_data_parallel(part, mesh, p.zero_stage, dims.dp_replicate, dims.tp, dims.pp,
-                                COMPUTE_DTYPES.get(t.precision), dims.ep)
+                                COMPUTE_DTYPES.get(t.precision), dims.ep,
+                                expert_fsdp_mesh(expert_mesh))
     parts = [m for _, m in stages]
     if is_meta(parts):
         materialize(parts, model.args, t.seed, device or torch.device("cpu"), fake)
