@@ -134,3 +134,43 @@ def test_kernels_at_the_models_width_and_sequence():
     attention = steptime.layer_attention_flops_per_token(s, 256, "none") * 4 * 256
     hw = steptime.layer_hardware_flops_per_token(s, 256, "none") * 4 * 256
     assert new_cost.matmul_s == pytest.approx((hw - attention) / (40e9 * 0.7) + attention / 20e9)
+
+
+def test_fsdp_host_time_per_call_by_hand():
+    """FSDP's host time per collective call (train/calibrate_gloo.py), times the calls a step
+    issues: the small model's 4 blocks and its embedding and head are 6 units; ZeRO-2 gathers and
+    reduce-scatters each once per micro-batch (12 calls), HSDP all-reduces each too (18), ZeRO-3
+    gathers in forward and backward (18 per micro-batch); DDP and ZeRO-1 issue none."""
+    from gridtrain.plan.dptime import fsdp_calls
+
+    one = {"dp_shard": 2, "micro_batch": 8, "seq_len": 256, "num_microbatches": 1}
+    assert fsdp_calls(Layout(zero_stage=2, **one), 4) == 12
+    assert fsdp_calls(Layout(zero_stage=3, **{**one, "num_microbatches": 2}), 4) == 36
+    assert fsdp_calls(Layout(zero_stage=2, dp_replicate=2, **one), 4) == 18
+    assert fsdp_calls(Layout(dp_replicate=2, micro_batch=8, seq_len=256, zero_stage=0), 4) == 0
+    assert fsdp_calls(Layout(dp_replicate=2, micro_batch=8, seq_len=256, zero_stage=1), 4) == 0
+    # 1F1B over 2 stages, 4 micro-batches: a rank's 2 blocks and one of embedding / head are 3
+    # units, gathered in each forward (4) and the first backward (1), reduced once: 18
+    assert fsdp_calls(Layout(zero_stage=3, pp=2, pp_schedule="1f1b", **{**one, "num_microbatches": 4}), 2) == 18
+
+    entry = {**ENTRY, "fsdp_call_s": 2e-3}
+    s = shape.from_args(load_config(None, {"model.preset": "small"}).model.args())
+    lay = Layout(zero_stage=2, **one)
+    for ranks, contention in ((2, 1), (4, 2)):
+        with_host = local.local_machine(ranks, "bf16", entry=entry, cores=2, ram=16e9)
+        without = local.local_machine(ranks, "bf16", entry=ENTRY, cores=2, ram=16e9)
+        assert with_host.eff.fsdp_call_s == pytest.approx(2e-3 * contention)
+        times = [steptime.step_time(s, lay, m.cluster, m.eff, steptime.StateBytes.gridtrain(), act_bytes=2)
+                 for m in (with_host, without)]
+        assert times[0].dp_s - times[1].dp_s == pytest.approx(12 * 2e-3 * contention)
+
+
+def test_fsdp_time_per_call_from_the_two_rank_runs():
+    """calibrate_gloo.per_call_seconds by hand: 6 blocks more add 6 x (2 + 3) FSDP calls across
+    ZeRO-2 and ZeRO-3 runs; DDP's own growth and what every run pays once fall out."""
+    from gridtrain.train.calibrate_gloo import per_call_seconds
+
+    ms = {("ddp", 2): 4, ("ddp", 8): 7, ("zero2", 2): 20, ("zero2", 8): 41, ("zero3", 2): 22, ("zero3", 8): 52}
+    # ((41 - 7) - (20 - 4) + (52 - 7) - (22 - 4)) / 30 = 45 / 30 = 1.5 ms, less a 0.1 ms latency
+    assert per_call_seconds({k: v / 1e3 for k, v in ms.items()}, 1e-4) == pytest.approx(1.4e-3)
+    assert per_call_seconds({k: 0.01 for k in ms}, 1e-4) == 0.0  # never below nothing

@@ -88,3 +88,24 @@ def test_local_step_adds_bubble_contention_and_optimizer():
     t_mb_by_hand = 1_207_959_552 / (1e11 * 0.85) + 50_331_648 / 5e10 + 4e6 / 1e10
     assert t_mb == pytest.approx(t_mb_by_hand, rel=1e-12)
     assert step.total_s == pytest.approx(2 * 5 * t_mb_by_hand + 1e-3 + 2 * 28e6 / 1e10, rel=1e-12)
+
+
+def test_local_step_adds_fsdps_host_time_per_call():
+    """ZeRO-2 over 2 ranks of the small model, 1 micro-batch: its 6 FSDP units each gather and
+    reduce-scatter once, 12 calls at the calibrated 1 ms each beside the bytes; DDP pays none."""
+    from dataclasses import replace
+
+    args, machine = model_args("small"), replace(MACHINE, fsdp_call_s=1e-3)
+    collectives = {"dp_shard/all_gather_bytes": 1e6, "dp_shard/reduce_scatter_bytes": 2e6}
+    cfg = load_config(None, {"data.seq_len": 64, "train.micro_batch": 4, "train.global_batch": 8,
+                             "parallel.zero_stage": 2, "parallel.dp_shard": 2})
+    step = local_step(args, dims(dp_shard=2), cfg, machine, pp_rank=0, activation_bytes=1e6,
+                      collectives=collectives, local_params=1e6, threads=1)
+    wire = collective_seconds(collectives, dims(dp_shard=2), machine)
+    assert step.comm_s == pytest.approx(wire + 12e-3)
+    ddp = load_config(None, {"data.seq_len": 64, "train.micro_batch": 4, "train.global_batch": 8,
+                             "parallel.dp_replicate": 2, "parallel.zero_stage": 0})
+    step = local_step(args, dims(dp_replicate=2), ddp, machine, pp_rank=0, activation_bytes=1e6,
+                      collectives={"dp_replicate/all_reduce_bytes": 1e6}, local_params=1e6, threads=1)
+    assert step.comm_s == pytest.approx(collective_seconds({"dp_replicate/all_reduce_bytes": 1e6},
+                                                           dims(dp_replicate=2), machine))

@@ -80,6 +80,26 @@ def fsdp_gather_passes(layout: Layout) -> tuple[int, int]:
     return (m, 1) if row.stages_per_rank == 1 else (1, 1)
 
 
+def fsdp_calls(layout: Layout, layers: int) -> int:
+    """FSDP collective calls a step issues on a rank of `layers` blocks, each unit (a block; the
+    embedding and the head beside them) once per collective as _dp_overlap counts them: ZeRO 2 an
+    all-gather and a reduce-scatter per sync, ZeRO 3 fsdp_gather_passes all-gathers and a
+    reduce-scatter per sync, HSDP an all-reduce per sync more, FSDP replication (ZeRO-0 beside TP
+    or PP) an all-reduce per sync; 0 under DDP."""
+    if layout.dp * layout.cp == 1 or layout.zero_stage == 1 or (
+            layout.zero_stage == 0 and layout.tp == 1 and layout.pp == 1 and layout.ep == 1):
+        return 0  # DDP (ZeRO-1 runs without TP, PP and experts only)
+    units = layers + (2 if layout.pp == 1 else 1)
+    syncs = 1 if layout.pp > 1 else layout.num_microbatches
+    if layout.zero_stage == 0:
+        return syncs * units
+    hsdp = 1 if layout.dp_replicate > 1 else 0
+    if layout.zero_stage == 2:
+        return syncs * units * (2 + hsdp)
+    ag_forward, ag_backward = fsdp_gather_passes(layout)
+    return units * (ag_forward + ag_backward + syncs * (1 + hsdp))
+
+
 def _dp_overlap(shape: ModelShape, layout: Layout, cluster: ClusterSpec, eff: Efficiency, pt: PipelineTime,
                 state: StateBytes) -> tuple[float, float]:
     """(exposed, total) seconds of data-parallel communication per step on the critical rank,
@@ -95,6 +115,14 @@ def _dp_overlap(shape: ModelShape, layout: Layout, cluster: ClusterSpec, eff: Ef
     unit by unit (one per layer), DDP's bucket by bucket; every call pays its latency."""
     if layout.dp * layout.cp == 1:
         return 0.0, 0.0
+    host = fsdp_calls(layout, pt.layers) * eff.fsdp_call_s
+    exposed, total = _dp_wire(shape, layout, cluster, eff, pt, state)
+    return exposed + host, total + host
+
+
+def _dp_wire(shape: ModelShape, layout: Layout, cluster: ClusterSpec, eff: Efficiency, pt: PipelineTime,
+             state: StateBytes) -> tuple[float, float]:
+    """_dp_overlap's collectives on the wire, without FSDP's host time per call."""
     # Under expert parallelism a rank's experts are its own: neither gathered nor reduced.
     params = rank_params(shape, layout, pt.critical_rank, pt.layers) - (
         rank_expert_params(shape, layout, pt.critical_rank) if layout.ep > 1 else 0.0)

@@ -16,10 +16,13 @@ Each rank is a "GPU" of one node holding all N:
 - framework time: the calibrated forward and backward of a block too small to compute (op
   dispatch, autograd, autocast), per layer per micro-batch, and what each recomputation mode's
   checkpoint machinery adds to it;
-- collectives: gloo's all-reduce bus bandwidth between two ranks, each call costing the measured
+- collectives: gloo's all-reduce bus bandwidth between two processes, each call costing the measured
   latency of a small all-reduce per two ring steps, both shared like the cores, never overlapped
   with compute (gloo's threads take the cores the matmuls run on: Efficiency.overlap_slowdown =
-  1); gloo has no reduce-scatter, so FSDP's gradients cost an all-reduce.
+  1); gloo has no reduce-scatter, so FSDP's gradients cost an all-reduce;
+- FSDP's host time per collective call (its copies, DTensor's dispatch and gloo's per-call cost
+  between processes, train/calibrate_gloo.py), times the calls a step issues (dptime.fsdp_calls),
+  shared like the cores.
 Threads per rank: what torchrun gives each of N > 1 processes, OMP_NUM_THREADS or 1; one process
 keeps torch's default, the cores.
 """
@@ -96,5 +99,6 @@ def local_machine(ranks: int, precision: str, entry: dict | None = None, cores: 
                      layer_overhead_s=entry["layer_overhead_s"] * contention,
                      recompute_overhead_s=tuple((k, v * contention)
                                                 for k, v in sorted(entry.get("recompute_overhead_s", {}).items())),
-                     overlap_slowdown=1.0, attention=None if attention is None else attention / contention / peak)
+                     overlap_slowdown=1.0, attention=None if attention is None else attention / contention / peak,
+                     fsdp_call_s=entry.get("fsdp_call_s", 0.0) * contention)
     return LocalPlanMachine(cluster, eff, threads, contention)

@@ -26,7 +26,9 @@ One optimizer step on one rank:
 - bubble: GPipe and 1F1B idle p - 1 micro-batch slots per step;
 - collectives: the predicted bytes per collective (run_collectives.predict_collectives), a ring all-reduce
   moving 2(N-1)/N of its payload and an all-gather (N-1)/N, at the bus bandwidth measured
-  between two gloo ranks, not overlapped: on a CPU, gloo's threads compete with compute;
+  between two gloo ranks, not overlapped: on a CPU, gloo's threads compete with compute; and
+  FSDP's host time per collective call (train/calibrate_gloo.py) for each call a step issues
+  (dptime.fsdp_calls);
 - contention: ranks x threads beyond the machine's cores share them;
 - optimizer: AdamW in fp32 streams 28 bytes per local parameter (gradient read, parameter and both
   moments read and written).
@@ -43,6 +45,8 @@ from dataclasses import dataclass
 from gridtrain.config import Config
 from gridtrain.layout.dims import ParallelDims, stage_layer_counts
 from gridtrain.model.args import ModelArgs
+from gridtrain.plan.dptime import fsdp_calls
+from gridtrain.plan.run_collectives import run_layout
 from gridtrain.plan.steptime import HBM_PASSES
 
 CPU_MATMUL = 0.85
@@ -103,6 +107,8 @@ class LocalMachine:
     """The framework's own time per layer per micro-batch (op dispatch, autograd, autocast)."""
     recompute_overhead_s: tuple[tuple[str, float], ...] = ()
     """What each recomputation mode's checkpoint machinery adds to it."""
+    fsdp_call_s: float = 0.0
+    """FSDP's host time per collective call beyond its bytes (train/calibrate_gloo.py)."""
 
     @classmethod
     def from_calibration(cls, entry: dict, precision: str, cores: int, args: ModelArgs | None = None,
@@ -114,7 +120,8 @@ class LocalMachine:
         attention = attention_rate(entry, precision, head_dim, seq_len) or peak
         return cls(peak, attention, entry["memory_bytes_per_s"], entry["gloo_bytes_per_s"], cores,
                    matmul_share(entry, precision, dim), entry.get("elementwise_share", {}).get(precision, 1.0),
-                   entry.get("layer_overhead_s", 0.0), tuple(sorted(entry.get("recompute_overhead_s", {}).items())))
+                   entry.get("layer_overhead_s", 0.0), tuple(sorted(entry.get("recompute_overhead_s", {}).items())),
+                   entry.get("fsdp_call_s", 0.0))
 
 
 @dataclass(frozen=True)
@@ -182,4 +189,5 @@ def local_step(args: ModelArgs, dims: ParallelDims, cfg: Config, machine: LocalM
     t_mb = contention * microbatch_seconds(args, dims, cfg, machine, counts[pp_rank], last, activation_bytes, span)
     bubble = (dims.pp - 1) * t_mb if dims.pp > 1 else 0.0
     optimizer = contention * local_params * ADAMW_BYTES / machine.memory_bytes_per_s
-    return LocalStep(m * t_mb, bubble, collective_seconds(collectives, dims, machine), optimizer)
+    host = contention * machine.fsdp_call_s * fsdp_calls(run_layout(args, dims, cfg), counts[pp_rank])
+    return LocalStep(m * t_mb, bubble, collective_seconds(collectives, dims, machine) + host, optimizer)

@@ -77,6 +77,10 @@ class Efficiency:
     recompute_overhead_s: tuple[tuple[str, float], ...] = ()
     """Framework time recomputation adds per layer per micro-batch, by mode (its checkpoint
     machinery, measured on CPUs where it shows)."""
+    fsdp_call_s: float = 0.0
+    """Host time per FSDP collective call beyond its bytes (copies into and out of its buffers,
+    DTensor's dispatch, the backend's per-call cost): hidden on a GPU, where the host runs ahead of
+    the kernels; on CPU ranks the step itself (train/calibrate_gloo.py)."""
     grads_once_per_step: bool = False
     """Replicated gradients are all-reduced once per step whatever the layout (Megatron-LM's DDP);
     False: as gridtrain's runtime does, once per micro-batch where FSDP replicates them beside TP

@@ -4,7 +4,8 @@ the cache's place and keys are the planner's, gridtrain/plan/machine.py, which r
 
 Beside the matmul peak, `calibrate` measures what `gridtrain plan --check` needs to predict a
 local run's step time: the attention kernel's rate, the memory bandwidth of elementwise work, and
-gloo's all-reduce bandwidth and latency between two ranks on this machine.
+gloo's all-reduce bandwidth and latency and FSDP's host time per collective call between two
+processes on this machine (calibrate_gloo.py; between two threads where processes cannot start).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import torch
 
 from gridtrain.plan.machine import cached_entry, calibration_path, machine_key
 from gridtrain.plan.specs import ACCELERATORS, accelerator_of_device
+from gridtrain.plan.local import usable_cores
+from gridtrain.train.calibrate_gloo import measure_two_processes
 from gridtrain.train.calibrate_kernels import measure_kernels
 
 log = logging.getLogger(__name__)
@@ -105,7 +108,8 @@ def measure_memory_bandwidth(seconds: float, numel: int = 1 << 25) -> float:
 def measure_gloo(numel: int = 1 << 20, repeats: int = 8) -> dict[str, float]:
     """All-reduce between two gloo ranks of this process (threads over loopback, as two local
     processes talk): bandwidth = payload bytes / time of a 4 MiB all-reduce, latency = time of a
-    one-element all-reduce."""
+    one-element all-reduce, each the best of `repeats` (one slow call, another process taking the
+    core a moment, moved the mean latency tenfold)."""
     store, times = torch.distributed.HashStore(), {}
 
     def rank(r: int) -> None:
@@ -113,10 +117,12 @@ def measure_gloo(numel: int = 1 << 20, repeats: int = 8) -> dict[str, float]:
         for n in (1, numel):
             t = torch.ones(n)
             group.allreduce([t]).wait()
-            start = time.perf_counter()
+            best = float("inf")
             for _ in range(repeats):
+                start = time.perf_counter()
                 group.allreduce([t]).wait()
-            times[r, n] = (time.perf_counter() - start) / repeats
+                best = min(best, time.perf_counter() - start)
+            times[r, n] = best
 
     workers = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
     for w in workers:
@@ -198,6 +204,7 @@ def calibrate(threads: int | None = None, seconds: float = 2.0, modes: tuple[str
             {mode: measure_attention_flops(CALIBRATION_DTYPES[mode], seconds / 4) for mode in modes if mode != "fp16"})
         entry["memory_bytes_per_s"] = measure_memory_bandwidth(seconds / 4)
         entry.update(measure_gloo())
+        entry.update(measure_two_processes(threads, usable_cores()))  # as local ranks talk, where they can start
         overhead = measure_layer_overhead(seconds / 2)
         entry["layer_overhead_s"] = overhead["none"]
         entry["recompute_overhead_s"] = {mode: max(0.0, overhead[mode] - overhead["none"])

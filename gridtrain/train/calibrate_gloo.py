@@ -1,0 +1,159 @@
+"""gloo between two processes of this machine, for `gridtrain plan --gpu local` and `plan --check`:
+the latency and bandwidth of an all-reduce, and FSDP2's own time per collective call beyond the
+bytes it moves, each measured as two local ranks run them (two processes over loopback).
+
+Why processes: between two threads of one process a one-element all-reduce took 0.1 ms here;
+between two processes, as `gridtrain train --nproc 2` runs, 1.2-1.4 ms (a small reduce-scatter
+as long, a small all-gather 0.2 ms). Each tensor-parallel layer, pipeline send and FSDP unit pays
+it.
+
+FSDP's host time per call: on a GPU, FSDP2's host work (copying a unit's parameters into the
+all-gather's buffer and out of it, chunking the gradients into the reduce-scatter's, DTensor's
+dispatch) runs ahead of the kernels and hides. On CPU ranks over gloo it is the step: the same
+thread computes, copies and waits, once per FSDP unit, where DDP waits once per 25 MB bucket. On
+the small model (4 layers, 6 FSDP units) over 2 ranks it made ZeRO-2 and ZeRO-3 steps 58-108 ms
+slower than DDP where their bytes differ by a few ms. The measurement: the two processes run
+gridtrain's transformer at a shape too small to compute anything (dim 16, 8 tokens; the layer
+overhead's shape), with 2 and with 8 blocks, under DDP, ZeRO-2 and ZeRO-3 (FSDP2 as the runtime
+applies it, bf16 gathers, gradient clipping and AdamW as the trainer steps). Per block added,
+ZeRO-2 issues 2 more FSDP calls a step (one all-gather, one reduce-scatter) and ZeRO-3 3 (a
+second all-gather in backward); DDP's buckets do not grow. So
+
+    call = [(z2(8) - ddp(8)) - (z2(2) - ddp(2)) + (z3(8) - ddp(8)) - (z3(2) - ddp(2))] / (6 x (2 + 3))
+
+less the latency the planner already charges for a call (one ring step between two ranks: half
+the all-reduce's). The difference of differences leaves out the compute, the framework's time
+per layer (both sides pay it) and what a step pays once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+BLOCKS = (2, 8)
+KINDS = ("ddp", "zero2", "zero3")
+CALLS_PER_BLOCK = {"zero2": 2, "zero3": 3}
+"""FSDP collectives a step issues per unit: ZeRO-2 an all-gather and a reduce-scatter, ZeRO-3 an
+all-gather in forward and one in backward and a reduce-scatter."""
+
+
+def per_call_seconds(times: dict[tuple[str, int], float], latency_s: float) -> float:
+    """FSDP's time per collective call beyond its bytes (module docstring), from the step times
+    `times[(kind, blocks)]` of the two-rank runs."""
+    low, high = BLOCKS
+    extra = sum((times[kind, high] - times["ddp", high]) - (times[kind, low] - times["ddp", low]) for kind in CALLS_PER_BLOCK)
+    calls = (high - low) * sum(CALLS_PER_BLOCK.values())
+    return max(0.0, extra / calls - latency_s)
+
+
+def _step_seconds(kind: str, blocks: int, steps: int) -> float:
+    """Median step of gridtrain's tiny transformer with `blocks` blocks under `kind` on this rank."""
+    from torch.distributed._composable.replicate import replicate
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from gridtrain.model.args import ModelArgs
+    from gridtrain.model.llama import Transformer
+    from gridtrain.parallel.data_parallel import apply_fsdp
+    from gridtrain.parallel.grads import clip_grad_norm
+
+    torch.manual_seed(0)
+    args = ModelArgs(dim=16, n_layers=blocks, n_heads=2, n_kv_heads=1, vocab_size=32, max_seq_len=8, ffn_dim=32)
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    model = Transformer(args)
+    if kind == "ddp":
+        replicate(model, device_mesh=mesh, bucket_cap_mb=25)
+    else:
+        apply_fsdp(model, mesh, reshard_after_forward=kind == "zero3", param_dtype=torch.bfloat16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    tokens = torch.randint(0, args.vocab_size, (1, 8))
+
+    def step() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(tokens)
+        out.float().sum().backward()
+        clip_grad_norm(list(model.parameters()), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(3):
+        step()
+    times = []
+    for _ in range(steps):
+        dist.barrier()
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _all_reduce_seconds(numel: int, repeats: int) -> float:
+    """Median time of an all-reduce of `numel` fp32 elements over the default group."""
+    t, times = torch.ones(numel), []
+    dist.all_reduce(t)
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_reduce(t)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _rank(rank: int, store_path: str, out_path: str, threads: int, steps: int) -> None:
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2)
+    try:
+        times: dict[str, float] = {"latency": _all_reduce_seconds(1, 40), "bandwidth": _all_reduce_seconds(1 << 20, 12)}
+        # Twice over, alternating, so a drift of the machine falls on every kind alike; the best.
+        for _ in range(2):
+            for blocks in BLOCKS:
+                for kind in KINDS:
+                    t = _step_seconds(kind, blocks, steps)
+                    times[f"{kind}/{blocks}"] = min(times.get(f"{kind}/{blocks}", t), t)
+        if rank == 0:
+            Path(out_path).write_text(json.dumps(times))
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_two_processes(threads: int, cores: int, steps: int = 12) -> dict[str, float]:
+    """gloo between two processes of `threads` threads each (module docstring): the all-reduce's
+    bandwidth (payload bytes / time of a 4 MiB one) and latency (a one-element one), medians, and
+    FSDP's time per collective call beyond its bytes, the latter two as if the two processes had
+    the `cores` to themselves (plan/local.py shares them out again by the plan's ranks); {} where
+    two processes cannot start."""
+    with tempfile.TemporaryDirectory() as tmp:
+        store, out = os.path.join(tmp, "store"), os.path.join(tmp, "times.json")
+        ranks, errors = [], []
+        try:
+            ranks = [subprocess.Popen([sys.executable, "-m", __name__, str(r), store, out, str(threads), str(steps)],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for r in range(2)]
+            errors = [p.communicate(timeout=300)[1].strip() for p in ranks]
+            raw = json.loads(Path(out).read_text())
+        except (OSError, ValueError, subprocess.SubprocessError) as err:
+            for p in ranks:
+                p.kill()
+            why = "; ".join([str(err), *(e.splitlines()[-1] for e in errors if e)])
+            log.warning("gloo between two processes not measured (%s): between two threads instead", why)
+            return {}
+    times = {(key.split("/")[0], int(key.split("/")[1])): t for key, t in raw.items() if "/" in key}
+    contention = max(1.0, 2 * threads / cores)
+    latency = raw["latency"] / contention
+    return {"gloo_bytes_per_s": 4 * (1 << 20) / raw["bandwidth"] * contention, "gloo_latency_s": latency,
+            "fsdp_call_s": per_call_seconds(times, raw["latency"] / 2) / contention}
+
+
+if __name__ == "__main__":
+    _rank(int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
