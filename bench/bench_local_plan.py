@@ -2,14 +2,14 @@
 ranks layouts for N local processes of the small model; each of its first rows runs through
 `gridtrain train --nproc N` and its measured median step time is set beside the predicted one.
 
-    python bench/bench_local_plan.py [--worlds 2 4] [--rows 5] [--show 0] [--steps 10] [--json FILE]
+    python bench/bench_local_plan.py [--worlds 2 4] [--rows 5] [--others] [--steps 10] [--json FILE]
 
 Needs this machine calibrated at one thread per rank (`gridtrain calibrate --threads 1`) and
 nothing else busy. A row of the plan that collapses several layouts ('mb 1, 2, 4 alike') runs
 its first. The measured step is the median of the steps after the first two, from the run's own
 tokens/s; the verdict: the measured best among the predicted first two, and every predicted step
-within 20% of its measured median, over the first --rows rows; --show more rows are run and
-shown beside them, not judged.
+within 20% of its measured median, over the first --rows rows. With --others, the plan's best row
+of each family the first rows leave out (FSDP, TP, PP, CP) runs too, shown beside them, not judged.
 """
 
 from __future__ import annotations
@@ -38,9 +38,30 @@ time says nothing about the plan."""
 
 def plan(world: int, rows: int) -> list[dict]:
     cmd = [sys.executable, "-m", "gridtrain", "plan", "--model", MODEL, "--gpu", "local", "--num-gpus", str(world),
-           "--seq-len", str(SEQ), "--global-batch", str(BATCH), "--tokens", "1M", "--top", "20", "--json"]
+           "--seq-len", str(SEQ), "--global-batch", str(BATCH), "--tokens", "1M", "--top", str(rows), "--json"]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     return json.loads(out.stdout)["ranked"][:rows]
+
+
+def family(layout: dict) -> str:
+    """The axis a layout is known by: TP, PP or CP where it has one, FSDP (ZeRO-2/3, HSDP), or DDP."""
+    for axis in ("tp", "pp", "cp"):
+        if layout[axis] > 1:
+            return axis.upper()
+    return "FSDP" if layout["zero_stage"] >= 2 and layout["dp_replicate"] * layout["dp_shard"] > 1 else "DDP"
+
+
+def chosen_rows(ranked: list[dict], rows: int, others: bool) -> list[dict]:
+    """The first `rows` of the plan, then (with `others`) the best-ranked row of each family they leave out."""
+    ranked = [{**r, "place": i} for i, r in enumerate(ranked, 1)]
+    judged = ranked[:rows]
+    seen = {family(r["layout"]) for r in judged}
+    extra = []
+    for r in ranked[rows:] if others else []:
+        if family(r["layout"]) not in seen:
+            seen.add(family(r["layout"]))
+            extra.append(r)
+    return judged + extra
 
 
 def label(layout: dict) -> str:
@@ -101,14 +122,15 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--rows", type=int, default=5, help="the first rows, judged")
-    ap.add_argument("--show", type=int, default=0, help="rows after them, run and shown, not judged")
+    ap.add_argument("--others", action="store_true",
+                    help="also run the plan's best row of each family (FSDP, TP, PP, CP) below them, shown, not judged")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--json", help="write the rows here too")
     args = ap.parse_args()
     results, ok, busy = [], True, False
     with tempfile.TemporaryDirectory() as tmp:
         for world in args.worlds:
-            rows = plan(world, args.rows + args.show)
+            rows = chosen_rows(plan(world, 200), args.rows, args.others)
             runs = [measure(r["layout"], world, args.steps, Path(tmp)) for r in rows]
             measured, shares = [m for m, _ in runs], [c for _, c in runs]
             busy |= max(shares) > BUSY_SHARE
@@ -122,8 +144,8 @@ def main() -> int:
             for i, (r, m, c) in enumerate(zip(rows, measured, shares), 1):
                 ratio = m / r["step_s"]
                 ok &= i > args.rows or abs(ratio - 1) <= 0.20
-                shown = " (shown, not judged)" if i > args.rows else ""
-                print(f"| {i} | {label(r['layout'])}{shown} | {r['step_s']:.3f} | {m:.3f} | {ratio:.2f} | {c:.0%} |")
+                place = i if i <= args.rows else f"{r['place']} (best {family(r['layout'])}, not judged)"
+                print(f"| {place} | {label(r['layout'])} | {r['step_s']:.3f} | {m:.3f} | {ratio:.2f} | {c:.0%} |")
                 results.append({"world": world, "rank": i, "layout": r["layout"], "predicted_s": r["step_s"],
                                 "measured_s": m, "others_cpu_share": c})
             ok &= best < 2

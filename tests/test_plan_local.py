@@ -174,3 +174,18 @@ def test_fsdp_time_per_call_from_the_two_rank_runs():
     # ((41 - 7) - (20 - 4) + (52 - 7) - (22 - 4)) / 30 = 45 / 30 = 1.5 ms, less a 0.1 ms latency
     assert per_call_seconds({k: v / 1e3 for k, v in ms.items()}, 1e-4) == pytest.approx(1.4e-3)
     assert per_call_seconds({k: 0.01 for k in ms}, 1e-4) == 0.0  # never below nothing
+
+
+def test_tensor_parallel_host_time_per_layer_by_hand():
+    """calibrate_gloo.tp_block_seconds: TP's growth over 6 blocks against the model alone, per
+    block, less 4 all-reduce latencies; the plan adds it per layer per micro-batch to TP's time."""
+    from gridtrain.train.calibrate_gloo import tp_block_seconds
+
+    ms = {("alone", 2): 3, ("alone", 8): 6, ("tp", 2): 20, ("tp", 8): 71}
+    # ((71 - 6) - (20 - 3)) / 6 = 8 ms a block, less 4 x 0.1 ms
+    assert tp_block_seconds({k: v / 1e3 for k, v in ms.items()}, 1e-4) == pytest.approx(7.6e-3)
+    s = shape.from_args(load_config(None, {"model.preset": "small"}).model.args())
+    cost = [steptime.layer_cost(s, m.cluster, m.eff, 256, 8, 2, 1, False, "none", True).tp_s
+            for m in (local.local_machine(2, "bf16", entry={**ENTRY, "tp_block_s": 5e-3}, cores=2, ram=16e9),
+                      local.local_machine(2, "bf16", entry=ENTRY, cores=2, ram=16e9))]
+    assert cost[0] - cost[1] == pytest.approx(5e-3)

@@ -109,3 +109,16 @@ def test_local_step_adds_fsdps_host_time_per_call():
                       collectives={"dp_replicate/all_reduce_bytes": 1e6}, local_params=1e6, threads=1)
     assert step.comm_s == pytest.approx(collective_seconds({"dp_replicate/all_reduce_bytes": 1e6},
                                                            dims(dp_replicate=2), machine))
+
+
+def test_tensor_parallel_host_time_per_layer_in_the_microbatch():
+    """Under TP each of the rank's layers adds the calibrated host time once per micro-batch."""
+    from dataclasses import replace
+
+    args, cfg = model_args("small"), config()
+    times = [microbatch_seconds(args, dims(tp=2), cfg, machine, layers=4, last=True, activation_bytes=1e6)
+             for machine in (replace(MACHINE, tp_block_s=5e-3), MACHINE)]
+    assert times[0] - times[1] == pytest.approx(4 * 5e-3)
+    alone = [microbatch_seconds(args, dims(), cfg, machine, layers=4, last=True, activation_bytes=1e6)
+             for machine in (replace(MACHINE, tp_block_s=5e-3), MACHINE)]
+    assert alone[0] == alone[1]

@@ -22,7 +22,8 @@ Each rank is a "GPU" of one node holding all N:
   1); gloo has no reduce-scatter, so FSDP's gradients cost an all-reduce;
 - FSDP's host time per collective call (its copies, DTensor's dispatch and gloo's per-call cost
   between processes, train/calibrate_gloo.py), times the calls a step issues (dptime.fsdp_calls),
-  shared like the cores.
+  shared like the cores; and tensor parallelism's host time per layer per micro-batch (DTensor's
+  dispatch and redistributions, the same calibration), shared the same way.
 Threads per rank: what torchrun gives each of N > 1 processes, OMP_NUM_THREADS or 1; one process
 keeps torch's default, the cores.
 """
@@ -100,5 +101,6 @@ def local_machine(ranks: int, precision: str, entry: dict | None = None, cores: 
                      recompute_overhead_s=tuple((k, v * contention)
                                                 for k, v in sorted(entry.get("recompute_overhead_s", {}).items())),
                      overlap_slowdown=1.0, attention=None if attention is None else attention / contention / peak,
-                     fsdp_call_s=entry.get("fsdp_call_s", 0.0) * contention)
+                     fsdp_call_s=entry.get("fsdp_call_s", 0.0) * contention,
+                     tp_block_s=entry.get("tp_block_s", 0.0) * contention)
     return LocalPlanMachine(cluster, eff, threads, contention)

@@ -7,7 +7,7 @@ One optimizer step on one rank:
     step = contention x (m + bubble) x t_mb + collectives + optimizer
     t_mb = matmul FLOPs / (matmul peak x matmul share) + attention FLOPs / attention rate
            + saved-activation bytes x HBM_PASSES / (memory bandwidth x elementwise share)
-           + layers x framework time per layer
+           + layers x framework time per layer (and tensor parallelism's host time per layer)
 
 - matmul FLOPs: 6 x the rank's matmul parameters x tokens per micro-batch (8 x with full
   recomputation; selective recomputation rebuilds only elementwise work); TP divides them;
@@ -109,6 +109,8 @@ class LocalMachine:
     """What each recomputation mode's checkpoint machinery adds to it."""
     fsdp_call_s: float = 0.0
     """FSDP's host time per collective call beyond its bytes (train/calibrate_gloo.py)."""
+    tp_block_s: float = 0.0
+    """Tensor parallelism's host time per layer per micro-batch (train/calibrate_gloo.py)."""
 
     @classmethod
     def from_calibration(cls, entry: dict, precision: str, cores: int, args: ModelArgs | None = None,
@@ -121,7 +123,7 @@ class LocalMachine:
         return cls(peak, attention, entry["memory_bytes_per_s"], entry["gloo_bytes_per_s"], cores,
                    matmul_share(entry, precision, dim), entry.get("elementwise_share", {}).get(precision, 1.0),
                    entry.get("layer_overhead_s", 0.0), tuple(sorted(entry.get("recompute_overhead_s", {}).items())),
-                   entry.get("fsdp_call_s", 0.0))
+                   entry.get("fsdp_call_s", 0.0), entry.get("tp_block_s", 0.0))
 
 
 @dataclass(frozen=True)
@@ -150,7 +152,8 @@ def microbatch_seconds(args: ModelArgs, dims: ParallelDims, cfg: Config, machine
     matmul = factor * tokens * (layers * block_matmul + (args.vocab_size * h if last else 0)) / dims.tp
     keys = seq if span is None else span
     attention = (4 if recompute == "full" else 3) * 4 * tokens * keys * q * layers / dims.tp
-    framework = layers * (machine.layer_overhead_s + dict(machine.recompute_overhead_s).get(recompute, 0.0))
+    framework = layers * (machine.layer_overhead_s + dict(machine.recompute_overhead_s).get(recompute, 0.0)
+                          + (machine.tp_block_s if dims.tp > 1 else 0.0))
     return (matmul / (machine.matmul_flops * machine.matmul_share) + attention / machine.attention_flops
             + activation_bytes * HBM_PASSES / (machine.memory_bytes_per_s * machine.elementwise_share) + framework)
 

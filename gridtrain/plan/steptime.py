@@ -77,6 +77,10 @@ class Efficiency:
     recompute_overhead_s: tuple[tuple[str, float], ...] = ()
     """Framework time recomputation adds per layer per micro-batch, by mode (its checkpoint
     machinery, measured on CPUs where it shows)."""
+    tp_block_s: float = 0.0
+    """Host time tensor parallelism adds per layer per micro-batch beyond its collectives' bytes and
+    latency (DTensor's dispatch and redistributions): hidden on a GPU like fsdp_call_s, the step
+    on CPU ranks (train/calibrate_gloo.py)."""
     fsdp_call_s: float = 0.0
     """Host time per FSDP collective call beyond its bytes (copies into and out of its buffers,
     DTensor's dispatch, the backend's per-call cost): hidden on a GPU, where the host runs ahead of
@@ -221,7 +225,7 @@ def layer_cost(shape: ModelShape, cluster: ClusterSpec, eff: Efficiency, seq_len
     if tp > 1:
         levels = placement.axis_levels(cluster, tp, 1, eff.intra_node, eff.inter_node)
         count = (6 if recompute == "full" else 4) // (2 if moe else 1)
-        tp_s = count * placement.all_reduce_time(tokens * shape.hidden * act_bytes, levels)
+        tp_s = count * placement.all_reduce_time(tokens * shape.hidden * act_bytes, levels) + eff.tp_block_s
         if moe and sequence_parallel:  # the mixture's own gathers (parallel/tensor_parallel.moe_plan)
             rows = tokens * shape.hidden
             again = recompute != "none"  # a recomputed forward gathers again (dry runs: selective too)

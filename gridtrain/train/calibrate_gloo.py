@@ -24,6 +24,13 @@ second all-gather in backward); DDP's buckets do not grow. So
 less the latency the planner already charges for a call (one ring step between two ranks: half
 the all-reduce's). The difference of differences leaves out the compute, the framework's time
 per layer (both sides pay it) and what a step pays once.
+
+Tensor parallelism's host time per layer per micro-batch, the same way: the tiny model sharded
+over the two ranks (parallel/tensor_parallel.py, no sequence parallelism) against the same model
+alone in each, per block added, less the latency of the 4 all-reduces a block's forward and
+backward make (all the planner charges at these sizes): DTensor's dispatch, its redistributions
+and its optimizer and clipping over DTensors (about 8 ms a block here, where a block alone
+takes under 1 ms).
 """
 
 from __future__ import annotations
@@ -44,7 +51,7 @@ import torch.distributed as dist
 log = logging.getLogger(__name__)
 
 BLOCKS = (2, 8)
-KINDS = ("ddp", "zero2", "zero3")
+KINDS = ("alone", "ddp", "zero2", "zero3", "tp")
 CALLS_PER_BLOCK = {"zero2": 2, "zero3": 3}
 """FSDP collectives a step issues per unit: ZeRO-2 an all-gather and a reduce-scatter, ZeRO-3 an
 all-gather in forward and one in backward and a reduce-scatter."""
@@ -59,25 +66,44 @@ def per_call_seconds(times: dict[tuple[str, int], float], latency_s: float) -> f
     return max(0.0, extra / calls - latency_s)
 
 
+TP_CALLS_PER_BLOCK = 4
+"""Tensor-parallel all-reduces per block per micro-batch the planner charges without recomputation
+(steptime.layer_cost): attention's and the MLP's outputs forward, their inputs' gradients backward."""
+
+
+def tp_block_seconds(times: dict[tuple[str, int], float], latency_s: float) -> float:
+    """Tensor parallelism's host time per block per micro-batch beyond the latency of its
+    collectives (module docstring), from the step times `times[(kind, blocks)]`: TP over the two
+    ranks against the same model alone in each."""
+    low, high = BLOCKS
+    extra = (times["tp", high] - times["alone", high]) - (times["tp", low] - times["alone", low])
+    return max(0.0, extra / (high - low) - TP_CALLS_PER_BLOCK * latency_s)
+
+
 def _step_seconds(kind: str, blocks: int, steps: int) -> float:
     """Median step of gridtrain's tiny transformer with `blocks` blocks under `kind` on this rank."""
     from torch.distributed._composable.replicate import replicate
     from torch.distributed.device_mesh import init_device_mesh
 
+    from gridtrain.config import TrainConfig
     from gridtrain.model.args import ModelArgs
     from gridtrain.model.llama import Transformer
     from gridtrain.parallel.data_parallel import apply_fsdp
     from gridtrain.parallel.grads import clip_grad_norm
+    from gridtrain.parallel.tensor_parallel import apply_tp
+    from gridtrain.train.optim import build_optimizer
 
     torch.manual_seed(0)
-    args = ModelArgs(dim=16, n_layers=blocks, n_heads=2, n_kv_heads=1, vocab_size=32, max_seq_len=8, ffn_dim=32)
+    args = ModelArgs(dim=16, n_layers=blocks, n_heads=2, n_kv_heads=2, vocab_size=32, max_seq_len=8, ffn_dim=32)
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     model = Transformer(args)
     if kind == "ddp":
         replicate(model, device_mesh=mesh, bucket_cap_mb=25)
-    else:
+    elif kind == "tp":
+        apply_tp(model, mesh, sequence_parallel=False)
+    elif kind != "alone":
         apply_fsdp(model, mesh, reshard_after_forward=kind == "zero3", param_dtype=torch.bfloat16)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    optimizer = build_optimizer(model, TrainConfig())  # the trainer's AdamW, as it picks its kernel
     tokens = torch.randint(0, args.vocab_size, (1, 8))
 
     def step() -> None:
@@ -152,7 +178,8 @@ def measure_two_processes(threads: int, cores: int, steps: int = 12) -> dict[str
     contention = max(1.0, 2 * threads / cores)
     latency = raw["latency"] / contention
     return {"gloo_bytes_per_s": 4 * (1 << 20) / raw["bandwidth"] * contention, "gloo_latency_s": latency,
-            "fsdp_call_s": per_call_seconds(times, raw["latency"] / 2) / contention}
+            "fsdp_call_s": per_call_seconds(times, raw["latency"] / 2) / contention,
+            "tp_block_s": tp_block_seconds(times, raw["latency"]) / contention}
 
 
 if __name__ == "__main__":
