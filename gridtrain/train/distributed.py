@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -95,8 +96,23 @@ def shutdown(finished: bool = False) -> None:
     """Leave the process group. After a finished run every rank first waits for the others:
     a rank that tears its gloo connections down while a peer still completes the last collective
     makes that peer abort ("terminate called without an active exception", seen in about one run
-    in eight on this machine without the barrier)."""
+    in eight on this machine without the barrier). The barrier is itself such a collective: a
+    rank can leave it while a peer still finishes it (the same abort, once in some 20 runs of 4
+    ranks with it), so the ranks then also answer a roll call in the job's store, which holds no
+    gloo connection, before any of them tears its connections down."""
     if dist.is_initialized():
         if finished:
             dist.barrier()
+            roll_call(f"gridtrain/finished/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")
         dist.destroy_process_group()
+
+
+def roll_call(key: str, timeout_s: float = 60.0) -> None:
+    """Wait until every rank has added itself to `key` in the default group's store (at most
+    `timeout_s`; a peer gone by then is gone, and this rank leaves anyway)."""
+    store = dist.distributed_c10d._get_default_store()
+    world, deadline = dist.get_world_size(), time.monotonic() + timeout_s
+    count = store.add(key, 1)
+    while count < world and time.monotonic() < deadline:
+        time.sleep(0.01)
+        count = store.add(key, 0)
