@@ -5,6 +5,7 @@ step time follows from the calibration by hand; without a calibration the plan s
 from __future__ import annotations
 
 import contextlib
+import math
 import io
 import json
 import shlex
@@ -189,3 +190,17 @@ def test_tensor_parallel_host_time_per_layer_by_hand():
             for m in (local.local_machine(2, "bf16", entry={**ENTRY, "tp_block_s": 5e-3}, cores=2, ram=16e9),
                       local.local_machine(2, "bf16", entry=ENTRY, cores=2, ram=16e9))]
     assert cost[0] - cost[1] == pytest.approx(5e-3)
+
+
+def test_ring_step_latency_by_ranks_as_measured():
+    """Ranks beyond the cores wait for the scheduler at each ring step: the calibrated step over
+    2 and 4 processes, in log ranks between them, in proportion beyond; without the table, half a
+    two-thread all-reduce times the contention."""
+    entry = {**ENTRY, "gloo_ring_step_s": {"2": 2e-4, "4": 8e-4}}
+    assert local.ring_step_seconds(entry, 2, 1.0) == pytest.approx(2e-4)
+    assert local.ring_step_seconds(entry, 4, 2.0) == pytest.approx(8e-4)
+    assert local.ring_step_seconds(entry, 3, 1.5) == pytest.approx(2e-4 + (math.log(3) - math.log(2)) / math.log(2) * 6e-4)
+    assert local.ring_step_seconds(entry, 8, 4.0) == pytest.approx(16e-4)
+    assert local.ring_step_seconds(ENTRY, 4, 2.0) == pytest.approx(100e-6 / 2 * 2)
+    four = local.local_machine(4, "bf16", entry=entry, cores=2, ram=16e9)
+    assert four.cluster.gloo_step_s == pytest.approx(8e-4)

@@ -42,7 +42,7 @@ def test_embedded_table_is_the_csv():
 # each row (one decimal), worst error 4.6%.
 PINNED = {"matmul": 0.66, "hbm": 0.70, "intra_node": 0.60, "inter_node": 0.80, "layer_overhead_s": 50e-6,
           "overlap_slowdown": 0.35}
-README_TFLOPS = [138.3, 137.3, 135.5, 129.5, 137.6, 143.3, 148.4, 155.6, 157.8, 158.9]
+README_TFLOPS = [138.3, 137.3, 135.5, 129.5, 137.6, 143.2, 148.4, 155.6, 157.8, 158.9]
 
 
 def test_all_ten_rows_within_five_percent_as_the_readme_prints(rows):

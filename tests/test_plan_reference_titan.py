@@ -23,7 +23,7 @@ def test_every_published_row_within_ten_percent_in_speed_and_memory():
         assert abs(r["tokens_error_pct"]) <= 10, r
         assert abs(r["memory_error_pct"]) <= 10, r
     # what the README prints (tokens/s per GPU, rounded)
-    assert [round(r["predicted_tokens_per_s_per_gpu"]) for r in rows] == [5768, 6665, 5622, 6470]
+    assert [round(r["predicted_tokens_per_s_per_gpu"]) for r in rows] == [5768, 6665, 5621, 6469]
 
 
 def test_the_rows_fix_the_kernel_efficiencies():

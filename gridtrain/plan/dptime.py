@@ -80,6 +80,21 @@ def fsdp_gather_passes(layout: Layout) -> tuple[int, int]:
     return (m, 1) if row.stages_per_rank == 1 else (1, 1)
 
 
+def step_sync_seconds(layout: Layout, cluster: ClusterSpec, eff: Efficiency) -> float:
+    """The small all-reduces the trainer makes every step beside the gradients': the global loss
+    over each of the pipeline, data- and context-parallel axes it spans, and the world's roll call
+    for a stop signal (train/trainer.py). A GPU pays their latency in microseconds; CPU ranks
+    beyond the cores wait for the scheduler at each ring step (plan/local.py: 4.5-7.7 ms an
+    all-reduce over 4 processes on 2 cores)."""
+    if layout.num_gpus == 1:
+        return 0.0
+    inner = {"cp": layout.tp, "dp": layout.tp * layout.cp, "pp": layout.tp * layout.cp * layout.dp}
+    groups = [(degree, inner[axis]) for axis, degree in (("pp", layout.pp), ("dp", layout.dp), ("cp", layout.cp))
+              if degree > 1] + [(layout.num_gpus, 1)]
+    return sum(placement.all_reduce_time(8, placement.axis_levels(cluster, degree, stride, eff.intra_node,
+                                                                  eff.inter_node)) for degree, stride in groups)
+
+
 def fsdp_calls(layout: Layout, layers: int) -> int:
     """FSDP collective calls a step issues on a rank of `layers` blocks, each unit (a block; the
     embedding and the head beside them) once per collective as _dp_overlap counts them: ZeRO 2 an

@@ -16,8 +16,8 @@ Each rank is a "GPU" of one node holding all N:
 - framework time: the calibrated forward and backward of a block too small to compute (op
   dispatch, autograd, autocast), per layer per micro-batch, and what each recomputation mode's
   checkpoint machinery adds to it;
-- collectives: gloo's all-reduce bus bandwidth between two processes, each call costing the measured
-  latency of a small all-reduce per two ring steps, both shared like the cores, never overlapped
+- collectives: gloo's all-reduce bus bandwidth between two processes, shared like the cores, each
+  call costing the measured latency of a ring step per step (ring_step_seconds), never overlapped
   with compute (gloo's threads take the cores the matmuls run on: Efficiency.overlap_slowdown =
   1); gloo has no reduce-scatter, so FSDP's gradients cost an all-reduce;
 - FSDP's host time per collective call (its copies, DTensor's dispatch and gloo's per-call cost
@@ -73,6 +73,18 @@ def ram_bytes() -> float:
         return 8e9
 
 
+def ring_step_seconds(entry: dict, ranks: int, contention: float) -> float:
+    """The latency of one ring step of a collective over `ranks` local processes: calibrate's
+    measurement over 2, the cores and twice the cores (gloo_ring_step_s; ranks beyond the cores
+    wait for the scheduler at each step), in log ranks between them and in proportion beyond; an
+    older calibration's half all-reduce between two threads, times the contention, without it."""
+    table = {int(n): t for n, t in entry.get("gloo_ring_step_s", {}).items()}
+    if not table:
+        return entry.get("gloo_latency_s", 0.0) / 2 * contention
+    most = max(table)
+    return table[most] * ranks / most if ranks > most else log_interpolate(table, ranks)
+
+
 def local_machine(ranks: int, precision: str, entry: dict | None = None, cores: int | None = None,
                   ram: float | None = None, head_dim: int | None = None, seq_len: int | None = None,
                   dim: int | None = None) -> LocalPlanMachine:
@@ -92,7 +104,7 @@ def local_machine(ranks: int, precision: str, entry: dict | None = None, cores: 
     acc = AcceleratorSpec(f"local CPU rank ({cpu_model_name()}, {threads} thread(s))", peak / 1e12,
                           (ram or ram_bytes()) / ranks / 1e9, entry["memory_bytes_per_s"] / contention / 1e9, 0,
                           2 * gloo / 1e9)
-    step_latency = entry.get("gloo_latency_s", 0.0) / 2 * contention
+    step_latency = ring_step_seconds(entry, ranks, contention)
     cluster = ClusterSpec("local", acc, ranks, gloo / 1e9, step_latency, gloo / 1e9, step_latency,
                           price_per_gpu_hour=0.0, gloo_step_s=step_latency)
     eff = Efficiency(matmul=matmul_share(entry, precision, dim),

@@ -39,7 +39,7 @@ import functools
 from dataclasses import dataclass, replace
 
 from gridtrain.plan import placement
-from gridtrain.plan.dptime import dp_time
+from gridtrain.plan.dptime import dp_time, step_sync_seconds
 from gridtrain.plan.float8 import matmul_peak
 from gridtrain.plan.flops import flops_per_token, hardware_flops_per_token
 from gridtrain.plan.layout import Layout
@@ -275,6 +275,7 @@ class StepTime:
     dp_total_s: float
     """DP/FSDP communication before overlap."""
     optimizer_s: float
+    """AdamW's update, and the trainer's small all-reduces of the step (dptime.step_sync_seconds)."""
     critical_rank: int
     """The pipeline rank that sets the pace."""
     model_flops_per_token: float
@@ -403,7 +404,8 @@ def step_time(shape: ModelShape, layout: Layout, cluster: ClusterSpec, eff: Effi
     return StepTime(
         layout=layout, compute_s=m * pt.micro_s - tp_s - cp_s - ep_s, tp_s=tp_s, cp_s=cp_s, ep_s=ep_s, pp_s=pt.pp_s,
         bubble_s=pt.bubble_s, dp_s=dp_exposed, dp_total_s=dp_total,
-        optimizer_s=optimizer_seconds(shape, layout, cluster, eff, pt.critical_rank, pt.layers, state),
+        optimizer_s=optimizer_seconds(shape, layout, cluster, eff, pt.critical_rank, pt.layers, state)
+        + step_sync_seconds(layout, cluster, eff),
         critical_rank=pt.critical_rank,
         model_flops_per_token=flops_per_token(shape, layout.seq_len, layout.attention_span),
         hardware_flops_per_token=hardware_flops_per_token(shape, layout.seq_len, layout.recompute,

@@ -125,62 +125,82 @@ def _step_seconds(kind: str, blocks: int, steps: int) -> float:
     return statistics.median(times)
 
 
+SMALL = 4096
+"""Elements of the small all-reduce whose time is the latency: 16 KB (one element takes another
+algorithm in gloo, 0.4 ms against 4.5-7.7 ms over 4 processes on 2 cores)."""
+
+
 def _all_reduce_seconds(numel: int, repeats: int) -> float:
-    """Median time of an all-reduce of `numel` fp32 elements over the default group."""
+    """Median time of back-to-back all-reduces of `numel` fp32 elements over the default group."""
     t, times = torch.ones(numel), []
     dist.all_reduce(t)
     for _ in range(repeats):
-        dist.barrier()
         start = time.perf_counter()
         dist.all_reduce(t)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
-def _rank(rank: int, store_path: str, out_path: str, threads: int, steps: int) -> None:
+def _rank(rank: int, world: int, store_path: str, out_path: str, threads: int, steps: int) -> None:
+    """One process of a launch: with 2 processes every measurement, with more the latency alone."""
     torch.set_num_threads(threads)
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
     try:
-        times: dict[str, float] = {"latency": _all_reduce_seconds(1, 40), "bandwidth": _all_reduce_seconds(1 << 20, 12)}
-        # Twice over, alternating, so a drift of the machine falls on every kind alike; the best.
-        for _ in range(2):
-            for blocks in BLOCKS:
-                for kind in KINDS:
-                    t = _step_seconds(kind, blocks, steps)
-                    times[f"{kind}/{blocks}"] = min(times.get(f"{kind}/{blocks}", t), t)
+        times: dict[str, float] = {"latency": _all_reduce_seconds(SMALL, 40)}
+        if world == 2:
+            times["bandwidth"] = _all_reduce_seconds(1 << 20, 12)
+            # Twice over, alternating, so a drift of the machine falls on every kind alike; the best.
+            for _ in range(2):
+                for blocks in BLOCKS:
+                    for kind in KINDS:
+                        t = _step_seconds(kind, blocks, steps)
+                        times[f"{kind}/{blocks}"] = min(times.get(f"{kind}/{blocks}", t), t)
         if rank == 0:
             Path(out_path).write_text(json.dumps(times))
     finally:
         dist.destroy_process_group()
 
 
-def measure_two_processes(threads: int, cores: int, steps: int = 12) -> dict[str, float]:
-    """gloo between two processes of `threads` threads each (module docstring): the all-reduce's
-    bandwidth (payload bytes / time of a 4 MiB one) and latency (a one-element one), medians, and
-    FSDP's time per collective call beyond its bytes, the latter two as if the two processes had
-    the `cores` to themselves (plan/local.py shares them out again by the plan's ranks); {} where
-    two processes cannot start."""
+def _launch(world: int, threads: int, steps: int) -> dict[str, float]:
+    """Run `world` processes of _rank; rank 0's measurements."""
     with tempfile.TemporaryDirectory() as tmp:
         store, out = os.path.join(tmp, "store"), os.path.join(tmp, "times.json")
         ranks, errors = [], []
         try:
-            ranks = [subprocess.Popen([sys.executable, "-m", __name__, str(r), store, out, str(threads), str(steps)],
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for r in range(2)]
+            ranks = [subprocess.Popen([sys.executable, "-m", __name__, str(r), str(world), store, out, str(threads),
+                                       str(steps)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                     for r in range(world)]
             errors = [p.communicate(timeout=300)[1].strip() for p in ranks]
-            raw = json.loads(Path(out).read_text())
+            return json.loads(Path(out).read_text())
         except (OSError, ValueError, subprocess.SubprocessError) as err:
             for p in ranks:
                 p.kill()
-            why = "; ".join([str(err), *(e.splitlines()[-1] for e in errors if e)])
-            log.warning("gloo between two processes not measured (%s): between two threads instead", why)
-            return {}
+            raise OSError("; ".join([str(err), *(e.splitlines()[-1] for e in errors if e)])) from err
+
+
+def measure_processes(threads: int, cores: int, steps: int = 12) -> dict:
+    """gloo between processes of `threads` threads each (module docstring): from two, the
+    all-reduce's bandwidth (payload bytes / time of a 4 MiB one) and latency (a 16 KB one),
+    medians, FSDP's time per collective call and tensor parallelism's per layer beyond their
+    bytes, as if the two processes had the `cores` to themselves (plan/local.py shares them out
+    again by the plan's ranks); and the time per ring step of the small all-reduce over 2, `cores`
+    and twice `cores` processes, as measured (ranks beyond the cores wait for the scheduler at every
+    step: 0.14 ms over 2 processes here, 1.1 ms over 4). {} where the processes cannot start."""
+    try:
+        raw = _launch(2, threads, steps)
+        steps_by_ranks = {n: (raw["latency"] if n == 2 else _launch(n, threads, steps)["latency"]) / (2 * (n - 1))
+                          for n in sorted({2, max(2, cores // threads), 2 * max(1, cores // threads)})}
+    except OSError as err:
+        log.warning("gloo between processes not measured (%s): between two threads instead", err)
+        return {}
     times = {(key.split("/")[0], int(key.split("/")[1])): t for key, t in raw.items() if "/" in key}
     contention = max(1.0, 2 * threads / cores)
     latency = raw["latency"] / contention
     return {"gloo_bytes_per_s": 4 * (1 << 20) / raw["bandwidth"] * contention, "gloo_latency_s": latency,
+            "gloo_ring_step_s": {str(n): t for n, t in steps_by_ranks.items()},
             "fsdp_call_s": per_call_seconds(times, raw["latency"] / 2) / contention,
             "tp_block_s": tp_block_seconds(times, raw["latency"]) / contention}
 
 
 if __name__ == "__main__":
-    _rank(int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
+    _rank(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5]), int(sys.argv[6]))
