@@ -214,8 +214,11 @@ def cmd_calibrate(args: argparse.Namespace, extra: list[str]) -> int:
         extra_text = f", attention fwd+bwd {attention / 1e9:8.1f} GFLOP/s" if attention else ""
         print(f"{mode:<5} peak matmul {flops / 1e9:10.1f} GFLOP/s{extra_text}")
     print(f"memory bandwidth {entry['memory_bytes_per_s'] / 1e9:.1f} GB/s; gloo all-reduce between two ranks "
-          f"{entry['gloo_bytes_per_s'] / 1e9:.2f} GB/s, latency {entry['gloo_latency_s'] * 1e6:.0f} us"
-          + (f"; FSDP's host time per collective call {entry['fsdp_call_s'] * 1e3:.2f} ms" if "fsdp_call_s" in entry else ""))
+          f"{entry['gloo_bytes_per_s'] / 1e9:.2f} GB/s, latency {entry['gloo_latency_s'] * 1e6:.0f} us")
+    if "fsdp_call_s" in entry:
+        steps = ", ".join(f"{t * 1e3:.2f} ms over {n}" for n, t in entry["gloo_ring_step_s"].items())
+        print(f"between processes: a ring step {steps} processes; host time per FSDP collective call "
+              f"{entry['fsdp_call_s'] * 1e3:.2f} ms, per tensor-parallel layer {entry['tp_block_s'] * 1e3:.2f} ms")
     for mode, share in entry.get("elementwise_share", {}).items():
         widths = entry["matmul_flops_by_dim"][mode]
         print(f"{mode:<5} a block's linear layers reach {min(widths.values()) / 1e9:.0f}-{max(widths.values()) / 1e9:.0f} "
