@@ -24,7 +24,7 @@ from gridtrain.plan.machine import cached_entry, calibration_path, machine_key
 from gridtrain.plan.specs import ACCELERATORS, accelerator_of_device
 from gridtrain.plan.local import usable_cores
 from gridtrain.train.calibrate_gloo import measure_processes
-from gridtrain.train.calibrate_kernels import measure_kernels
+from gridtrain.train.calibrate_kernels import best_seconds, measure_kernels
 
 log = logging.getLogger(__name__)
 
@@ -64,32 +64,17 @@ def attention_flops(batch: int, heads: int, seq: int, head_dim: int) -> float:
     return 3 * 4 * batch * heads * seq * seq * head_dim
 
 
-ATTENTION_HEAD_DIMS = (32, 64, 128)
-"""Head sizes at which `calibrate` also times attention (a CPU kernel's rate grows with it)."""
-
-
-def attention_shape(head_dim: int) -> tuple[int, int, int, int]:
-    """ATTENTION_SHAPE with another head size, the width (heads x head size) kept."""
-    batch, heads, seq, dim = ATTENTION_SHAPE
-    return batch, heads * dim // head_dim, seq, head_dim
-
-
 def measure_attention_flops(dtype: torch.dtype, seconds: float,
                             shape: tuple[int, int, int, int] = ATTENTION_SHAPE) -> float:
     """Best achieved rate of causal SDPA forward + backward at `shape`, in the FLOPs of
-    `attention_flops`: on CPUs the attention kernel runs far below the matmul peak."""
+    `attention_flops`: on CPUs the attention kernel runs far below the matmul peak (by head size
+    and sequence length: calibrate_kernels.measure_attention_grid)."""
     q, k, v = (torch.randn(*shape).to(dtype).requires_grad_() for _ in range(3))
 
     def once() -> None:
         torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
 
-    once()
-    best, deadline = 0.0, time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
-        start = time.perf_counter()
-        once()
-        best = max(best, attention_flops(*shape) / (time.perf_counter() - start))
-    return best
+    return attention_flops(*shape) / best_seconds(once, seconds)
 
 
 def measure_memory_bandwidth(seconds: float, numel: int = 1 << 25) -> float:
@@ -209,9 +194,6 @@ def calibrate(threads: int | None = None, seconds: float = 2.0, modes: tuple[str
         entry["layer_overhead_s"] = overhead["none"]
         entry["recompute_overhead_s"] = {mode: max(0.0, overhead[mode] - overhead["none"])
                                          for mode in ("selective", "full")}
-        entry["attention_flops_by_head_dim"] = {
-            mode: {str(d): measure_attention_flops(CALIBRATION_DTYPES[mode], seconds / 8, attention_shape(d))
-                   for d in ATTENTION_HEAD_DIMS} for mode in modes if mode != "fp16"}
         entry.update(measure_kernels([m for m in modes if m != "fp16"], seconds, entry))
     entry.update(measured_at=time.time(), machine=platform.node(), cpu_share=share)
     if share < LOADED_SHARE:
