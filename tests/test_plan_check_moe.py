@@ -31,16 +31,63 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory, corpus_dir: Path) -> Path:
-    out = tmp_path_factory.mktemp("plan-check-moe")
+# ep below dp x cp (gridtrain.layout.experts): over 4 ranks, the experts FSDP-sharded over the 2 ranks
+# ep leaves of dp_shard x cp; their own units' gathers and reductions on 'edp_shard', the all-to-alls on 'ep'.
+CASES4 = {
+    "ep2-fsdp4": {**FSDP2, "parallel.dp_shard": 4, "parallel.ep": 2, "train.precision": "bf16"},
+    "ep2-fsdp2-cp2": {**FSDP2, "parallel.cp": 2, "parallel.ep": 2},
+}
+
+
+def _launched(out: Path, corpus_dir: Path, world: int, cases: dict) -> Path:
     base = {"model.preset": "tiny-moe", "data.corpus": str(corpus_dir), "data.cache_dir": str(out / "cache"),
-            "data.seq_len": 32, "train.micro_batch": 2, "train.global_batch": 8, "train.steps": 2,
+            "data.seq_len": 32, "train.micro_batch": 2, "train.global_batch": 4 * world, "train.steps": 2,
             "train.warmup_steps": 1, "train.val_every": 0, "metrics.tensorboard": False,
             "metrics.progress": False, "metrics.account_every": 1, "metrics.log_every": 1}
-    proc = launch(2, {name: {**base, **keys} for name, keys in CASES.items()}, out)
+    proc = launch(world, {name: {**base, **keys} for name, keys in cases.items()}, out)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory, corpus_dir: Path) -> Path:
+    return _launched(tmp_path_factory.mktemp("plan-check-moe"), corpus_dir, 2, CASES)
+
+
+@pytest.fixture(scope="module")
+def runs4(tmp_path_factory: pytest.TempPathFactory, corpus_dir: Path) -> Path:
+    return _launched(tmp_path_factory.mktemp("plan-check-moe4"), corpus_dir, 4, CASES4)
+
+
+def _predicted_exactly(rows: list, ranks: int) -> list:
+    """The check's rows, asserted: nothing missing, every rank's state to the byte, every collective
+    that routing does not change to the byte (the all-to-alls summed over the ranks too), and one
+    rank's all-to-alls within the routing's imbalance of their expectation. Returns the collectives."""
+    from gridtrain.plan.check_run import ALL_RANKS, format_check
+
+    assert not [r for r in rows if r.missing], format_check(rows)
+    state = [r for r in rows if r.bucket in ("weights", "gradients", "optimizer")]
+    assert len(state) == 3 * ranks and all(r.predicted == r.measured for r in state), format_check(rows)
+    comm = [r for r in rows if "/" in r.bucket]
+    for row in comm:
+        if not row.routed or row.rank == ALL_RANKS:  # exact: neither estimated nor off by a byte
+            assert not row.estimated and row.predicted == row.measured, format_check(rows)
+        else:  # one rank's all-to-alls: their expectation, within the routing's imbalance
+            assert 0.8 < row.ratio < 1.25, format_check(rows)
+    return comm
+
+
+@pytest.mark.parametrize("name", list(CASES4))
+def test_check_predicts_expert_parallelism_below_dp_x_cp(runs4, name):
+    """The state of tests/test_plan_moe.py's ep 2 x fsdp 4 by hand (165,184 bytes of weights a rank:
+    the experts split over ep and then over the 2 ranks left, the rest over 4), measured."""
+    from gridtrain.plan.check_run import check_run
+
+    rows = check_run(runs4 / name)
+    comm = _predicted_exactly(rows, 4)
+    assert {"ep/all_to_all_bytes", "edp_shard/all_gather_bytes", "edp_shard/all_reduce_bytes"} <= {
+        r.bucket for r in comm}
+    assert {r.measured for r in rows if r.bucket == "weights"} == {165_184}
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -48,15 +95,8 @@ def test_check_predicts_a_mixture_of_experts_run(runs, name):
     from gridtrain.plan.check_run import ALL_RANKS, check_run, format_check
 
     rows = check_run(runs / name)
-    assert not [r for r in rows if r.missing], format_check(rows)
+    comm = _predicted_exactly(rows, 2)
     state = [r for r in rows if r.bucket in ("weights", "gradients", "optimizer")]
-    assert len(state) == 6 and all(r.predicted == r.measured for r in state), format_check(rows)
-    comm = [r for r in rows if "/" in r.bucket]
-    for row in comm:
-        if not row.routed or row.rank == ALL_RANKS:  # exact: neither estimated nor off by a byte
-            assert not row.estimated and row.predicted == row.measured, format_check(rows)
-        else:  # one rank's all-to-alls: their expectation, within the routing's imbalance
-            assert 0.8 < row.ratio < 1.25, format_check(rows)
     routed = [r for r in comm if r.routed]
     assert len(routed) == (3 if name.startswith("ep2") else 0)
     if name == "ep2-fsdp":  # the hand-derived bytes of tests/test_plan_moe.py, measured

@@ -100,6 +100,53 @@ def test_tiny_moe_collectives_under_ep2_fsdp2():
                                    "dp_shard/all_to_all_bytes": 524_544}
 
 
+EP2_FSDP4 = {**EP2_FSDP2, "parallel.dp_shard": 4, "train.global_batch": 16}
+
+
+def test_the_ranks_ep_leaves_shard_or_replicate_the_experts():
+    """gridtrain.layout.experts by hand: ep takes the innermost of the dp x cp ranks; at ZeRO 2/3 the
+    experts are sharded over what is left of dp_shard x cp, replicated over the rest; at ZeRO 0 whole."""
+    from gridtrain.layout.experts import expert_split
+
+    # (dp_replicate, dp_shard, cp, ep, zero) -> (edp_replicate, edp_shard)
+    table = {(1, 4, 1, 2, 3): (1, 2), (1, 2, 2, 2, 3): (1, 2), (2, 2, 1, 2, 3): (2, 1), (2, 4, 1, 2, 2): (2, 2),
+             (4, 1, 1, 2, 0): (2, 1), (1, 8, 1, 8, 3): (1, 1), (1, 64, 1, 8, 3): (1, 8), (1, 1, 1, 1, 3): (1, 1)}
+    for degrees, split in table.items():
+        assert expert_split(*degrees) == split, degrees
+
+
+def test_tiny_moe_under_ep2_fsdp4():
+    """By hand, 4 ranks: each rank's 4 experts of a layer (3 x 4 x 32 x 64 = 24,576 elements) are
+    split in two on dimension 1 by FSDP over the 2 ranks ep leaves (12,288 a layer, 24,576 for
+    both layers); the other 66,880 elements over dp_shard 4 (every first dimension divides by 4):
+    16,720. Weights (24,576 + 16,720) x 4 = 165,184 bytes, AdamW's moments twice that and 23 step
+    counts. Per step (2 micro-batches a rank): the all-to-alls as over 2 ranks (524,544) on 'ep';
+    the experts' units gathered twice per micro-batch but the last layer's (2 x 196,608 - 98,304 =
+    294,912) and reduced once (196,608) on 'edp_shard'; the dense units as over 2 ranks on
+    'dp_shard', whose group, all 4 ranks, also carries the experts' 6 norm scalars and the balance
+    step's 160 bytes."""
+    cfg, dims, args = tiny_moe(**EP2_FSDP4)
+    dims = parallel_dims(cfg, 4)
+    for rank in range(4):
+        assert predict_rank(args, dims, cfg, rank) == {"weights": 165_184, "gradients": 165_184,
+                                                       "optimizer": 2 * 165_184 + 4 * 23}
+    predicted, exact = collectives(args, dims, cfg, 0)
+    assert exact and predicted == {"dp_shard/all_gather_bytes": 2 * 319_232,
+                                   "dp_shard/all_reduce_bytes": 2 * 267_520 + 4 * 23 + 160,
+                                   "ep/all_to_all_bytes": 524_544,
+                                   "edp_shard/all_gather_bytes": 2 * 294_912,
+                                   "edp_shard/all_reduce_bytes": 2 * 196_608}
+    # At ZeRO 0 (DDP 4 beside EP 2) the experts are whole, their gradients all-reduced over the 2
+    # copies every micro-batch, the dense weights' over all 4, and the norm scalars over 'ep'.
+    cfg, _, _ = tiny_moe(**{"parallel.ep": 2, "parallel.zero_stage": 0, "parallel.dp_shard": 1,
+                            "parallel.dp_replicate": 4, "train.global_batch": 16})
+    dims = parallel_dims(cfg, 4)
+    predicted, _ = collectives(args, dims, cfg, 0)
+    assert predicted["edp_replicate/all_reduce_bytes"] == 2 * 196_608
+    assert predicted["ep/all_reduce_bytes"] == 4 * 6
+    assert predict_rank(args, dims, cfg, 0)["weights"] == (2 * 24_576 + 66_880) * 4
+
+
 def test_recomputation_and_bf16_change_the_all_to_alls():
     """Recomputation runs the forward's three again; under bf16 the combine and its gradient move
     in 2 bytes (the dispatch carries the fp32 residual stream): per layer and micro-batch

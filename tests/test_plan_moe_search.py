@@ -145,7 +145,7 @@ def test_plan_says_why_about_expert_parallelism():
     assert "s a step" in note and ("ep 1, because" in note or "beats the best layout without it" in note)
     rc, out, _ = _plan("--model", "mixtral-8x7b", "--num-gpus", "64", "--layout", "ep=8")
     assert rc == 0 and "EP all-to-alls (in line)" in out and "--parallel.ep 8" in out
-    for layout, words in (("ep=3", "must divide the 8 experts"), ("ep=8,dp=2,cp=2", "must equal dp x cp")):
+    for layout, words in (("ep=3", "must divide the 8 experts"), ("ep=8,dp=2,cp=2", "must divide dp x cp (2 x 2 = 4)")):
         rc, _, err = _plan("--model", "mixtral-8x7b", "--num-gpus", "64", "--layout", layout)
         assert rc == 2 and words in err, err
     rc, _, err = _plan("--model", "llama3-8b", "--num-gpus", "8", "--layout", "ep=2")

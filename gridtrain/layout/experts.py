@@ -22,18 +22,24 @@ from __future__ import annotations
 from gridtrain.layout.dims import ParallelDims
 
 
-def expert_data_parallel(dims: ParallelDims, zero_stage: int) -> tuple[int, int]:
+def expert_split(dp_replicate: int, dp_shard: int, cp: int, ep: int, zero_stage: int) -> tuple[int, int]:
     """(edp_replicate, edp_shard): how the D / ep ranks that hold the same experts keep them;
     (1, 1) without expert parallelism or when ep spans every data- and context-parallel rank."""
-    if dims.ep <= 1:
+    if ep <= 1:
         return 1, 1
-    left = dims.dp * dims.cp // dims.ep
-    inner = dims.dp_shard * dims.cp
-    shard = inner // dims.ep if zero_stage >= 2 and inner % dims.ep == 0 else 1
+    left = dp_replicate * dp_shard * cp // ep
+    inner = dp_shard * cp
+    shard = inner // ep if zero_stage >= 2 and inner % ep == 0 else 1
     return left // shard, shard
 
 
-def experts_fsdp_sharded(dims: ParallelDims, zero_stage: int) -> bool:
+def expert_data_parallel(dims: ParallelDims, zero_stage: int) -> tuple[int, int]:
+    """expert_split of a run's degrees."""
+    return expert_split(dims.dp_replicate, dims.dp_shard, dims.cp, dims.ep, zero_stage)
+
+
+def experts_fsdp_sharded(dims: ParallelDims, zero_stage: int = 0) -> bool:
     """Whether the routed experts are an FSDP unit of their own (over the expert data-parallel
-    ranks), rather than left alone by FSDP: when ep leaves data-parallel ranks over."""
+    ranks, on their own mesh), rather than left alone by FSDP: when ep leaves data-parallel ranks
+    over, whatever the ZeRO stage."""
     return dims.ep > 1 and dims.dp * dims.cp > dims.ep

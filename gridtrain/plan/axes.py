@@ -11,6 +11,7 @@ flattened group is a group of its own, named by its mesh description ('mesh_dp_c
 from __future__ import annotations
 
 from gridtrain.layout.dims import ParallelDims
+from gridtrain.layout.experts import expert_split
 
 
 def world_axis(dims: ParallelDims) -> str:
@@ -33,10 +34,33 @@ def fsdp_axis(dims: ParallelDims) -> tuple[str, int]:
 
 
 def ep_axis(dims: ParallelDims) -> str:
-    """The group the routed experts are sharded over and their all-to-alls run on: the flattened
-    'dp_cp' mesh (dp_replicate x dp_shard x cp; parallel/parallelize.py), the world's group when it
-    spans every rank (world_axis), else one of its own ('dp_cp')."""
+    """The group the routed experts are sharded over and their all-to-alls run on: when ep spans
+    every data- and context-parallel rank, the flattened 'dp_cp' mesh (dp_replicate x dp_shard x
+    cp; parallel/parallelize.py), the world's group when it spans every rank (world_axis), else one
+    of its own ('dp_cp'); with ranks left over, the 'ep' axis of the experts' own mesh
+    (parallel.mesh.Mesh.experts, unflattened: groups of their own)."""
+    if dims.dp * dims.cp > dims.ep:
+        return "ep"
     return world_axis(dims) if dims.dp * dims.cp == dims.world_size else "dp_cp"
+
+
+def expert_norm_axis(dims: ParallelDims, zero_stage: int) -> str:
+    """The group the gradient norm's scalars of the routed experts are all-reduced over: DTensor
+    reduces them over the mesh axes that shard them, ep and edp_shard (gridtrain.layout.experts),
+    flattened, and torch's flatten reuses an earlier flattened group of the same ranks, the first of
+    'dp', 'dp_cp', 'dp_shard_cp' (parallel/mesh.py builds them in that order). Measured by dry runs:
+    ep alone when edp_shard is 1 and ep is not all of dp_shard x cp; otherwise dp_shard x cp's
+    ranks, as 'dp' (no replicas, no CP), 'dp_cp' (no replicas) or 'dp_shard_cp'."""
+    if dims.dp * dims.cp == dims.ep:
+        return ep_axis(dims)
+    shard = expert_split(dims.dp_replicate, dims.dp_shard, dims.cp, dims.ep, zero_stage)[1]
+    if shard == 1 and dims.ep != dims.dp_shard * dims.cp:
+        return "ep"
+    if dims.dp_shard * dims.cp == dims.world_size:
+        return world_axis(dims)
+    if dims.dp_replicate == 1:
+        return dp_axis(dims) if dims.cp == 1 else "dp_cp"
+    return "dp_shard_cp"
 
 
 def dp_axis(dims: ParallelDims) -> str:

@@ -14,9 +14,11 @@ The rules are the runtime's (gridtrain/parallel):
   data-parallel rank: within each parameter group (decayed matrices, then the rest), largest
   tensor first, to the rank with the fewest elements so far;
 - expert parallelism (ep > 1) splits each MoE layer's routed experts (w1, w2, w3, stacked [E, ...])
-  by expert over the data- and context-parallel ranks ('dp_cp'), E / ep each, and FSDP then
-  leaves them alone; with ep = 1 they are weights like the others (FSDP splits their expert
-  dimension). Tensor parallelism leaves a mixture of experts whole (router, experts, shared);
+  by expert over ep of the data- and context-parallel ranks, E / ep each; the ranks left that hold
+  the same experts split their dimension 1 evenly over edp_shard (gridtrain.layout.experts; 1 when
+  ep spans every data- and context-parallel rank, FSDP then leaving them alone); with ep = 1 they
+  are weights like the others (FSDP splits their expert dimension). Tensor parallelism leaves a
+  mixture of experts whole (router, experts, shared);
 - AdamW keeps two moments of each parameter's local size and one step count per tensor.
 Nothing here imports torch.
 """
@@ -83,9 +85,10 @@ def is_routed_expert(name: str) -> bool:
     return ".moe.experts." in name
 
 
-def ep_local(shape: Shape, ep: int) -> Shape:
-    """One expert-parallel rank's routed experts: E / ep of them (ep divides E: validate)."""
-    return (shape[0] // ep, *shape[1:])
+def ep_local(shape: Shape, ep: int, expert_shard: int = 1) -> Shape:
+    """One expert-parallel rank's routed experts: E / ep of them (ep divides E: validate), their
+    dimension 1 split over the `expert_shard` ranks that FSDP shards them over (evenly: validate)."""
+    return (shape[0] // ep, shape[1] // expert_shard, *shape[2:])
 
 
 def rank_stage_shapes(shape: ModelShape, pp: int, virtual: int, schedule: str, fewer_edge_layers: int,
@@ -153,10 +156,10 @@ class Elements:
 @functools.lru_cache(maxsize=4096)
 def rank_elements(shape: ModelShape, tp: int, pp: int, virtual: int, schedule: str, fewer_edge_layers: int,
                   zero_stage: int, dp_replicate: int, dp_shard: int, pp_rank: int, dp_index: int,
-                  ep: int = 1) -> Elements:
+                  ep: int = 1, expert_shard: int = 1) -> Elements:
     """The elements rank (pp_rank, dp_index) holds; dp_index counts over dp_replicate x dp_shard
     (its position in dp_shard is dp_index % dp_shard). Every expert-parallel rank holds as many
-    routed experts (E / ep), so dp_index does not pick them."""
+    routed experts (E / ep, split evenly over `expert_shard`), so dp_index does not pick them."""
     dp = dp_replicate * dp_shard
     fsdp = zero_stage in (2, 3) and dp > 1
     shard = (dp_shard, dp_index % dp_shard) if fsdp else None
@@ -181,7 +184,8 @@ def rank_elements(shape: ModelShape, tp: int, pp: int, virtual: int, schedule: s
         moe = shape.moe_layers_in(start, start + counts[stage])
         for kind, n in ((False, counts[stage] - moe), (True, moe)):
             if n:
-                block = _local_elements(tuple(block_shapes(shape, 0, kind).items()), tp, shard, False, ep)
+                block = _local_elements(tuple(block_shapes(shape, 0, kind).items()), tp, shard, False, ep,
+                                        expert_shard)
                 total = _add(total, _scale(block, n))
         edges = _local_elements(tuple(stage_shapes(shape, range(0), stage == 0, stage == num_stages - 1).items()),
                                 tp, shard, shape.tie_embeddings)
@@ -191,12 +195,12 @@ def rank_elements(shape: ModelShape, tp: int, pp: int, virtual: int, schedule: s
 
 @functools.lru_cache(maxsize=1024)
 def _local_elements(part: tuple[tuple[str, Shape], ...], tp: int, shard: tuple[int, int] | None,
-                    tied: bool, ep: int = 1) -> Elements:
+                    tied: bool, ep: int = 1, expert_shard: int = 1) -> Elements:
     """Elements of a set of tensors on one rank, every tensor's optimizer state kept there."""
     params = grads = 0
     for name, s in part:
         if ep > 1 and is_routed_expert(name):
-            local = ep_local(s, ep)
+            local = ep_local(s, ep, expert_shard)
         elif shard is not None:
             local = fsdp_local(tp_local(name, s, tp), *shard)
         else:

@@ -275,8 +275,10 @@ def bytes_per_step(shape: ModelShape, layout: Layout, rank: int = 0, state: Stat
     per-axis functions above: 'dp' (stages 0/1: all-reduce over all DP ranks), or 'dp_shard' (under
     CP 'dp_shard_cp', FSDP's dp_shard x cp ranks) and 'dp_replicate' (stages 2/3, HSDP); 'tp' (4 or 6
     all-reduces per layer per micro-batch, an MoE layer's moe_tp_bytes_per_layer); 'pp' (activation sends); 'cp' (KV blocks); 'ep' (the
-    expert-parallel all-to-alls of the rank's MoE layers). Axes of degree 1 are left out."""
-    # Under expert parallelism the rank's own experts are neither gathered nor reduced over DP.
+    expert-parallel all-to-alls of the rank's MoE layers), 'edp_shard' and 'edp_replicate' (the
+    routed experts among the ranks holding the same ones, expert_dp_bytes). Axes of degree 1 are
+    left out."""
+    # Under expert parallelism the rank's experts are not the dense weights' business.
     params = rank_params(shape, layout, rank, rank_layers(shape, layout)[rank]) - (
         rank_expert_params(shape, layout, rank) if layout.ep > 1 else 0.0)
     layers, m = rank_layers(shape, layout)[rank], layout.num_microbatches
@@ -311,6 +313,25 @@ def bytes_per_step(shape: ModelShape, layout: Layout, rank: int = 0, state: Stat
         from gridtrain.plan import moe_cost  # it prices its all-to-alls by placement, which imports this module
 
         out["ep"] = rank_moe_layers(shape, layout, rank) * m * moe_cost.ep_bytes_per_layer(shape, layout, act_bytes)
+        out.update(expert_dp_bytes(shape, layout, rank, state))
+    return out
+
+
+def expert_dp_bytes(shape: ModelShape, layout: Layout, rank: int, state: StateBytes) -> dict[str, float]:
+    """Bytes one GPU sends per step for its routed experts over the ranks that hold the same ones
+    (gridtrain.layout.experts), by the ZeRO paper's arithmetic as dp_bytes_per_step: 'edp_shard'
+    (FSDP's shards, ZeRO 2/3) and 'edp_replicate' (the shard's gradients all-reduced); none when ep
+    spans every data- and context-parallel rank."""
+    if layout.dp * layout.cp == layout.ep:
+        return {}
+    experts = rank_expert_params(shape, layout, rank)
+    replicas, shards = layout.expert_split
+    out = {}
+    if shards > 1:
+        out["edp_shard"] = dp_bytes_per_step(experts * state.compute, shards, layout.zero_stage,
+                                             layout.num_microbatches, experts * state.gradients)
+    if replicas > 1:
+        out["edp_replicate"] = ring_all_reduce_bytes(experts * state.gradients / shards, replicas)
     return out
 
 

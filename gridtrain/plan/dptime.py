@@ -5,8 +5,9 @@ issues each collective, and how much of it the compute hides (steptime.py's DP t
   backward; ZeRO 2 reduce-scatters every micro-batch (overlapped with its backward) and all-gathers
   the parameters once (prefetched behind the first forward); ZeRO 3 all-gathers every block in
   forward (prefetched) and backward and reduce-scatters its gradients (overlapped); HSDP adds the
-  replicate axis's all-reduce of the 1/shard slice. Under expert parallelism a rank's own experts
-  are neither gathered nor reduced.
+  replicate axis's all-reduce of the 1/shard slice. Under expert parallelism a rank's experts
+  are not the dense weights' business: reduced only among the ranks that hold the same experts
+  (moe_cost.expert_dp_seconds), not at all when ep spans every data- and context-parallel rank.
 """
 
 from __future__ import annotations
@@ -55,9 +56,31 @@ def grad_levels(layout: Layout, cluster: ClusterSpec, eff: Efficiency) -> tuple[
 def dp_time(shape: ModelShape, layout: Layout, cluster: ClusterSpec, eff: Efficiency, pt: PipelineTime,
             state: StateBytes = StateBytes()) -> tuple[float, float]:
     """(exposed, total) seconds of data-parallel communication per step on the critical rank, the
-    exposed part with the compute the hidden part slows down (Efficiency.overlap_slowdown)."""
+    exposed part with the compute the hidden part slows down (Efficiency.overlap_slowdown); with
+    the routed experts' own collectives where ep leaves data-parallel ranks over (moe_cost)."""
     exposed, total = _dp_overlap(shape, layout, cluster, eff, pt, state)
+    if layout.ep > 1:
+        from gridtrain.plan.moe_cost import expert_dp_seconds  # it imports this module's importers
+
+        more = expert_dp_seconds(shape, layout, cluster, eff.intra_node, eff.inter_node,
+                                 rank_expert_params(shape, layout, pt.critical_rank), pt.micro_s,
+                                 pt.layer.backward_share, pt.layers, state.compute, state.gradients)
+        host = expert_fsdp_calls(layout, pt.moe_layers) * eff.fsdp_call_s
+        exposed, total = exposed + more[0] + host, total + more[1] + host
     return exposed + eff.overlap_slowdown * (total - exposed), total
+
+
+def expert_fsdp_calls(layout: Layout, moe_layers: int) -> int:
+    """FSDP collective calls of the experts' own units (one per MoE layer) where ep leaves data-
+    parallel ranks over (gridtrain.layout.experts), as fsdp_calls counts a block's: all-gathers
+    and reduce-scatters over edp_shard when it has several ranks, an all-reduce per sync over
+    edp_replicate when it has several."""
+    if layout.ep == 1 or layout.dp * layout.cp == layout.ep:
+        return 0
+    replicas, shards = layout.expert_split
+    syncs = 1 if layout.pp > 1 else layout.num_microbatches
+    gathers = (sum(fsdp_gather_passes(layout)) if layout.zero_stage == 3 else syncs) if shards > 1 else 0
+    return moe_layers * (gathers + syncs * ((shards > 1) + (replicas > 1)))
 
 
 def ddp_buckets(grad_bytes: float) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gridtrain.layout.experts import expert_split
 from gridtrain.layout.schedules import DEFAULT_SCHEDULE, ScheduleName
 from gridtrain.names import PlanRecompute
 
@@ -80,6 +81,12 @@ class Layout:
     @property
     def global_batch_tokens(self) -> int:
         return self.global_batch_seqs * self.seq_len
+
+    @property
+    def expert_split(self) -> tuple[int, int]:
+        """(edp_replicate, edp_shard): how the dp x cp / ep ranks holding the same routed experts
+        keep them (gridtrain.layout.experts): FSDP-sharded over edp_shard, replicated over the rest."""
+        return expert_split(self.dp_replicate, self.dp_shard, self.cp, self.ep, self.zero_stage)
 
     @property
     def zero_shard_degree(self) -> int:

@@ -246,17 +246,19 @@ def rank_state(shape: ModelShape, layout: Layout, rank: int, state: StateBytes,
         shard = layout.zero_shard_degree if layout.zero_stage >= 2 else layout.dp_shard
         where = (shape, layout.tp, layout.pp, layout.pp_virtual_stages, layout.pp_schedule, layout.fewer_edge_layers,
                  layout.zero_stage, layout.dp_replicate, shard, rank)
-        held = rank_elements(*where, peak_dp_index(*where) if dp_index is None else dp_index, layout.ep)
+        held = rank_elements(*where, peak_dp_index(*where) if dp_index is None else dp_index, layout.ep,
+                             layout.expert_split[1])
         return ModelState(held.params * state.weights, held.grads * state.gradients,
                           held.optimizer * state.optimizer + held.optimizer_tensors * state.step_count)
     layers = rank_layers(shape, layout)[rank]
     params = rank_params(shape, layout, rank, layers)
     if layout.ep == 1:
         return model_state_bytes(params, layout.zero_stage, layout.zero_shard_degree, state)
-    # Under expert parallelism the rank's experts stay outside ZeRO/FSDP (no other rank holds them).
-    experts = rank_expert_params(shape, layout, rank)
+    # Under expert parallelism the rank's experts are sharded by FSDP over edp_shard only (whole
+    # when ep spans every data- and context-parallel rank: no other rank holds them).
+    experts, shards = rank_expert_params(shape, layout, rank), layout.expert_split[1]
     dense = model_state_bytes(params - experts, layout.zero_stage, layout.zero_shard_degree, state)
-    own = model_state_bytes(experts, 0, 1, state)
+    own = model_state_bytes(experts, layout.zero_stage if shards > 1 else 0, shards, state)
     return ModelState(*(getattr(dense, f) + getattr(own, f) for f in ("weights", "gradients", "optimizer")))
 
 
@@ -302,7 +304,9 @@ def buffer_bytes(shape: ModelShape, layout: Layout, state: StateBytes, act_bytes
     attention = 2 * h * shape.q_width / t + 2 * h * kv_width
     block = attention + (3 if shape.block == "llama" else 2) * h * shape.ffn / t
     if shape.num_experts:  # FSDP's unit is the block: an MoE one gathers its experts too, unless EP holds them
-        moe = attention + moe_mlp_params(shape) + (expert_params(shape) if layout.ep == 1 else 0)
+        # whole (ep = dp x cp); beside an EP of fewer ranks, the experts' own unit gathers E / ep of them
+        gathered_experts = expert_params(shape) / layout.ep if layout.ep == 1 or layout.expert_split[1] > 1 else 0
+        moe = attention + moe_mlp_params(shape) + gathered_experts
         block = moe if shape.num_moe_layers == shape.num_layers else max(block, moe)
     out = 0.0
     if layout.zero_stage == 3 and layout.zero_shard_degree > 1:

@@ -4,7 +4,8 @@ expert-parallel all-to-alls (parallel/expert_parallel.py) and the balance step's
 
 Per MoE layer and micro-batch, a rank with A assignments (its tokens x top_k, fewer where capacity
 drops some) that receives R rows for its own experts issues, each an all_to_all_single over the
-expert-parallel group (the flattened data- and context-parallel mesh 'dp_cp'), logged by its input:
+expert-parallel group (axes.ep_axis: the flattened data- and context-parallel mesh 'dp_cp' when ep
+spans it, else the experts' own 'ep' axis), logged by its input:
 
 | when | what travels | bytes the rank logs |
 |---|---|---|
@@ -18,7 +19,7 @@ Recomputation (full or selective: neither keeps the all-to-alls' outputs) runs t
 ones again in backward. A is known before the step (dropless routing); R is not: it is how many
 of every rank's assignments chose this rank's experts. Over the ep ranks R sums to A's sum, so
 the all-ranks total is exact, while one rank's bytes are predicted at their expectation under
-uniform routing, R = A (ep = dp x cp: every rank holds as many tokens), and differ by the
+uniform routing, R = A (every rank of the group holds as many tokens), and differ by the
 routing's imbalance (tiny-moe over 2 ranks at step 2: 1.2% either way; with one MoE layer 11.7%;
 over 4 ranks up to 12.3%).
 
@@ -33,7 +34,7 @@ from __future__ import annotations
 from gridtrain.config import Config
 from gridtrain.layout.dims import ParallelDims
 from gridtrain.model.args import ModelArgs
-from gridtrain.plan.axes import dp_axis, ep_axis
+from gridtrain.plan.axes import dp_axis, ep_axis, expert_norm_axis
 
 def assignments(args: ModelArgs, tokens: int) -> float:
     """Rows one rank dispatches per MoE layer and micro-batch of `tokens` tokens: tokens x top_k,
@@ -55,7 +56,7 @@ def all_to_all_bytes(args: ModelArgs, dims: ParallelDims, cfg: Config, moe_layer
                      received: float | None = None) -> dict[str, float]:
     """Bytes one rank logs in a step's expert-parallel all-to-alls (the module's table) over its
     `moe_layers` MoE layers, each run by the step's micro-batches: an all_to_all_single of E
-    counts, then of rows, over the 'dp_cp' group (axes.ep_axis). `received`: rows the rank's experts
+    counts, then of rows, over the expert-parallel group (axes.ep_axis). `received`: rows the rank's experts
     get per layer and micro-batch (None: its expectation under uniform routing, its own
     assignments)."""
     if dims.ep == 1 or args.moe is None or not moe_layers:
@@ -97,12 +98,12 @@ def balance_collectives(args: ModelArgs, dims: ParallelDims, moe_layers: int) ->
     return out
 
 
-def expert_norm_bytes(dims: ParallelDims, expert_tensors: int) -> dict[str, float]:
+def expert_norm_bytes(dims: ParallelDims, expert_tensors: int, zero_stage: int) -> dict[str, float]:
     """The gradient norm's part for the expert-parallel experts: DTensor reduces one fp32 scalar
-    per sharded tensor over their mesh, the 'dp_cp' group (parallel/grads.py)."""
+    per sharded tensor over the axes that shard them (axes.expert_norm_axis; parallel/grads.py)."""
     if dims.ep == 1 or not expert_tensors:
         return {}
-    return {f"{ep_axis(dims)}/all_reduce_bytes": 4.0 * expert_tensors}
+    return {f"{expert_norm_axis(dims, zero_stage)}/all_reduce_bytes": 4.0 * expert_tensors}
 
 
 def moe_step_collectives(args: ModelArgs, dims: ParallelDims, cfg: Config,
@@ -114,7 +115,7 @@ def moe_step_collectives(args: ModelArgs, dims: ParallelDims, cfg: Config,
     layers = sum(name.endswith(".moe.router.gate.weight") for name in shapes)
     experts = sum(".moe.experts." in name for name in shapes)
     out = dict(all_to_all_bytes(args, dims, cfg, layers))
-    parts = [expert_norm_bytes(dims, experts), aux_loss_bytes(args, dims, cfg, layers),
+    parts = [expert_norm_bytes(dims, experts, cfg.parallel.zero_stage), aux_loss_bytes(args, dims, cfg, layers),
              balance_collectives(args, dims, layers)]
     for part in parts:
         for key, value in part.items():

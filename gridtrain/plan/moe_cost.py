@@ -5,9 +5,12 @@ gridtrain's MoE layer (model/moe.py, parallel/expert_parallel.py) on a rank of a
 - the router (E x h) and the shared experts run on every tensor-parallel rank in full (the
   mixture is replicated over TP, parallel/tensor_parallel.moe_plan), as do the routed experts;
 - each of the rank's tokens (micro-batch x seq / cp) goes to its top_k experts: A = tokens x k
-  assignments. Without expert parallelism the rank runs all E experts on them; with ep ranks (the
-  data- and context-parallel ranks, ep = dp x cp) it sends each assignment to the rank holding
-  its expert and runs the rows it receives on its E / ep experts;
+  assignments. Without expert parallelism the rank runs all E experts on them; with ep ranks (ep
+  of the data- and context-parallel ranks, the innermost) it sends each assignment to the rank
+  holding its expert and runs the rows it receives on its E / ep experts;
+- the dp x cp / ep ranks left that hold the same experts keep them as gridtrain.layout.experts
+  says: FSDP-sharded over edp_shard (gathered and reduce-scattered per sync like a block) and
+  replicated over edp_replicate (the shard's gradient all-reduced), expert_dp_seconds;
 - per layer and micro-batch, five all_to_all_single calls (plan/moe_collectives.py): the counts
   (8 E bytes), the dispatch (4 A h: the residual stream's fp32 rows) and the combine (c A h, c
   the compute dtype's bytes) forward, their gradients backward (c A h, 4 A h); recomputation
@@ -27,6 +30,8 @@ averages some of that away.
 """
 
 from __future__ import annotations
+
+import math
 
 from gridtrain.plan import placement
 from gridtrain.plan.layout import Layout
@@ -74,10 +79,55 @@ def all_to_all_payloads(shape: ModelShape, layout: Layout, act_bytes: int) -> li
 
 
 def ep_levels(cluster: ClusterSpec, layout: Layout, intra: float, inter: float) -> tuple[placement.Level, ...]:
-    """Where the expert-parallel group lands: its context-parallel ranks (tp apart), then its
-    data-parallel ranks (tp x cp x pp apart), as dptime.grad_levels places them."""
-    cp = placement.axis_levels(cluster, layout.cp, layout.tp, intra, inter)
-    return cp + placement.axis_levels(cluster, layout.dp, layout.tp * layout.cp * layout.pp, intra, inter)
+    """Where the expert-parallel group lands: the innermost ep of the data- and context-parallel
+    ranks, its context-parallel ranks first (tp apart), then data-parallel ones (tp x cp x pp
+    apart), as dptime.grad_levels places them."""
+    in_cp = math.gcd(layout.ep, layout.cp)
+    cp = placement.axis_levels(cluster, in_cp, layout.tp, intra, inter)
+    return cp + placement.axis_levels(cluster, layout.ep // in_cp, layout.tp * layout.cp * layout.pp, intra, inter)
+
+
+def expert_dp_levels(cluster: ClusterSpec, layout: Layout, intra: float, inter: float) -> tuple[
+        tuple[placement.Level, ...], tuple[placement.Level, ...]]:
+    """(edp_shard levels, edp_replicate levels): the ranks left beyond an ep group (ep_levels),
+    the shard ones nearest, each group's ranks a whole ep group's span apart (the planner's
+    placement of data parallelism outside tp x cp x pp)."""
+    replicas, shards = layout.expert_split
+    in_cp = math.gcd(layout.ep, layout.cp)
+    stride = layout.tp * layout.cp * layout.pp * (layout.ep // in_cp) if layout.ep > in_cp else layout.tp * layout.ep
+    shard = placement.axis_levels(cluster, shards, stride, intra, inter)
+    return shard, placement.axis_levels(cluster, replicas, stride * shards, intra, inter)
+
+
+def expert_dp_seconds(shape: ModelShape, layout: Layout, cluster: ClusterSpec, intra: float, inter: float,
+                      experts: float, micro_s: float, backward_share: float, layers: int,
+                      compute_bytes: float, grad_bytes: float) -> tuple[float, float]:
+    """(exposed, total) seconds a step of the rank's `experts` routed-expert parameters (E / ep of
+    each of its MoE layers) spends in the collectives of the ranks that hold the same experts, as
+    gridtrain runs them (run_collectives.expert_collectives): per sync (every micro-batch without a
+    pipeline, once with one) a reduce-scatter of their gradients over edp_shard and an all-reduce
+    of the shard over edp_replicate, and their all-gathers in the compute dtype (ZeRO 2 once per
+    sync, ZeRO 3 dptime.fsdp_gather_passes times), each overlapped with the compute of the pass it
+    serves as dptime's FSDP collectives are; nothing when ep spans every data- and context-parallel
+    rank (the experts are then each rank's own)."""
+    from gridtrain.plan.dptime import fsdp_gather_passes, overlapped  # it imports memory, which imports this module
+
+    if layout.ep == 1 or layout.dp * layout.cp == layout.ep or not experts:
+        return 0.0, 0.0
+    replicas, shards = layout.expert_split
+    shard, rep = expert_dp_levels(cluster, layout, intra, inter)
+    chunks, m = max(layers, 1), layout.num_microbatches
+    syncs = 1 if layout.pp > 1 else m
+    grads = experts * grad_bytes
+    rs = placement.reduce_scatter_time(grads, shard, chunks) if shards > 1 else 0.0
+    ag = placement.all_gather_time(experts * compute_bytes, shard, chunks) if shards > 1 else 0.0
+    ar = placement.all_reduce_time(grads / shards, rep, chunks) if replicas > 1 else 0.0
+    ag_forward, ag_backward = fsdp_gather_passes(layout) if layout.zero_stage == 3 else (syncs, 0)
+    backward = micro_s * backward_share
+    forward = micro_s - backward
+    exposed = (ag_forward * overlapped(ag, forward, chunks) + ag_backward * overlapped(ag, backward, chunks)
+               + syncs * overlapped(rs + ar, backward, chunks))
+    return exposed, (ag_forward + ag_backward) * ag + syncs * (rs + ar)
 
 
 def ep_seconds(shape: ModelShape, layout: Layout, cluster: ClusterSpec, intra: float, inter: float,

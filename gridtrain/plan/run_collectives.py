@@ -14,7 +14,8 @@ from gridtrain.layout.dims import ParallelDims
 from gridtrain.layout.schedules import forwards_held, schedule
 from gridtrain.model.args import ModelArgs
 from gridtrain.plan.axes import fsdp_axis, world_axis
-from gridtrain.plan.census import fsdp_local, is_routed_expert, numel, rank_stage_shapes, tp_local
+from gridtrain.layout.experts import expert_data_parallel, experts_fsdp_sharded
+from gridtrain.plan.census import ep_local, fsdp_local, is_routed_expert, numel, rank_stage_shapes, tp_local
 from gridtrain.plan.layout import Layout
 from gridtrain.plan.comm import ring_attention_payloads
 from gridtrain.plan.float8 import FLOAT8_LINEAR, gathers_float8
@@ -108,6 +109,9 @@ def reduce_scattered(args: ModelArgs, dims: ParallelDims, cfg: Config, pp_rank: 
     axis, shards = fsdp_axis(dims)
     if p.zero_stage in (2, 3) and shards > 1:
         out[axis] = (1 if dims.pp > 1 else m) * sum(fsdp_padded(shapes, dims).values())
+    held = {name: s for part in parts for name, s in part.items()}
+    if "edp_shard/all_reduce_bytes" in (experts := expert_collectives(args, dims, cfg, held, m)):
+        out["edp_shard"] = experts["edp_shard/all_reduce_bytes"]
     if dims.tp > 1 and p.sequence_parallel:
         stages = list(forwards_held(layout.pp_schedule, dims.pp, v, m, pp_rank)) if dims.pp > 1 else [0]
         first, last = 0 in stages, dims.pp * v - 1 in stages
@@ -136,7 +140,7 @@ def _predict_collectives(args: ModelArgs, dims: ParallelDims, cfg: Config, pp_ra
     if p.zero_stage in (0, 1) and only("dp_replicate") and dims.ep > 1:
         # Beside expert parallelism, replication is FSDP2 over (dp_replicate, 1): every
         # micro-batch's gradients all-reduced, the experts' not.
-        return _add({"dp_replicate/all_reduce_bytes": m * total}, moe)
+        return _add(_add({"dp_replicate/all_reduce_bytes": m * total}, moe), expert_collectives(args, dims, cfg, held, m))
     if p.zero_stage in (0, 1) and only("dp_replicate"):
         return {"dp_replicate/all_reduce_bytes": total, **zero1_broadcast(p.zero_stage, total)}
     axis, shards = fsdp_axis(dims)
@@ -161,7 +165,8 @@ def _predict_collectives(args: ModelArgs, dims: ParallelDims, cfg: Config, pp_ra
         if dims.dp_replicate > 1:
             shard = 4 * sum(numel(fsdp_local(s, shards, 0)) for s in shapes.values())
             out["dp_replicate/all_reduce_bytes"] = m * shard
-        return _add(_add(out, cp_collectives(args, dims, cfg, args.n_layers)), moe)
+        out = _add(_add(out, cp_collectives(args, dims, cfg, args.n_layers)), moe)
+        return _add(out, expert_collectives(args, dims, cfg, held, m))
     if only("tp") and dims.tp > 1 and t.precision == "fp32":
         # Then one norm scalar per sharded tensor (tp_sharded_tensors, and the head), and with SP the
         # norms' weight gradients, partial per sequence shard, all-reduced once.
@@ -280,6 +285,7 @@ def estimate_collectives(args: ModelArgs, dims: ParallelDims, cfg: Config, pp_ra
     if dims.dp * dims.cp > 1:  # under CP, FSDP shards over dp_shard x cp
         out = _add(out, dp_collectives(args, dims, cfg, layout, data_parallel_shapes(shapes, dims.ep)))
     out = _add(out, moe_step_collectives(args, dims, cfg, shapes))
+    out = _add(out, expert_collectives(args, dims, cfg, shapes, m))
     return _add(out, cp_collectives(args, dims, cfg, blocks))
 
 
@@ -295,24 +301,7 @@ def dp_collectives(args: ModelArgs, dims: ParallelDims, cfg: Config, layout: Lay
     padded = fsdp_padded(shapes, dims)
     params = sum(padded.values())
     kept, forward = (sum(padded[name] for name in names) for names in gathered_once(shapes, args.tie_embeddings))
-    row = schedule(p.pp_schedule)
-    if p.zero_stage == 2:
-        gathered = syncs * params
-    elif dims.pp == 1:
-        gathered = m * (2 * params - kept - forward)
-    elif row.stages_per_rank == 1 and not row.split_backward:
-        # Every micro-batch's forward gathers the stage's units again (but its last block and
-        # head, which stay gathered), and the first backward once more (measured by dry runs of
-        # 70B and 405B layouts at 8 and 16 micro-batches, on the first and the last stage alike).
-        gathered = (m + 1) * (params - kept - forward) + kept + m * forward
-    elif row.split_backward:
-        # The stage's own gathers serve every forward and both backward passes
-        # (SplitBackwardStage), but the embedding's unit, resharded after each forward and not
-        # needed by backward, is gathered again by every micro-batch's forward (measured at 2
-        # and 4 micro-batches under ZB-V and interleaved ZB).
-        gathered = params - forward + m * forward
-    else:
-        gathered = 2 * params
+    gathered = fsdp_gathered(cfg, dims, m, params, kept, forward)
     # The gradients reduced, and one norm scalar per sharded tensor.
     axis, shards = fsdp_axis(dims)
     out = {f"{axis}/all_gather_bytes": gathered * gather_bytes(t.precision) / 4,
@@ -320,6 +309,54 @@ def dp_collectives(args: ModelArgs, dims: ParallelDims, cfg: Config, layout: Lay
     if dims.dp_replicate > 1:
         out["dp_replicate/all_reduce_bytes"] = syncs * params / shards
     return out
+
+
+def fsdp_gathered(cfg: Config, dims: ParallelDims, m: int, params: float, kept: float, forward: float) -> float:
+    """Bytes FSDP all-gathers in a step (in fp32 terms) of units holding `params` bytes, `kept` of
+    them kept gathered from forward to backward and `forward` gathered in forward only (gathered_once)."""
+    p = cfg.parallel
+    row = schedule(p.pp_schedule)
+    if p.zero_stage == 2:
+        return (1 if dims.pp > 1 else m) * params
+    if dims.pp == 1:
+        return m * (2 * params - kept - forward)
+    if row.stages_per_rank == 1 and not row.split_backward:
+        # Every micro-batch's forward gathers the stage's units again (but its last block and
+        # head, which stay gathered), and the first backward once more (measured by dry runs of
+        # 70B and 405B layouts at 8 and 16 micro-batches, on the first and the last stage alike).
+        return (m + 1) * (params - kept - forward) + kept + m * forward
+    if row.split_backward:
+        # The stage's own gathers serve every forward and both backward passes
+        # (SplitBackwardStage), but the embedding's unit, resharded after each forward and not
+        # needed by backward, is gathered again by every micro-batch's forward (measured at 2
+        # and 4 micro-batches under ZB-V and interleaved ZB).
+        return params - forward + m * forward
+    return 2 * params
+
+
+def expert_collectives(args: ModelArgs, dims: ParallelDims, cfg: Config, shapes: dict[str, tuple[int, ...]],
+                       m: int) -> dict[str, float]:
+    """The routed experts' data-parallel traffic where ep leaves data-parallel ranks over
+    (gridtrain.layout.experts): each MoE layer's experts an FSDP unit of their own, E / ep of them
+    split on dimension 1 over 'edp_shard' (gathered in the training dtype as the dense units are,
+    gradients reduced in fp32 per sync, the last block's kept gathered) and replicated over
+    'edp_replicate' (their shard's gradient all-reduced per sync); an all-reduce of the whole
+    gradient over 'edp_replicate' where edp_shard is 1. Gloo logs the reduce-scatters as all-reduces."""
+    if not experts_fsdp_sharded(dims):
+        return {}
+    replicas, shards = expert_data_parallel(dims, cfg.parallel.zero_stage)
+    experts = {name: ep_local(s, dims.ep) for name, s in shapes.items() if is_routed_expert(name)}
+    params = 4 * sum(numel(s) for s in experts.values())
+    syncs = 1 if dims.pp > 1 else m
+    out: dict[str, float] = {}
+    if shards > 1:
+        kept = 4 * sum(numel(experts[n]) for n in gathered_once(experts, False)[0])
+        out["edp_shard/all_gather_bytes"] = fsdp_gathered(cfg, dims, m, params, kept, 0) * gather_bytes(
+            cfg.train.precision) / 4
+        out["edp_shard/all_reduce_bytes"] = syncs * params
+    if replicas > 1:
+        out["edp_replicate/all_reduce_bytes"] = syncs * params / shards
+    return out if experts else {}
 
 
 def gathered_once(shapes: dict[str, tuple[int, ...]], tie_embeddings: bool) -> tuple[list[str], list[str]]:

@@ -17,11 +17,10 @@ every HSDP split dp_shard x dp_replicate). Structure keeps it cheap:
 
 from __future__ import annotations
 
-import math
-
 import functools
 import heapq
 import itertools
+import math
 from dataclasses import dataclass, field, replace
 
 from gridtrain.layout.schedules import DEFAULT_SCHEDULE, SCHEDULES
@@ -247,11 +246,12 @@ def degree_options(problem: Problem, c: Constraints) -> list[tuple[int, int, int
 
 
 def ep_options(problem: Problem, c: Constraints, dp: int, cp: int) -> list[int]:
-    """Expert-parallel degrees for a mixture of experts: none, or the whole data- and context-
-    parallel group (dp x cp ranks, as gridtrain's runtime borrows them) where it divides the
-    experts; 1 for a dense model."""
+    """Expert-parallel degrees for a mixture of experts: none, or any degree above 1 that divides
+    both the experts and the data- and context-parallel ranks (dp x cp, from which gridtrain's
+    runtime borrows them; the ranks left FSDP-shard or replicate the experts,
+    gridtrain.layout.experts); 1 for a dense model."""
     experts, group = problem.shape.num_experts, dp * cp
-    out = [1] + ([group] if experts and group > 1 and experts % group == 0 else [])
+    out = [1] + [g for g in _divisors(math.gcd(experts, group)) if g > 1] if experts else [1]
     return [ep for ep in out if c.ep is None or c.ep == ep]
 
 

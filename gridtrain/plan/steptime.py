@@ -385,9 +385,10 @@ def pipeline_time(shape: ModelShape, layout: Layout, cluster: ClusterSpec, eff: 
 def optimizer_seconds(shape: ModelShape, layout: Layout, cluster: ClusterSpec, eff: Efficiency,
                       rank: int, layers: int, state: StateBytes = StateBytes()) -> float:
     """AdamW over the parameters this rank updates (1/shard of its stage's under ZeRO >= 1; under
-    expert parallelism all of its own experts)."""
+    expert parallelism its own experts, 1/edp_shard of them where FSDP shards them)."""
     experts = rank_expert_params(shape, layout, rank) if layout.ep > 1 else 0.0
-    params = (rank_params(shape, layout, rank, layers) - experts) / layout.zero_shard_degree + experts
+    params = ((rank_params(shape, layout, rank, layers) - experts) / layout.zero_shard_degree
+              + experts / layout.expert_split[1])
     traffic = params * state.adamw_traffic
     return traffic / (cluster.accelerator.hbm_gb_per_s * GB * eff.hbm)
 

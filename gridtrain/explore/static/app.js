@@ -78,7 +78,7 @@ function expertChoices(experts) {
   for (let ep = 2; ep <= experts; ep++) if (experts % ep === 0) select.append(el("option", { value: String(ep) }, String(ep)));
   if (!experts && state.ep) delete state.ep;
   select.disabled = !experts;
-  select.title = experts ? "expert parallelism: ep = dp x cp ranks, each holding E / ep experts of every MoE layer"
+  select.title = experts ? "expert parallelism: ep of the dp x cp ranks (ep divides dp x cp), each holding E / ep experts of every MoE layer"
                          : "expert parallelism needs a mixture-of-experts model";
   select.value = state.ep ?? "";
 }

@@ -70,7 +70,7 @@ def _compared(problem: Problem, constraints: Constraints, chosen: Candidate) -> 
     other = _best(problem, constraints, candidates)
     if other is None:
         return (f"expert parallelism: none fits or divides: gridtrain borrows the expert-parallel ranks from "
-                f"the data- and context-parallel ones (ep = dp x cp), which must divide the {experts} experts")
+                f"the data- and context-parallel ones (ep divides dp x cp), and ep must divide the {experts} experts")
     return (f"expert parallelism: ep 1, because the best layout with it ({_label(other)}: "
             f"{other.time.total_s:.3f} s a step against {chosen.time.total_s:.3f} s) spends "
             f"{_differences(chosen, other)}: gridtrain's all-to-alls run in line with compute, and {allowance}; "
@@ -102,7 +102,8 @@ def ep_refusal(problem: Problem, c: Constraints) -> str | None:
     if experts % c.ep:
         fits = ", ".join(str(g) for g in _divisors(experts) if g > 1)
         return f"ep ({c.ep}) must divide the {experts} experts of each MoE layer: choose ep among {fits}"
-    if c.ep > 1 and c.dp is not None and c.cp is not None and c.dp * c.cp != c.ep:
-        return (f"ep ({c.ep}) must equal dp x cp ({c.dp} x {c.cp} = {c.dp * c.cp}): gridtrain borrows the "
-                "expert-parallel ranks from the data- and context-parallel ones; give dp and cp whose product is ep")
+    if c.ep > 1 and c.dp is not None and c.cp is not None and (c.dp * c.cp) % c.ep:
+        return (f"ep ({c.ep}) must divide dp x cp ({c.dp} x {c.cp} = {c.dp * c.cp}): gridtrain borrows the "
+                "expert-parallel ranks from the data- and context-parallel ones; give dp and cp whose product "
+                "ep divides")
     return None
