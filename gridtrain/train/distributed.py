@@ -108,11 +108,37 @@ def shutdown(finished: bool = False) -> None:
 
 
 def roll_call(key: str, timeout_s: float = 60.0) -> None:
-    """Wait until every rank has added itself to `key` in the default group's store (at most
-    `timeout_s`; a peer gone by then is gone, and this rank leaves anyway)."""
-    store = dist.distributed_c10d._get_default_store()
-    world, deadline = dist.get_world_size(), time.monotonic() + timeout_s
-    count = store.add(key, 1)
-    while count < world and time.monotonic() < deadline:
+    """Wait until every rank of the default group has answered `key` in its store (answer_roll_call)."""
+    answer_roll_call(dist.distributed_c10d._get_default_store(), dist.get_rank(), dist.get_world_size(), key,
+                     timeout_s)
+
+
+def answer_roll_call(store: dist.Store, rank: int, world: int, key: str, timeout_s: float = 60.0) -> None:
+    """Add this rank to `key` in `store` and wait until all `world` ranks have (at most `timeout_s`; a
+    peer gone by then is gone, and this rank leaves anyway). Rank 0 then also waits until every other
+    rank has seen the count and left (`key`/left): `gridtrain train --nproc` runs without torchrun's
+    agent store, so rank 0's process hosts the store, and a peer still polling it when rank 0 exits
+    would fail its finished run ("Connection was likely closed")."""
+    deadline = time.monotonic() + timeout_s
+    _count_to(store, key, world, deadline)
+    if rank == 0:
+        _count_to(store, f"{key}/left", world, deadline)
+    else:
+        _add(store, f"{key}/left", 1)
+
+
+def _count_to(store: dist.Store, key: str, world: int, deadline: float) -> None:
+    """Add one to `key` and poll it until it reaches `world`, the deadline passes or the store is gone."""
+    count = _add(store, key, 1)
+    while count is not None and count < world and time.monotonic() < deadline:
         time.sleep(0.01)
-        count = store.add(key, 0)
+        count = _add(store, key, 0)
+
+
+def _add(store: dist.Store, key: str, value: int) -> int | None:
+    """store.add; None when the store is gone (its host left after the roll call or its deadline)."""
+    try:
+        return store.add(key, value)
+    except dist.DistError as err:
+        log.debug("roll call: the store is gone (%s)", err)
+        return None
