@@ -141,18 +141,20 @@ def test_fsdp_host_time_per_call_by_hand():
     """FSDP's host time per collective call (train/calibrate_gloo.py), times the calls a step
     issues: the small model's 4 blocks and its embedding and head are 6 units; ZeRO-2 gathers and
     reduce-scatters each once per micro-batch (12 calls), HSDP all-reduces each too (18), ZeRO-3
-    gathers in forward and backward (18 per micro-batch); DDP and ZeRO-1 issue none."""
+    gathers blocks 0-2 in forward and backward, the last block, the head and the embedding in
+    forward only (9) and reduce-scatters all 6 (15 per micro-batch); DDP and ZeRO-1 issue none."""
     from gridtrain.plan.dptime import fsdp_calls
 
     one = {"dp_shard": 2, "micro_batch": 8, "seq_len": 256, "num_microbatches": 1}
     assert fsdp_calls(Layout(zero_stage=2, **one), 4) == 12
-    assert fsdp_calls(Layout(zero_stage=3, **{**one, "num_microbatches": 2}), 4) == 36
+    assert fsdp_calls(Layout(zero_stage=3, **{**one, "num_microbatches": 2}), 4) == 30
     assert fsdp_calls(Layout(zero_stage=2, dp_replicate=2, **one), 4) == 18
     assert fsdp_calls(Layout(dp_replicate=2, micro_batch=8, seq_len=256, zero_stage=0), 4) == 0
     assert fsdp_calls(Layout(dp_replicate=2, micro_batch=8, seq_len=256, zero_stage=1), 4) == 0
-    # 1F1B over 2 stages, 4 micro-batches: a rank's 2 blocks and one of embedding / head are 3
-    # units, gathered in each forward (4) and the first backward (1), reduced once: 18
-    assert fsdp_calls(Layout(zero_stage=3, pp=2, pp_schedule="1f1b", **{**one, "num_microbatches": 4}), 2) == 18
+    # 1F1B over 2 stages, 4 micro-batches, rank 0: block 0 gathered in each forward (4) and the
+    # first backward (1), block 1 (the stage's last) once, the embedding in each forward (4), the
+    # 3 units reduced once: 13
+    assert fsdp_calls(Layout(zero_stage=3, pp=2, pp_schedule="1f1b", **{**one, "num_microbatches": 4}), 2) == 13
 
     entry = {**ENTRY, "fsdp_call_s": 2e-3}
     s = shape.from_args(load_config(None, {"model.preset": "small"}).model.args())
@@ -164,6 +166,37 @@ def test_fsdp_host_time_per_call_by_hand():
         times = [steptime.step_time(s, lay, m.cluster, m.eff, steptime.StateBytes.gridtrain(), act_bytes=2)
                  for m in (with_host, without)]
         assert times[0].dp_s - times[1].dp_s == pytest.approx(12 * 2e-3 * contention)
+        zero3 = [steptime.step_time(s, Layout(zero_stage=3, **one), m.cluster, m.eff, steptime.StateBytes.gridtrain(),
+                                    act_bytes=2) for m in (with_host, without)]
+        assert zero3[0].dp_s - zero3[1].dp_s == pytest.approx(15 * 2e-3 * contention)  # 9 gathers, 6 reductions
+
+
+def test_fsdp_calls_as_dry_runs_counted_them():
+    """fsdp_calls against the FSDP calls `gridtrain train --dry-run --model.preset tiny` counted
+    (comm/dp_shard/all_gather_calls + reduce_scatter_calls + comm/dp_replicate/all_reduce_calls,
+    data-parallel degree 2 unless said): 2 blocks, 2 micro-batches: ZeRO-3 10 + 8, tied 10 + 6,
+    tied ZeRO-2 6 + 6; HSDP 2 x 2 ZeRO-3, 1 micro-batch: 5 + 4 + 4. Pipelines at 4 micro-batches
+    (pp 2, --train.micro_batch 2): 4 blocks under 1F1B, rank 0 10 + 3, rank 1 7 + 3, and ZeRO-2
+    3 + 3; 8 blocks over 2 virtual stages, interleaved 1F1B rank 0 16 + 5, rank 1 13 + 5, ZB-V
+    rank 0 17 + 6; 4 blocks over pp 4 at 8 micro-batches, 1F1B: rank 0 9 + 2, rank 1 1 + 1, rank 3
+    2 + 2."""
+    from gridtrain.plan.dptime import fsdp_calls
+
+    def lay(m: int, **kw: object) -> Layout:
+        return Layout(**{"dp_shard": 2, "micro_batch": 4, "seq_len": 256, "num_microbatches": m, **kw})
+
+    assert fsdp_calls(lay(2, zero_stage=3), 2) == 18
+    assert fsdp_calls(lay(2, zero_stage=3), 2, tied=True) == 16
+    assert fsdp_calls(lay(2, zero_stage=2), 2, tied=True) == 12
+    assert fsdp_calls(lay(1, zero_stage=3, dp_replicate=2), 2) == 13
+    one_f = {"zero_stage": 3, "pp": 2, "pp_schedule": "1f1b"}
+    assert [fsdp_calls(lay(4, **one_f), 2, rank) for rank in (0, 1)] == [13, 10]
+    assert fsdp_calls(lay(4, **{**one_f, "zero_stage": 2}), 2) == 6
+    inter = {"zero_stage": 3, "pp": 2, "pp_schedule": "interleaved-1f1b", "pp_virtual_stages": 2}
+    assert [fsdp_calls(lay(4, **inter), 4, rank) for rank in (0, 1)] == [21, 18]
+    assert fsdp_calls(lay(4, **{**inter, "pp_schedule": "zbv"}), 4, 0) == 23
+    four = {"zero_stage": 3, "pp": 4, "pp_schedule": "1f1b"}
+    assert [fsdp_calls(lay(8, **four), 1, rank) for rank in (0, 1, 3)] == [11, 2, 4]
 
 
 def test_fsdp_time_per_call_from_the_two_rank_runs():

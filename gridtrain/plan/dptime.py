@@ -19,7 +19,8 @@ from gridtrain.layout.schedules import schedule
 from gridtrain.plan import placement
 from gridtrain.plan.float8 import gathered_bytes
 from gridtrain.plan.layout import Layout
-from gridtrain.plan.memory import DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES, rank_expert_params, rank_params
+from gridtrain.plan.memory import (DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES, edge_ranks, rank_expert_params,
+                                  rank_params)
 from gridtrain.plan.shape import ModelShape
 from gridtrain.plan.specs import ClusterSpec
 from gridtrain.plan.state import StateBytes
@@ -118,24 +119,41 @@ def step_sync_seconds(layout: Layout, cluster: ClusterSpec, eff: Efficiency) -> 
                                                                   eff.inter_node)) for degree, stride in groups)
 
 
-def fsdp_calls(layout: Layout, layers: int) -> int:
-    """FSDP collective calls a step issues on a rank of `layers` blocks, each unit (a block; the
-    embedding and the head beside them) once per collective as _dp_overlap counts them: ZeRO 2 an
-    all-gather and a reduce-scatter per sync, ZeRO 3 fsdp_gather_passes all-gathers and a
-    reduce-scatter per sync, HSDP an all-reduce per sync more, FSDP replication (ZeRO-0 beside TP
-    or PP) an all-reduce per sync; 0 under DDP."""
+def fsdp_calls(layout: Layout, layers: int, pp_rank: int = 0, tied: bool = False) -> int:
+    """FSDP collective calls a step issues on pipeline rank `pp_rank` holding `layers` blocks, unit
+    by unit as parallel/data_parallel.apply_fsdp makes them (counted by dry runs of the tiny model:
+    `gridtrain train --dry-run`'s comm/*_calls, ZeRO 2 and 3, HSDP, tied, GPipe, 1F1B, interleaved
+    1F1B, looped BFS, ZB-V and interleaved ZB): each block a unit; the embedding one gathered in
+    forward only; the final norm with the head one kept gathered from forward to backward, as is
+    each stage's last block; a tied head (pp 1) and its embedding in the root unit, gathered like a
+    block. Per sync (each micro-batch, once per step under a pipeline) every unit is reduce-
+    scattered, all-reduced over dp_replicate too under HSDP, and all-reduced alone under FSDP
+    replication (ZeRO-0 beside TP or PP). ZeRO 2 gathers every unit once per sync; ZeRO 3 gathers
+    a kept unit and the embedding in every micro-batch's forward (once a step for kept units under a
+    pipeline, which keeps them gathered until the last backward), and any other unit in forward
+    and backward of every micro-batch without a pipeline, in every forward and once in backward
+    with one (every schedule, the split-backward ones too). 0 under DDP."""
     if layout.dp * layout.cp == 1 or layout.zero_stage == 1 or (
             layout.zero_stage == 0 and layout.tp == 1 and layout.pp == 1 and layout.ep == 1):
         return 0  # DDP (ZeRO-1 runs without TP, PP and experts only)
-    units = layers + (2 if layout.pp == 1 else 1)
-    syncs = 1 if layout.pp > 1 else layout.num_microbatches
+    first, last = edge_ranks(layout)
+    stages = schedule(layout.pp_schedule).virtual(layout.pp_virtual_stages) if layout.pp > 1 else 1
+    kept_blocks = min(layers, stages)
+    normal, kept, forward_only = layers - kept_blocks, kept_blocks, 0
+    if tied and layout.pp == 1:
+        normal += 1  # the root unit: embedding, final norm and head
+    else:
+        forward_only, kept = int(pp_rank == first), kept + int(pp_rank == last)
+    m, units = layout.num_microbatches, normal + kept + forward_only
+    syncs = 1 if layout.pp > 1 else m
     if layout.zero_stage == 0:
         return syncs * units
-    hsdp = 1 if layout.dp_replicate > 1 else 0
+    reductions = syncs * units * (2 if layout.dp_replicate > 1 else 1)
     if layout.zero_stage == 2:
-        return syncs * units * (2 + hsdp)
-    ag_forward, ag_backward = fsdp_gather_passes(layout)
-    return units * (ag_forward + ag_backward + syncs * (1 + hsdp))
+        return syncs * units + reductions
+    if layout.pp == 1:
+        return m * (2 * normal + kept + forward_only) + reductions
+    return (m + 1) * normal + kept + m * forward_only + reductions
 
 
 def _dp_overlap(shape: ModelShape, layout: Layout, cluster: ClusterSpec, eff: Efficiency, pt: PipelineTime,
@@ -153,7 +171,7 @@ def _dp_overlap(shape: ModelShape, layout: Layout, cluster: ClusterSpec, eff: Ef
     unit by unit (one per layer), DDP's bucket by bucket; every call pays its latency."""
     if layout.dp * layout.cp == 1:
         return 0.0, 0.0
-    host = fsdp_calls(layout, pt.layers) * eff.fsdp_call_s
+    host = fsdp_calls(layout, pt.layers, pt.critical_rank, shape.tie_embeddings) * eff.fsdp_call_s
     exposed, total = _dp_wire(shape, layout, cluster, eff, pt, state)
     return exposed + host, total + host
 

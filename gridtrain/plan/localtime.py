@@ -192,5 +192,6 @@ def local_step(args: ModelArgs, dims: ParallelDims, cfg: Config, machine: LocalM
     t_mb = contention * microbatch_seconds(args, dims, cfg, machine, counts[pp_rank], last, activation_bytes, span)
     bubble = (dims.pp - 1) * t_mb if dims.pp > 1 else 0.0
     optimizer = contention * local_params * ADAMW_BYTES / machine.memory_bytes_per_s
-    host = contention * machine.fsdp_call_s * fsdp_calls(run_layout(args, dims, cfg), counts[pp_rank])
+    host = contention * machine.fsdp_call_s * fsdp_calls(run_layout(args, dims, cfg), counts[pp_rank], pp_rank,
+                                                         args.tie_embeddings)
     return LocalStep(m * t_mb, bubble, collective_seconds(collectives, dims, machine) + host, optimizer)
