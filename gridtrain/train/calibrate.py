@@ -23,7 +23,7 @@ import torch
 from gridtrain.plan.machine import cached_entry, calibration_path, machine_key
 from gridtrain.plan.specs import ACCELERATORS, accelerator_of_device
 from gridtrain.plan.local import usable_cores
-from gridtrain.train.calibrate_gloo import measure_processes
+from gridtrain.train.calibrate_gloo import measure_processes, merge_processes
 from gridtrain.train.calibrate_kernels import best_seconds, measure_kernels
 
 log = logging.getLogger(__name__)
@@ -189,7 +189,7 @@ def calibrate(threads: int | None = None, seconds: float = 2.0, modes: tuple[str
             {mode: measure_attention_flops(CALIBRATION_DTYPES[mode], seconds / 4) for mode in modes if mode != "fp16"})
         entry["memory_bytes_per_s"] = measure_memory_bandwidth(seconds / 4)
         entry.update(measure_gloo())
-        entry.update(measure_processes(threads, usable_cores()))  # as local ranks talk, where they can start
+        merge_processes(entry, measure_processes(threads, usable_cores()))  # as local ranks talk, where they can start
         overhead = measure_layer_overhead(seconds / 2)
         entry["layer_overhead_s"] = overhead["none"]
         entry["recompute_overhead_s"] = {mode: max(0.0, overhead[mode] - overhead["none"])

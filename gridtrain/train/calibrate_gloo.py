@@ -162,20 +162,26 @@ def _rank(rank: int, world: int, store_path: str, out_path: str, threads: int, s
 
 
 def _launch(world: int, threads: int, steps: int) -> dict[str, float]:
-    """Run `world` processes of _rank; rank 0's measurements."""
+    """Run `world` processes of _rank; rank 0's measurements. Every process started is gone when
+    this returns or raises (one that failed to start leaves none behind waiting for it)."""
     with tempfile.TemporaryDirectory() as tmp:
         store, out = os.path.join(tmp, "store"), os.path.join(tmp, "times.json")
-        ranks, errors = [], []
+        ranks: list[subprocess.Popen] = []
+        errors: list[str] = []
         try:
-            ranks = [subprocess.Popen([sys.executable, "-m", __name__, str(r), str(world), store, out, str(threads),
-                                       str(steps)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-                     for r in range(world)]
+            for r in range(world):
+                ranks.append(subprocess.Popen([sys.executable, "-m", __name__, str(r), str(world), store, out,
+                                               str(threads), str(steps)],
+                                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
             errors = [p.communicate(timeout=300)[1].strip() for p in ranks]
             return json.loads(Path(out).read_text())
         except (OSError, ValueError, subprocess.SubprocessError) as err:
-            for p in ranks:
-                p.kill()
             raise OSError("; ".join([str(err), *(e.splitlines()[-1] for e in errors if e)])) from err
+        finally:
+            for p in ranks:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
 
 
 def measure_processes(threads: int, cores: int, steps: int = 12) -> dict:
@@ -200,6 +206,21 @@ def measure_processes(threads: int, cores: int, steps: int = 12) -> dict:
             "gloo_ring_step_s": {str(n): t for n, t in steps_by_ranks.items()},
             "fsdp_call_s": per_call_seconds(times, raw["latency"] / 2) / contention,
             "tp_block_s": tp_block_seconds(times, raw["latency"]) / contention}
+
+
+PROCESS_KEYS = ("gloo_ring_step_s", "fsdp_call_s", "tp_block_s")
+"""What only measure_processes measures: the thread fallback has nothing to put in their place."""
+
+
+def merge_processes(entry: dict, measured: dict) -> None:
+    """Put measure_processes' figures into the calibration `entry`; where the processes could not
+    start ({}), drop what an earlier calibration measured between processes, so that the entry
+    holds this calibration's between-thread figures (the ring step table would otherwise take
+    precedence over them: plan/local.ring_step_seconds)."""
+    if not measured:
+        for key in PROCESS_KEYS:
+            entry.pop(key, None)
+    entry.update(measured)
 
 
 if __name__ == "__main__":
