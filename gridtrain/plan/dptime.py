@@ -109,7 +109,10 @@ def step_sync_seconds(layout: Layout, cluster: ClusterSpec, eff: Efficiency) -> 
     over each of the pipeline, data- and context-parallel axes it spans, and the world's roll call
     for a stop signal (train/trainer.py). A GPU pays their latency in microseconds; CPU ranks
     beyond the cores wait for the scheduler at each ring step (plan/local.py: 4.5-7.7 ms an
-    all-reduce over 4 processes on 2 cores)."""
+    all-reduce over 4 processes on 2 cores). Left out: the gradient norm's (parallel/grads.py:
+    one over pp, and DTensor's, one per mesh axis a group of like-placed gradients is sharded
+    over; dry runs of the tiny model count 1 over the FSDP shard axis, and with TP 3 there and 2
+    over tp), fp16's overflow check and a mixture of experts' balance statistics."""
     if layout.num_gpus == 1:
         return 0.0
     inner = {"cp": layout.tp, "dp": layout.tp * layout.cp, "pp": layout.tp * layout.cp * layout.dp}
