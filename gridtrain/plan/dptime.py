@@ -107,9 +107,11 @@ def fsdp_gather_passes(layout: Layout) -> tuple[int, int]:
 def step_sync_seconds(layout: Layout, cluster: ClusterSpec, eff: Efficiency) -> float:
     """The small all-reduces the trainer makes every step beside the gradients': the global loss
     over each of the pipeline, data- and context-parallel axes it spans, and the world's roll call
-    for a stop signal (train/trainer.py). A GPU pays their latency in microseconds; CPU ranks
-    beyond the cores wait for the scheduler at each ring step (plan/local.py: 4.5-7.7 ms an
-    all-reduce over 4 processes on 2 cores). Left out: the gradient norm's (parallel/grads.py:
+    for a stop signal (train/trainer.py), each priced as a ring all-reduce at the cluster's
+    latency per step. A GPU pays it in microseconds. On CPU ranks (plan/local.py) that latency is
+    a 16 KB all-reduce's, which over-prices these one-element ones where the ranks outnumber the
+    cores: over 4 processes on 2 cores a 16 KB all-reduce took 4.7 ms here, a one-element one
+    0.35 ms (over 2 processes 0.2 and 0.1 ms). Left out: the gradient norm's (parallel/grads.py:
     one over pp, and DTensor's, one per mesh axis a group of like-placed gradients is sharded
     over; dry runs of the tiny model count 1 over the FSDP shard axis, and with TP 3 there and 2
     over tp), fp16's overflow check and a mixture of experts' balance statistics."""

@@ -126,8 +126,8 @@ def _step_seconds(kind: str, blocks: int, steps: int) -> float:
 
 
 SMALL = 4096
-"""Elements of the small all-reduce whose time is the latency: 16 KB (one element takes another
-algorithm in gloo, 0.4 ms against 4.5-7.7 ms over 4 processes on 2 cores)."""
+"""Elements of the small all-reduce whose time is the latency: 16 KB (gloo reduces one element
+another way: over 4 processes on 2 cores it took 0.35-0.4 ms, 16 KB 4.5-7.7 ms)."""
 
 
 def _all_reduce_seconds(numel: int, repeats: int) -> float:
@@ -191,7 +191,8 @@ def measure_processes(threads: int, cores: int, steps: int = 12) -> dict:
     bytes, as if the two processes had the `cores` to themselves (plan/local.py shares them out
     again by the plan's ranks); and the time per ring step of the small all-reduce over 2, `cores`
     and twice `cores` processes, as measured (ranks beyond the cores wait for the scheduler at every
-    step: 0.14 ms over 2 processes here, 1.1 ms over 4). {} where the processes cannot start."""
+    step: 0.13 ms over 2 processes here, 0.75 ms over 4 in the cached calibration). {} where the
+    processes cannot start."""
     try:
         raw = _launch(2, threads, steps)
         steps_by_ranks = {n: (raw["latency"] if n == 2 else _launch(n, threads, steps)["latency"]) / (2 * (n - 1))
