@@ -173,3 +173,33 @@ def test_monotone_in_the_constants():
     assert steptime.step_time(s, lay, DGX, replace(EFF, intra_node=0.9)).total_s < base
     assert steptime.step_time(s, replace(lay, recompute="none"), DGX).total_s < base
     assert math.isfinite(base) and base > 0
+
+
+def test_zero3_under_a_pipeline_gathers_the_blocks_it_does_not_keep_every_micro_batch():
+    """Every schedule keeps each stage's last block gathered from its first forward to its last
+    backward and gathers the others in each micro-batch's forward and once in backward
+    (dptime.fsdp_gather_passes). By hand: a rank of 8 blocks in 7 interleaved stages, 32
+    micro-batches: 1/8 of its weights not kept, 1/8 x 32 + 7/8 forward passes, 1/8 backward; one
+    block a stage: one pass a step; 1F1B's one stage of 2 blocks, 4 micro-batches: 2.5 and 0.5."""
+    from gridtrain.plan.dptime import fsdp_gather_passes
+
+    interleaved = Layout(pp=16, dp_shard=8, zero_stage=3, pp_schedule="interleaved-1f1b", pp_virtual_stages=7,
+                         num_microbatches=32, micro_batch=1, seq_len=8192)
+    assert fsdp_gather_passes(interleaved, 8) == pytest.approx((1 / 8 * 32 + 7 / 8, 1 / 8))
+    assert fsdp_gather_passes(interleaved, 7) == pytest.approx((1.0, 0.0))
+    one_f_one_b = Layout(pp=2, dp_shard=2, zero_stage=3, pp_schedule="1f1b", num_microbatches=4, micro_batch=1,
+                         seq_len=64)
+    assert fsdp_gather_passes(one_f_one_b, 2) == pytest.approx((2.5, 0.5))
+    # Against a dry run: the small model at 8 layers, pp 2 x dp_shard 2, interleaved 1F1B v2, ZeRO-3
+    # in fp32 (`gridtrain train --dry-run --world 4 --rank 0 --model.preset small --model.n_layers 8
+    # --parallel.pp 2 --parallel.dp_shard 2 --parallel.zero_stage 3 --parallel.pp_schedule
+    # interleaved-1f1b --parallel.pp_virtual_stages 2 --data.seq_len 64 --train.micro_batch 2
+    # --train.global_batch 16 or 32`): rank 0's all-gathers were 39,084,032 bytes at 4 micro-batches
+    # and 65,576,960 at 8. Its weights: 4 blocks of 786,944 parameters and the 81,920 of the
+    # embedding, 4 bytes each; half of them (2 blocks of its 2 stages) are not kept.
+    weights = (4 * 786_944 + 81_920) * 4
+    lay = Layout(pp=2, dp_shard=2, zero_stage=3, pp_schedule="interleaved-1f1b", pp_virtual_stages=2,
+                 micro_batch=2, seq_len=64, num_microbatches=4)
+    per_step = {m: sum(fsdp_gather_passes(replace(lay, num_microbatches=m), 4)) * weights for m in (4, 8)}
+    assert (per_step[8] - per_step[4]) / 4 == pytest.approx((65_576_960 - 39_084_032) / 4, rel=0.05)
+    assert per_step[4] == pytest.approx(39_084_032, rel=0.05)

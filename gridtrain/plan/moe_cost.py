@@ -122,7 +122,7 @@ def expert_dp_seconds(shape: ModelShape, layout: Layout, cluster: ClusterSpec, i
     rs = placement.reduce_scatter_time(grads, shard, chunks) if shards > 1 else 0.0
     ag = placement.all_gather_time(experts * compute_bytes, shard, chunks) if shards > 1 else 0.0
     ar = placement.all_reduce_time(grads / shards, rep, chunks) if replicas > 1 else 0.0
-    ag_forward, ag_backward = fsdp_gather_passes(layout) if layout.zero_stage == 3 else (syncs, 0)
+    ag_forward, ag_backward = fsdp_gather_passes(layout, layers) if layout.zero_stage == 3 else (syncs, 0)
     backward = micro_s * backward_share
     forward = micro_s - backward
     exposed = (ag_forward * overlapped(ag, forward, chunks) + ag_backward * overlapped(ag, backward, chunks)
