@@ -46,3 +46,14 @@ def test_failed_processes_drop_an_earlier_calibrations_figures_between_processes
     assert entry == {"gloo_bytes_per_s": 2e9, "gloo_latency_s": 1e-4, "layer_overhead_s": 1e-3}
     calibrate_gloo.merge_processes(entry, {"gloo_latency_s": 3e-4, "fsdp_call_s": 1e-3})
     assert entry == {"gloo_bytes_per_s": 2e9, "gloo_latency_s": 3e-4, "layer_overhead_s": 1e-3, "fsdp_call_s": 1e-3}
+
+
+def test_the_latency_launches_stop_at_32_processes():
+    """2, the cores' ranks and twice that, as measured on this 2-core machine (2 and 4); a 64-core
+    machine at one thread a rank measures 2, 32 and 32, not 128 processes."""
+    from gridtrain.train.calibrate_gloo import launch_sizes
+
+    assert launch_sizes(2, 1) == [2, 4]
+    assert launch_sizes(64, 1) == [2, 32]
+    assert launch_sizes(8, 2) == [2, 4, 8]
+    assert launch_sizes(1, 1) == [2]

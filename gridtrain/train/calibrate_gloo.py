@@ -184,19 +184,31 @@ def _launch(world: int, threads: int, steps: int) -> dict[str, float]:
                     p.wait()
 
 
+MOST_PROCESSES = 32
+"""The largest launch the latency is measured over: beyond it local.ring_step_seconds scales the
+widest measurement in proportion (a 64-core machine would otherwise start 128 processes)."""
+
+
+def launch_sizes(cores: int, threads: int) -> list[int]:
+    """Process counts the ring step is measured over: 2, the cores' worth of ranks and twice that
+    (where ranks outnumber the cores), at most MOST_PROCESSES."""
+    ranks = max(1, cores // threads)
+    return sorted({min(n, MOST_PROCESSES) for n in (2, max(2, ranks), 2 * ranks)})
+
+
 def measure_processes(threads: int, cores: int, steps: int = 12) -> dict:
     """gloo between processes of `threads` threads each (module docstring): from two, the
     all-reduce's bandwidth (payload bytes / time of a 4 MiB one) and latency (a 16 KB one),
     medians, FSDP's time per collective call and tensor parallelism's per layer beyond their
     bytes, as if the two processes had the `cores` to themselves (plan/local.py shares them out
     again by the plan's ranks); and the time per ring step of the small all-reduce over 2, `cores`
-    and twice `cores` processes, as measured (ranks beyond the cores wait for the scheduler at every
+    and twice `cores` processes (launch_sizes), as measured (ranks beyond the cores wait for the scheduler at every
     step: 0.13 ms over 2 processes here, 0.75 ms over 4 in the cached calibration). {} where the
     processes cannot start."""
     try:
         raw = _launch(2, threads, steps)
         steps_by_ranks = {n: (raw["latency"] if n == 2 else _launch(n, threads, steps)["latency"]) / (2 * (n - 1))
-                          for n in sorted({2, max(2, cores // threads), 2 * max(1, cores // threads)})}
+                          for n in launch_sizes(cores, threads)}
     except OSError as err:
         log.warning("gloo between processes not measured (%s): between two threads instead", err)
         return {}
