@@ -103,9 +103,15 @@ def fsdp_gather_passes(layout: Layout, layers: int) -> tuple[float, float]:
     m = layout.num_microbatches
     if layout.pp == 1:
         return m, m
-    stages = schedule(layout.pp_schedule).virtual(layout.pp_virtual_stages)
-    normal = max(0, layers - stages) / max(layers, 1)
+    normal = (layers - kept_blocks(layout, layers)) / max(layers, 1)
     return normal * m + (1 - normal), normal
+
+
+def kept_blocks(layout: Layout, layers: int) -> int:
+    """Blocks of a rank holding `layers` that ZeRO-3 keeps gathered from forward to backward: each
+    stage's last, one per stage the rank holds under its schedule (one without a pipeline)."""
+    stages = schedule(layout.pp_schedule).virtual(layout.pp_virtual_stages) if layout.pp > 1 else 1
+    return min(layers, stages)
 
 
 def step_sync_seconds(layout: Layout, cluster: ClusterSpec, eff: Efficiency) -> float:
@@ -146,9 +152,8 @@ def fsdp_calls(layout: Layout, layers: int, pp_rank: int = 0, tied: bool = False
             layout.zero_stage == 0 and layout.tp == 1 and layout.pp == 1 and layout.ep == 1):
         return 0  # DDP (ZeRO-1 runs without TP, PP and experts only)
     first, last = edge_ranks(layout)
-    stages = schedule(layout.pp_schedule).virtual(layout.pp_virtual_stages) if layout.pp > 1 else 1
-    kept_blocks = min(layers, stages)
-    normal, kept, forward_only = layers - kept_blocks, kept_blocks, 0
+    kept = kept_blocks(layout, layers)
+    normal, forward_only = layers - kept, 0
     if tied and layout.pp == 1:
         normal += 1  # the root unit: embedding, final norm and head
     else:
