@@ -232,7 +232,7 @@ def test_mixtral_activations_off_the_census_and_its_working_block():
     of 8, renormalised): the mixture saves 2 x (6h + 8 F_e + 26 + 4) + 4 x 8 + 4 = 278,624 bytes.
     Full recomputation rematerializes one such block in backward: with the attention's census part
     (10h + 16h + 8 + 4h + 4 kv + 4 x 32 = 127,112) 405,736 bytes a token, not a dense block's
-    (495,883 under EP 8, where the rank's experts receive the routed rows).
+    (531,281.56 under EP 8, where the rank's experts receive the routed rows).
     Without fused attention (outside the census) each layer keeps 8h + 4h + 4 kv and the mixture
     (331,872) and the s x s scores (2 x 32 x 4,096 a token), 32 MoE layers of them."""
     base = dict(dp_shard=8, zero_stage=3, seq_len=4096, micro_batch=1, num_microbatches=1)
@@ -240,10 +240,11 @@ def test_mixtral_activations_off_the_census_and_its_working_block():
     (_, _, acts), = memory.probe_activations(MIXTRAL, full, 2, (0,))
     assert acts - memory.census_activations(MIXTRAL, full, 0, 2) == 4096 * 405736
     # Under EP 8 each row the rank's experts receive adds an index and an h-wide bf16 row (2h + 8), and
-    # the routed terms take the 1.25x allowance: 127,112 + 1.25 x 2 x (6h + 8 F_e + 30 + 2h + 8) + 36.
+    # the routed terms take the allowance measured at ep 8, 1.37x (bench/bench_moe_load.py):
+    # 127,112 + 1.37 x 2 x (6h + 8 F_e + 30 + 2h + 8) + 36 = 531,281.56.
     spread = Layout(recompute="full", ep=8, **base)
     (_, _, acts), = memory.probe_activations(MIXTRAL, spread, 2, (0,))
-    assert acts - memory.census_activations(MIXTRAL, spread, 0, 2) == 4096 * 495883
+    assert acts - memory.census_activations(MIXTRAL, spread, 0, 2) == pytest.approx(4096 * 531281.56, rel=1e-12)
     eager = Layout(flash_attention=False, **base)
     (_, _, acts), = memory.probe_activations(MIXTRAL, eager, 2, (0,))
     head = memory.head_activation_bytes(MIXTRAL, 4096, 1, act_bytes=2)
@@ -290,3 +291,26 @@ def test_the_ep_note_past_the_requests_time_says_so_and_keeps_the_plan():
     finally:
         BUDGET.reset(token)
     assert note.startswith(f"expert parallelism: ep {chosen.layout.ep};") and "ran out of this request's time" in note
+
+
+def test_the_routing_allowance_is_the_busiest_ranks_rows_as_measured():
+    """bench/bench_moe_load.py groups a run's routing as an ep group's micro-batch: ep micro-batches,
+    each rank holding E / ep consecutive experts. Counts [3, 1, 1, 1, 1, 1, 1, 1] in each of four
+    micro-batches (5 tokens at top-2): ep 2 ranks receive 12 and 8 rows (1.2x the mean), ep 4 ranks
+    8, 4, 4, 4 (1.6x), ep 8 ranks 6 and seven 2s (2.4x). The planner's allowance is the aux-loss
+    run's figures at ep 2, 4, 8, linear in log2(ep) between, held beyond."""
+    import importlib.util
+    from pathlib import Path
+
+    from gridtrain.plan.moe_cost import routing_imbalance
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "bench_moe_load.py"
+    spec = importlib.util.spec_from_file_location("bench_moe_load", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    counts = torch.tensor([3, 1, 1, 1, 1, 1, 1, 1]).repeat(8, 1, 1)  # (micro-batches, layers, E)
+    for ep, expected in ((2, 1.2), (4, 1.6), (8, 2.4)):
+        assert bench.rank_imbalance(counts, ep) == pytest.approx((expected, expected))
+    assert bench.rank_imbalance(counts, 2, per_rank=2) == pytest.approx((1.2, 1.2))
+    assert [routing_imbalance(ep) for ep in (1, 2, 4, 8, 64)] == [1.0, 1.11, 1.20, 1.37, 1.37]
+    assert routing_imbalance(3) == pytest.approx(1.11 + 0.09 * 0.5849625, rel=1e-6)

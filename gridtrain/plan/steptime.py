@@ -45,7 +45,7 @@ from gridtrain.plan.flops import flops_per_token, hardware_flops_per_token
 from gridtrain.plan.layout import Layout
 from gridtrain.plan.memory import (edge_ranks, kv_heads_per_rank, layer_activation_bytes, layers_per_rank,
                                    moe_layers_per_rank, rank_expert_params, rank_params)
-from gridtrain.plan.moe_cost import ROUTING_IMBALANCE, ep_seconds, moe_ffn_flops_per_token
+from gridtrain.plan.moe_cost import ep_seconds, moe_ffn_flops_per_token, routing_imbalance
 from gridtrain.plan.pipeline import schedule_bubble, split_cost
 from gridtrain.plan.shape import (ModelShape, attention_params, block_params, matmul_params, moe_block_active_params,
                                   norm_params)
@@ -207,7 +207,7 @@ def layer_cost(shape: ModelShape, cluster: ClusterSpec, eff: Efficiency, seq_len
     tokens = micro_batch * seq_len / cp
     keys = seq_len if span is None else span
     if moe:
-        slow = ROUTING_IMBALANCE if ep > 1 else 1.0
+        slow = routing_imbalance(ep)
         hw = (layer_attention_part_flops_per_token(shape, keys, recompute) * tokens / tp
               + moe_ffn_flops_per_token(shape, recompute, slow) * tokens)
     else:

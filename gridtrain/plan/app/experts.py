@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from gridtrain.plan.moe_cost import ROUTING_IMBALANCE
+from gridtrain.plan.moe_cost import routing_imbalance
 from gridtrain.plan.search import Candidate, Constraints, PlanError, Problem, _divisors, search
 from gridtrain.plan.stop import SearchTimeout
 
@@ -56,8 +56,11 @@ def ep_note(problem: Problem, constraints: Constraints, chosen: Candidate) -> st
 def _compared(problem: Problem, constraints: Constraints, chosen: Candidate) -> str:
     experts = problem.shape.num_experts
     ep = chosen.layout.ep
-    allowance = (f"the busiest rank's routed experts are costed at {ROUTING_IMBALANCE}x the mean rows "
-                 "(moe_cost.ROUTING_IMBALANCE)")
+
+    def allowance(spread: int) -> str:
+        return (f"the busiest of the {spread} expert-parallel ranks is costed at {routing_imbalance(spread):.2f}x "
+                "the mean rows (moe_cost.ROUTING_IMBALANCE, measured on gridtrain's own MoE runs)")
+
     if ep > 1:
         other = _best(problem, constraints, [1])
         if other is None:
@@ -65,7 +68,7 @@ def _compared(problem: Problem, constraints: Constraints, chosen: Candidate) -> 
                     f"so every rank would gather all {experts} experts of a layer at once")
         return (f"expert parallelism: ep {ep} ({chosen.time.total_s:.3f} s a step) beats the best layout without it "
                 f"({_label(other)}: {other.time.total_s:.3f} s), which spends {_differences(chosen, other)}; "
-                f"{allowance}")
+                f"{allowance(ep)}")
     candidates = [g for g in _divisors(experts) if 1 < g <= problem.num_gpus]
     other = _best(problem, constraints, candidates)
     if other is None:
@@ -73,7 +76,7 @@ def _compared(problem: Problem, constraints: Constraints, chosen: Candidate) -> 
                 f"the data- and context-parallel ones (ep divides dp x cp), and ep must divide the {experts} experts")
     return (f"expert parallelism: ep 1, because the best layout with it ({_label(other)}: "
             f"{other.time.total_s:.3f} s a step against {chosen.time.total_s:.3f} s) spends "
-            f"{_differences(chosen, other)}: gridtrain's all-to-alls run in line with compute, and {allowance}; "
+            f"{_differences(chosen, other)}: gridtrain's all-to-alls run in line with compute, and {allowance(other.layout.ep)}; "
             f"{_without_ep(chosen)}")
 
 
