@@ -110,7 +110,7 @@ def reduce_scattered(args: ModelArgs, dims: ParallelDims, cfg: Config, pp_rank: 
     if p.zero_stage in (2, 3) and shards > 1:
         out[axis] = (1 if dims.pp > 1 else m) * sum(fsdp_padded(shapes, dims).values())
     held = {name: s for part in parts for name, s in part.items()}
-    if "edp_shard/all_reduce_bytes" in (experts := expert_collectives(args, dims, cfg, held, m)):
+    if "edp_shard/all_reduce_bytes" in (experts := expert_collectives(args, dims, cfg, held, m, parts)):
         out["edp_shard"] = experts["edp_shard/all_reduce_bytes"]
     if dims.tp > 1 and p.sequence_parallel:
         stages = list(forwards_held(layout.pp_schedule, dims.pp, v, m, pp_rank)) if dims.pp > 1 else [0]
@@ -251,8 +251,9 @@ def estimate_collectives(args: ModelArgs, dims: ParallelDims, cfg: Config, pp_ra
       under a pipeline torch's stage syncs once per step, otherwise every micro-batch (FSDP2,
       including its replicate for DDP with TP) or once (DDP's buckets), each tensor padded to a
       multiple of dp_shard rows; ZeRO-2 gathers each unit once per sync, ZeRO-3 twice (but the
-      last block, the head and the embedding once without a pipeline; under GPipe and 1F1B once
-      per micro-batch and once more, the embedding once per micro-batch; under a split-backward
+      last block, the head and the embedding once without a pipeline; under a pipeline the last
+      block of each stage the rank holds and the head once a step, the other blocks once per
+      micro-batch and once more, the embedding once per micro-batch; under a split-backward
       schedule, whose stage gathers before its two passes, everything once but the embedding,
       once per micro-batch).
     Under bf16 and fp16, the part of tensor-parallel traffic that carries matmul outputs moves in
@@ -283,15 +284,16 @@ def estimate_collectives(args: ModelArgs, dims: ParallelDims, cfg: Config, pp_ra
         out["pp/send_bytes"] = m * sends * activation / (dims.tp if sp else 1)
         out["pp/all_reduce_bytes"] = 4.0
     if dims.dp * dims.cp > 1:  # under CP, FSDP shards over dp_shard x cp
-        out = _add(out, dp_collectives(args, dims, cfg, layout, data_parallel_shapes(shapes, dims.ep)))
+        out = _add(out, dp_collectives(args, dims, cfg, layout, data_parallel_shapes(shapes, dims.ep), parts))
     out = _add(out, moe_step_collectives(args, dims, cfg, shapes))
-    out = _add(out, expert_collectives(args, dims, cfg, shapes, m))
+    out = _add(out, expert_collectives(args, dims, cfg, shapes, m, parts))
     return _add(out, cp_collectives(args, dims, cfg, blocks))
 
 
 def dp_collectives(args: ModelArgs, dims: ParallelDims, cfg: Config, layout: Layout,
-                   shapes: dict[str, tuple[int, ...]]) -> dict[str, float]:
-    """Data parallelism's part of estimate_collectives, over the rank's own parameter `shapes`."""
+                   shapes: dict[str, tuple[int, ...]], parts: list[dict[str, tuple[int, ...]]]) -> dict[str, float]:
+    """Data parallelism's part of estimate_collectives, over the rank's own parameter `shapes`,
+    held in the pipeline stages `parts`."""
     t, p, m = cfg.train, cfg.parallel, layout.num_microbatches
     params = 4 * sum(numel(tp_local(name, s, dims.tp)) for name, s in shapes.items())
     syncs = 1 if dims.pp > 1 else m
@@ -300,7 +302,8 @@ def dp_collectives(args: ModelArgs, dims: ParallelDims, cfg: Config, layout: Lay
         return {"dp_replicate/all_reduce_bytes": reduced, **zero1_broadcast(p.zero_stage, params)}
     padded = fsdp_padded(shapes, dims)
     params = sum(padded.values())
-    kept, forward = (sum(padded[name] for name in names) for names in gathered_once(shapes, args.tie_embeddings))
+    kept, forward = (sum(padded[name] for name in names)
+                     for names in gathered_once(shapes, args.tie_embeddings, parts))
     gathered = fsdp_gathered(cfg, dims, m, params, kept, forward)
     # The gradients reduced, and one norm scalar per sharded tensor.
     axis, shards = fsdp_axis(dims)
@@ -320,22 +323,22 @@ def fsdp_gathered(cfg: Config, dims: ParallelDims, m: int, params: float, kept: 
         return (1 if dims.pp > 1 else m) * params
     if dims.pp == 1:
         return m * (2 * params - kept - forward)
-    if row.stages_per_rank == 1 and not row.split_backward:
-        # Every micro-batch's forward gathers the stage's units again (but its last block and
-        # head, which stay gathered), and the first backward once more (measured by dry runs of
-        # 70B and 405B layouts at 8 and 16 micro-batches, on the first and the last stage alike).
+    if not row.split_backward:
+        # Every micro-batch's forward gathers the stage's units again but the last block of each
+        # stage the rank holds and the head, which stay gathered, and the first backward once
+        # more; the embedding once per micro-batch (measured by dry runs of 70B and 405B layouts
+        # at 8 and 16 micro-batches, and of the small model at 8 layers over pp 2 x dp_shard 2
+        # under 1F1B, interleaved 1F1B and looped BFS at v 2, 4 and 8 micro-batches: exact).
         return (m + 1) * (params - kept - forward) + kept + m * forward
-    if row.split_backward:
-        # The stage's own gathers serve every forward and both backward passes
-        # (SplitBackwardStage), but the embedding's unit, resharded after each forward and not
-        # needed by backward, is gathered again by every micro-batch's forward (measured at 2
-        # and 4 micro-batches under ZB-V and interleaved ZB).
-        return params - forward + m * forward
-    return 2 * params
+    # The stage's own gathers serve every forward and both backward passes (SplitBackwardStage),
+    # but the embedding's unit, resharded after each forward and not needed by backward, is
+    # gathered again by every micro-batch's forward (measured at 2 and 4 micro-batches under ZB-V
+    # and interleaved ZB).
+    return params - forward + m * forward
 
 
 def expert_collectives(args: ModelArgs, dims: ParallelDims, cfg: Config, shapes: dict[str, tuple[int, ...]],
-                       m: int) -> dict[str, float]:
+                       m: int, parts: list[dict[str, tuple[int, ...]]] | None = None) -> dict[str, float]:
     """The routed experts' data-parallel traffic where ep leaves data-parallel ranks over
     (gridtrain.layout.experts): each MoE layer's experts an FSDP unit of their own, E / ep of them
     split on dimension 1 over 'edp_shard' (gathered in the training dtype as the dense units are,
@@ -350,7 +353,7 @@ def expert_collectives(args: ModelArgs, dims: ParallelDims, cfg: Config, shapes:
     syncs = 1 if dims.pp > 1 else m
     out: dict[str, float] = {}
     if shards > 1:
-        kept = 4 * sum(numel(experts[n]) for n in gathered_once(experts, False)[0])
+        kept = 4 * sum(numel(experts[n]) for n in gathered_once(experts, False, parts)[0])
         out["edp_shard/all_gather_bytes"] = fsdp_gathered(cfg, dims, m, params, kept, 0) * gather_bytes(
             cfg.train.precision) / 4
         out["edp_shard/all_reduce_bytes"] = syncs * params
@@ -359,18 +362,26 @@ def expert_collectives(args: ModelArgs, dims: ParallelDims, cfg: Config, shapes:
     return out if experts else {}
 
 
-def gathered_once(shapes: dict[str, tuple[int, ...]], tie_embeddings: bool) -> tuple[list[str], list[str]]:
+def gathered_once(shapes: dict[str, tuple[int, ...]], tie_embeddings: bool,
+                  parts: list[dict[str, tuple[int, ...]]] | None = None) -> tuple[list[str], list[str]]:
     """ZeRO-3's exceptions to "gathered for forward, again for backward" among the rank's
     parameters (parallel/data_parallel.apply_fsdp), as (kept, forward only): the units kept
-    gathered from their forward to their backward (the rank's last block, the final norm with the
-    head), and the embedding, whose backward reads only the token ids. A head tied to an embedding
-    on the same rank puts the two and the norm in the root unit, which is gathered twice."""
-    blocks = [int(name.split(".")[1]) for name in shapes if name.startswith("layers.")]
-    last = f"layers.{max(blocks)}." if blocks else None
+    gathered from their forward to their backward (the last block of each of the rank's pipeline
+    stages `parts`, or of the rank without them; the final norm with the head), and the
+    embedding, whose backward reads only the token ids. A head tied to an embedding on the same
+    rank puts the two and the norm in the root unit, which is gathered twice."""
+    lasts = {last_block(part) for part in (parts or [shapes])} - {None}
     tied = tie_embeddings and "tok_embeddings.weight" in shapes and "norm.weight" in shapes
     head = () if tied else ("norm.weight", "output.weight")
-    kept = [name for name in shapes if (last and name.startswith(last)) or name in head]
+    kept = [name for name in shapes if (name.startswith("layers.") and int(name.split(".")[1]) in lasts)
+            or name in head]
     return kept, [] if tied or "tok_embeddings.weight" not in shapes else ["tok_embeddings.weight"]
+
+
+def last_block(shapes: dict[str, tuple[int, ...]]) -> int | None:
+    """The highest block index among `shapes`' parameters (None without blocks)."""
+    blocks = [int(name.split(".")[1]) for name in shapes if name.startswith("layers.")]
+    return max(blocks) if blocks else None
 
 
 def fsdp_padded(shapes: dict[str, tuple[int, ...]], dims: ParallelDims) -> dict[str, int]:
