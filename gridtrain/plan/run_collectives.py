@@ -240,7 +240,7 @@ def estimate_collectives(args: ModelArgs, dims: ParallelDims, cfg: Config, pp_ra
     model exactly (several parallel axes, or a pipeline with more than one stage per rank or with
     recomputation): each axis's traffic over this rank's own stages, composed. Measured against the
     accounting on 12 layouts of 4 ranks: most axes exact, a pipeline's SP all-gathers off by up to
-    13% (they move between its ranks); ZeRO-3 beside every zero-bubble schedule exact. Per axis:
+    13% (they move between its ranks); ZeRO-3 beside every schedule exact. Per axis:
     - tp: per micro-batch the activation traffic of the rank's blocks (tp_activation_traffic;
       gloo logs the all-gathers at 1/tp) and loss_parallel's three values per token on the last
       stage; with SP the norms' weight gradients once; one fp32 norm scalar per sharded tensor
@@ -251,11 +251,9 @@ def estimate_collectives(args: ModelArgs, dims: ParallelDims, cfg: Config, pp_ra
       under a pipeline torch's stage syncs once per step, otherwise every micro-batch (FSDP2,
       including its replicate for DDP with TP) or once (DDP's buckets), each tensor padded to a
       multiple of dp_shard rows; ZeRO-2 gathers each unit once per sync, ZeRO-3 twice (but the
-      last block, the head and the embedding once without a pipeline; under a pipeline the last
-      block of each stage the rank holds and the head once a step, the other blocks once per
-      micro-batch and once more, the embedding once per micro-batch; under a split-backward
-      schedule, whose stage gathers before its two passes, everything once but the embedding,
-      once per micro-batch).
+      last block, the head and the embedding once without a pipeline; under a pipeline, with any
+      schedule, the last block of each stage the rank holds and the head once a step, the other
+      blocks once per micro-batch and once more, the embedding once per micro-batch).
     Under bf16 and fp16, the part of tensor-parallel traffic that carries matmul outputs moves in
     16 bits (tp_activation_traffic)."""
     t, p = cfg.train, cfg.parallel
@@ -318,23 +316,18 @@ def fsdp_gathered(cfg: Config, dims: ParallelDims, m: int, params: float, kept: 
     """Bytes FSDP all-gathers in a step (in fp32 terms) of units holding `params` bytes, `kept` of
     them kept gathered from forward to backward and `forward` gathered in forward only (gathered_once)."""
     p = cfg.parallel
-    row = schedule(p.pp_schedule)
     if p.zero_stage == 2:
         return (1 if dims.pp > 1 else m) * params
     if dims.pp == 1:
         return m * (2 * params - kept - forward)
-    if not row.split_backward:
-        # Every micro-batch's forward gathers the stage's units again but the last block of each
-        # stage the rank holds and the head, which stay gathered, and the first backward once
-        # more; the embedding once per micro-batch (measured by dry runs of 70B and 405B layouts
-        # at 8 and 16 micro-batches, and of the small model at 8 layers over pp 2 x dp_shard 2
-        # under 1F1B, interleaved 1F1B and looped BFS at v 2, 4 and 8 micro-batches: exact).
-        return (m + 1) * (params - kept - forward) + kept + m * forward
-    # The stage's own gathers serve every forward and both backward passes (SplitBackwardStage),
-    # but the embedding's unit, resharded after each forward and not needed by backward, is
-    # gathered again by every micro-batch's forward (measured at 2 and 4 micro-batches under ZB-V
-    # and interleaved ZB).
-    return params - forward + m * forward
+    # Every micro-batch's forward gathers the stage's units again but the last block of each stage
+    # the rank holds and the head, which stay gathered, and the first backward once more; the
+    # embedding once per micro-batch. Measured by dry runs of 70B and 405B layouts at 8 and 16
+    # micro-batches, and on the small model at 8 layers over pp 2 x dp_shard 2 (or cp 2), 2 to 8
+    # micro-batches, under every schedule: 1F1B, interleaved 1F1B and looped BFS at v 2 and 3, and
+    # the split-backward ones (ZB-V, interleaved ZB), whose stage gathers its blocks before each
+    # backward pass (SplitBackwardStage) where they are not gathered already.
+    return (m + 1) * (params - kept - forward) + kept + m * forward
 
 
 def expert_collectives(args: ModelArgs, dims: ParallelDims, cfg: Config, shapes: dict[str, tuple[int, ...]],
