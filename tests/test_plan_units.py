@@ -178,6 +178,9 @@ def test_schedule_costs_as_measured():
     assert pipeline.schedule_bubble("1f1b", 4, 8) == approx(3 / 11)
     assert pipeline.split_cost("1f1b") == 1.0
     assert pipeline.split_cost("zbv") == approx(3.22 / 2.95)
+    # Under full recomputation each pass recomputes the block (a forward, 1): 5.22 / 3.95.
+    assert pipeline.split_cost("zbv", "full") == approx(5.22 / 3.95)
+    assert pipeline.split_cost("interleaved-1f1b", "full") == 1.0
     # The zero-bubble orders fill most of interleaved 1F1B's idle time with weight passes, not all.
     for name in ("interleaved-zb", "zbv", "dualpipev"):
         assert 0 < pipeline.schedule_bubble(name, 4, 8, 2) < pipeline.schedule_bubble("interleaved-1f1b", 4, 8, 2) / 2

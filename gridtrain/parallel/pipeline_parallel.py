@@ -93,7 +93,31 @@ class SplitBackwardStage(PipelineStage):
             for module in self.submod.modules():
                 if isinstance(module, FSDPModule):
                     module.unshard()
+        if backward_type == "weight":
+            bwd_kwargs = {**bwd_kwargs, "param_groups": merged_param_groups(bwd_kwargs["param_groups"])}
         return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+
+
+def merged_param_groups(groups: list[dict]) -> list[dict]:
+    """The weight pass's parameter groups as one: torch's `stage_backward_weight` calls
+    `autograd.grad` once per group, one per weight of a block, and each call recomputes a
+    checkpointed block (full recomputation) again: two small blocks ran their attention 22 times a
+    micro-batch where 4 do under interleaved 1F1B. One call over every group's intermediates,
+    each with the gradient the input pass saved for it, gives the same gradients (torch clamps a
+    group of several intermediates to their saved gradients, so none is counted twice through
+    another) and recomputes each block once."""
+    if len(groups) <= 1:
+        return groups
+    intermediates, grads, params, seen = [], [], [], set()
+    for group in groups:
+        for node, grad in zip(group["intermediates"], group["grads"]):
+            if node not in seen:
+                seen.add(node)
+                intermediates.append(node)
+                grads.append(grad)
+        params += [p for p in group["params"] if p not in seen]
+        seen.update(group["params"])
+    return [{"params": params, "intermediates": intermediates, "grads": grads}]
 
 
 def build_schedule(stages: list[tuple[int, nn.Module]], pp_mesh: DeviceMesh, num_stages: int,

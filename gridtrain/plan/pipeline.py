@@ -202,12 +202,17 @@ def bubble_scale(schedule: str) -> float | None:
     return row_of(schedule).bubble_scale
 
 
-def split_cost(schedule: str) -> float:
+def split_cost(schedule: str, recompute: str = "none") -> float:
     """A micro-batch's forward and backward under the schedule over the fused F + B: (F + I + W) /
-    (F + B) for the split-backward schedules, 1 for the others."""
-    if row_of(schedule).split_backward:
-        return (1 + SPLIT_INPUT + SPLIT_WEIGHT) / (1 + BACKWARD)
-    return 1.0
+    (F + B) for the split-backward schedules, 1 for the others. Under full recomputation the block
+    is recomputed before each of the two passes, one graph task each (parallel/pipeline_parallel.py,
+    merged_param_groups: torch's own weight pass recomputed it once per weight), where a fused
+    backward recomputes it once: (F + R + I + R + W) / (F + R + B), R a forward."""
+    if not row_of(schedule).split_backward:
+        return 1.0
+    if recompute == "full":
+        return (3 + SPLIT_INPUT + SPLIT_WEIGHT) / (2 + BACKWARD)
+    return (1 + SPLIT_INPUT + SPLIT_WEIGHT) / (1 + BACKWARD)
 
 
 def schedule_bubble(schedule: str, pp: int, num_microbatches: int, virtual: int = 1) -> float:

@@ -372,7 +372,7 @@ def pipeline_time(shape: ModelShape, layout: Layout, cluster: ClusterSpec, eff: 
     m, pp, v = layout.num_microbatches, layout.pp, layout.pp_virtual_stages
     pp_s = bubble_s = 0.0
     if pp > 1:
-        micro *= split_cost(layout.pp_schedule)  # zero-bubble schedules' split backward
+        micro *= split_cost(layout.pp_schedule, layout.recompute)  # zero-bubble schedules' split backward
         act = layout.tokens_per_microbatch / layout.cp * shape.hidden * act_bytes / layout.tp
         send = placement.p2p_time(act, cluster, pp, layout.tp * layout.cp, eff.intra_node, eff.inter_node)
         pp_s = 2 * m * v * send

@@ -95,9 +95,10 @@ def pipeline_lines(problem: Problem, cand: Candidate) -> list[str]:
              f"{_ms(pt.layer.total_s)}" + (f" + head {_ms(pt.head_s)}" if pt.head_s else "")
              + f" = {_ms(pt.micro_s)}; x m = {m}: {_ms(m * pt.micro_s)}"]
     if p > 1:
-        f, sc = schedule_bubble(layout.pp_schedule, p, m, v), split_cost(layout.pp_schedule)
+        f, sc = schedule_bubble(layout.pp_schedule, p, m, v), split_cost(layout.pp_schedule, layout.recompute)
         if sc != 1.0:
-            lines.append(f"split backward (F + I + W over F + B, measured): micro-batch x {sc:.3f}")
+            form = "F + R + I + R + W over F + R + B" if layout.recompute == "full" else "F + I + W over F + B"
+            lines.append(f"split backward ({form}, measured): micro-batch x {sc:.3f}")
         if schedule(layout.pp_schedule).runnable:
             closed = bubble_fraction(p, m, v)
             how = (f"torch's action order replayed with the measured F, B, I, W costs: idle fraction f = {f:.4f} "
