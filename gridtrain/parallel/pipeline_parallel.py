@@ -100,23 +100,23 @@ class SplitBackwardStage(PipelineStage):
 
 def merged_param_groups(groups: list[dict]) -> list[dict]:
     """The weight pass's parameter groups as one: torch's `stage_backward_weight` calls
-    `autograd.grad` once per group, one per weight of a block, and each call recomputes a
-    checkpointed block (full recomputation) again: two small blocks ran their attention 22 times a
-    micro-batch where 4 do under interleaved 1F1B. One call over every group's intermediates,
-    each with the gradient the input pass saved for it, gives the same gradients (torch clamps a
-    group of several intermediates to their saved gradients, so none is counted twice through
-    another) and recomputes each block once."""
+    `autograd.grad` once per group, one per weight of a block, and under full recomputation each
+    call recomputes the checkpointed block again (a small block ran its attention 11 times a
+    micro-batch, tests/test_split_backward.py). One call over every group's intermediates, each
+    with the gradient the input pass saved for it, gives the same gradients bit for bit (torch
+    clamps a group of several intermediates to their saved gradients, so none is counted twice
+    through another) and recomputes each block once: 3 attention runs a micro-batch."""
     if len(groups) <= 1:
         return groups
-    intermediates, grads, params, seen = [], [], [], set()
+    intermediates, grads, params, seen_nodes, seen_params = [], [], [], set(), set()
     for group in groups:
         for node, grad in zip(group["intermediates"], group["grads"]):
-            if node not in seen:
-                seen.add(node)
+            if node not in seen_nodes:
+                seen_nodes.add(node)
                 intermediates.append(node)
                 grads.append(grad)
-        params += [p for p in group["params"] if p not in seen]
-        seen.update(group["params"])
+        params += [p for p in group["params"] if p not in seen_params]
+        seen_params.update(group["params"])
     return [{"params": params, "intermediates": intermediates, "grads": grads}]
 
 
