@@ -98,7 +98,7 @@ class SplitBackwardStage(PipelineStage):
         return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
 
 
-def merged_param_groups(groups: list[dict]) -> list[dict]:
+def merged_param_groups(groups: list[dict] | None) -> list[dict] | None:
     """The weight pass's parameter groups as one: torch's `stage_backward_weight` calls
     `autograd.grad` once per group, one per weight of a block, and under full recomputation each
     call recomputes the checkpointed block again (a small block ran its attention 11 times a
@@ -106,7 +106,7 @@ def merged_param_groups(groups: list[dict]) -> list[dict]:
     with the gradient the input pass saved for it, gives the same gradients bit for bit (torch
     clamps a group of several intermediates to their saved gradients, so none is counted twice
     through another) and recomputes each block once: 3 attention runs a micro-batch."""
-    if len(groups) <= 1:
+    if groups is None or len(groups) <= 1:
         return groups
     intermediates, grads, params, seen_nodes, seen_params = [], [], [], set(), set()
     for group in groups:
