@@ -115,7 +115,7 @@ def reduce_scattered(args: ModelArgs, dims: ParallelDims, cfg: Config, pp_rank: 
     if dims.tp > 1 and p.sequence_parallel:
         stages = list(forwards_held(layout.pp_schedule, dims.pp, v, m, pp_rank)) if dims.pp > 1 else [0]
         first, last = 0 in stages, dims.pp * v - 1 in stages
-        blocks = len({name.split(".")[1] for name in shapes if name.startswith("layers.")})
+        blocks = len(block_indices(shapes))
         again = blocks if cfg.train.recompute != "none" else 0
         reduced = tp_activation_traffic(blocks, first, last, again, cfg.train.precision, dims.dp * dims.cp > 1,
                                         moe_blocks(shapes))[0]
@@ -264,7 +264,7 @@ def estimate_collectives(args: ModelArgs, dims: ParallelDims, cfg: Config, pp_ra
     shapes = {name: s for part in parts for name, s in part.items()}
     stages = list(forwards_held(layout.pp_schedule, dims.pp, v, m, pp_rank)) if dims.pp > 1 else [0]
     first, last = 0 in stages, dims.pp * v - 1 in stages
-    blocks = len({name.split(".")[1] for name in shapes if name.startswith("layers.")})
+    blocks = len(block_indices(shapes))
     activation, sp = 4 * mb * seq * args.dim, p.sequence_parallel and dims.tp > 1
     again = blocks if t.recompute != "none" else 0
     out: dict[str, float] = {}
@@ -363,7 +363,7 @@ def gathered_once(shapes: dict[str, tuple[int, ...]], tie_embeddings: bool,
     stages `parts`, or of the rank without them; the final norm with the head), and the
     embedding, whose backward reads only the token ids. A head tied to an embedding on the same
     rank puts the two and the norm in the root unit, which is gathered twice."""
-    lasts = {last_block(part) for part in (parts or [shapes])} - {None}
+    lasts = {max(blocks) for part in (parts or [shapes]) if (blocks := block_indices(part))}
     tied = tie_embeddings and "tok_embeddings.weight" in shapes and "norm.weight" in shapes
     head = () if tied else ("norm.weight", "output.weight")
     kept = [name for name in shapes if (name.startswith("layers.") and int(name.split(".")[1]) in lasts)
@@ -371,10 +371,9 @@ def gathered_once(shapes: dict[str, tuple[int, ...]], tie_embeddings: bool,
     return kept, [] if tied or "tok_embeddings.weight" not in shapes else ["tok_embeddings.weight"]
 
 
-def last_block(shapes: dict[str, tuple[int, ...]]) -> int | None:
-    """The highest block index among `shapes`' parameters (None without blocks)."""
-    blocks = [int(name.split(".")[1]) for name in shapes if name.startswith("layers.")]
-    return max(blocks) if blocks else None
+def block_indices(shapes: dict[str, tuple[int, ...]]) -> set[int]:
+    """The indices of the blocks (`layers.N.*`) whose parameters are among `shapes`."""
+    return {int(name.split(".")[1]) for name in shapes if name.startswith("layers.")}
 
 
 def fsdp_padded(shapes: dict[str, tuple[int, ...]], dims: ParallelDims) -> dict[str, int]:
