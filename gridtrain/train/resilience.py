@@ -48,6 +48,9 @@ def inject_fault(fault: FaultConfig, rank: int, step: int, restarted: bool) -> N
         os.kill(os.getpid(), signal.SIGKILL)
     if rank == fault.hang_rank:
         log.warning("fault injection: rank %d stops responding at the start of step %d", rank, step)
+        # It still dies of torchrun's SIGTERM once a peer has given up: the run ends at once
+        # rather than after torchrun's 30 s wait for a rank that handles the signal.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         while True:
             time.sleep(3600)
 
