@@ -17,6 +17,7 @@ from gridtrain.config_load import load_config
 from gridtrain.plan.machine import machine_key
 from gridtrain.train import calibrate as hardware
 from gridtrain.train.calibrate import CALIBRATION_DTYPES
+from launches import Launches
 
 FAKE_PEAK_FLOPS = 1.0e11
 
@@ -83,6 +84,14 @@ def write_corpus(root: Path, num_docs: int = 100, seed: int = 0) -> Path:
 @pytest.fixture(scope="session")
 def corpus_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+@pytest.fixture(scope="session")
+def launches(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, corpus_dir: Path) -> Launches:
+    """One torchrun launch per world size for the cases of the modules whose selected tests use
+    it (tests/launches.py)."""
+    modules = {item.module for item in request.session.items if "launches" in getattr(item, "fixturenames", ())}
+    return Launches(list(modules), tmp_path_factory.mktemp("launches"), corpus_dir)
 
 
 def tiny_overrides(tmp_path: Path, corpus: Path) -> dict[str, Any]:

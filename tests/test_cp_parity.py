@@ -16,7 +16,7 @@ import pytest
 
 from gridtrain.parity.compare import deviation, problems, tolerance
 from gridtrain.parity.matrix import GLOBAL_BATCH, base_overrides
-from gridtrain.parity.run import launch, load_result, run_reference
+from gridtrain.parity.run import load_result, run_reference
 
 pytestmark = pytest.mark.dist
 
@@ -52,12 +52,16 @@ def _base(tmp: Path, corpus: Path) -> dict[str, object]:
             "data.corpus": str(corpus), "data.cache_dir": str(tmp / "cache")}
 
 
+def launch_cases(work: Path, corpus: Path) -> dict[int, dict[str, dict[str, object]]]:
+    """Every layout, in the launch of its world size that the test modules share (tests/launches.py)."""
+    base = _base(work, corpus)
+    return {world: {name: {**base, **layout} for name, layout in layouts.items()} for world, layouts in LAYOUTS.items()}
+
+
 @pytest.mark.parametrize("world", sorted(LAYOUTS))
-def test_context_parallel_trains_as_one_process(world, tmp_path, corpus_dir):
+def test_context_parallel_trains_as_one_process(world, tmp_path, corpus_dir, launches):
     base = _base(tmp_path, corpus_dir)
-    spec = {name: {**base, **layout} for name, layout in LAYOUTS[world].items()}
-    proc = launch(world, spec, tmp_path / "out", timeout_s=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    out = launches.out(__name__, world)
     refs = {}
     for name, layout in LAYOUTS[world].items():
         same = {k: v for k, v in layout.items() if not k.startswith("parallel.")}
@@ -66,7 +70,7 @@ def test_context_parallel_trains_as_one_process(world, tmp_path, corpus_dir):
             refs[key] = run_reference({**base, **same, "run_dir": str(tmp_path / f"ref{len(refs)}")})
         ref, precision = refs[key], str(same.get("train.precision", "fp32"))
         tol = tolerance(precision, GLOBAL_BATCH * 32, ref.lrs, 0.9, 0.95)
-        dev = deviation(load_result(tmp_path / "out", name), ref)
+        dev = deviation(load_result(out, name), ref)
         assert not problems(dev, tol), (name, problems(dev, tol))
         if precision == "fp32":
             for got, want in dev.losses + dev.grad_norms:  # measured: within 1e-6

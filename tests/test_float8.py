@@ -165,23 +165,26 @@ SECOND_LEGS = [("fsdp", "tp"), ("tp", "zero2")]
 LEG_KEYS = {"train.float8": "tensorwise", "train.val_every": STEPS, "train.val_batches": 2}
 
 
-@pytest.fixture(scope="module")
-def launched(tmp_path_factory, corpus_dir):
-    """One launch of 2 processes: FP8 (both recipes) under FSDP 2, ZeRO-2 2, DDP 2 and TP 2; and the
-    one-process bf16 reference."""
-    from gridtrain.parity.run import launch, load_result, run_reference
-
-    work = tmp_path_factory.mktemp("float8")
-    spec = {f"{layout}.{recipe}": _overrides(work, corpus_dir, **LAYOUTS[layout], **{"train.float8": recipe})
+def launch_cases(work, corpus) -> dict[int, dict]:
+    """FP8 (both recipes) under FSDP 2, ZeRO-2 2, DDP 2 and TP 2, and two second legs, in the
+    launch of 2 processes that the test modules share (tests/launches.py)."""
+    spec = {f"{layout}.{recipe}": _overrides(work, corpus, **LAYOUTS[layout], **{"train.float8": recipe})
             for layout in LAYOUTS for recipe in ("tensorwise", "rowwise")}
     for first, second in SECOND_LEGS:  # after the steps: validate, save, resume under another layout
-        spec[f"{first}.leg"] = _overrides(work, corpus_dir, **LAYOUTS[first], **LEG_KEYS,
-                                          **{LEG: LAYOUTS[second]})
-    proc = launch(2, spec, work / "runs")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+        spec[f"{first}.leg"] = _overrides(work, corpus, **LAYOUTS[first], **LEG_KEYS, **{LEG: LAYOUTS[second]})
+    return {2: spec}
+
+
+@pytest.fixture(scope="module")
+def launched(launches, tmp_path_factory, corpus_dir):
+    """The shared launch's FP8 runs, and the one-process bf16 references."""
+    from gridtrain.parity.run import load_result, run_reference
+
+    out, work = launches.out(__name__, 2), tmp_path_factory.mktemp("float8")
     ref = run_reference(_overrides(work / "ref", corpus_dir))
     ref_leg = run_reference(_overrides(work / "ref-leg", corpus_dir, **{**LEG_KEYS, "train.float8": "none"}), leg=True)
-    return ref, {name: load_result(work / "runs", name) for name in spec} | {"ref.leg": ref_leg}
+    names = launches.cases()[__name__][2]
+    return ref, {name: load_result(out, name) for name in names} | {"ref.leg": ref_leg}
 
 
 @pytest.mark.dist

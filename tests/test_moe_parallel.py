@@ -78,20 +78,28 @@ def overrides(work, corpus, keys: dict, micro_batch: int) -> dict:
             "data.cache_dir": str(work / "data-cache"), "train.micro_batch": micro_batch, **LEG_OVERRIDES, **keys}
 
 
-def launched_world(tmp_path_factory, corpus_dir, world: int, cases: dict) -> dict:
-    from gridtrain.parity.run import launch, run_reference
-
-    work = tmp_path_factory.mktemp(f"moe{world}")
+def _spec(work, corpus, world: int, cases: dict) -> dict:
     micro = GLOBAL_BATCH // world // 2  # two micro-batches per rank: accumulation everywhere
-    spec = {name: {**overrides(work, corpus_dir, keys, micro), LEG: resume} for name, (keys, resume) in cases.items()}
-    proc = launch(world, spec, work / "runs")
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    return {name: {**overrides(work, corpus, keys, micro), LEG: resume} for name, (keys, resume) in cases.items()}
+
+
+def launch_cases(work, corpus) -> dict[int, dict]:
+    """Both worlds' cases, in the launches the test modules share (tests/launches.py)."""
+    return {2: _spec(work, corpus, 2, WORLD2), 4: _spec(work, corpus, 4, WORLD4)}
+
+
+def launched_world(launches, tmp_path_factory, corpus_dir, world: int, cases: dict) -> dict:
+    from gridtrain.parity.run import run_reference
+
+    out, work = launches.out(__name__, world), tmp_path_factory.mktemp(f"moe{world}")
+    micro = GLOBAL_BATCH // world // 2
+    spec = launches.cases()[__name__][world]
     results = {}
     for name, (keys, _) in cases.items():
         one = {k: v for k, v in keys.items() if k.startswith(MODEL_KEYS)}
         ref = run_reference({**overrides(work / "ref" / name, corpus_dir, one, micro),
                              "run_dir": str(work / "ref" / name / "run")}, leg=True)
-        run = load_result(work / "runs", name)
+        run = load_result(out, name)
         if run is not None and run.leg is None:
             run.leg = resume_in_one_process(run, spec[name])
         results[name] = (run, ref, spec[name])
@@ -99,13 +107,13 @@ def launched_world(tmp_path_factory, corpus_dir, world: int, cases: dict) -> dic
 
 
 @pytest.fixture(scope="module")
-def world2(tmp_path_factory, corpus_dir):
-    return launched_world(tmp_path_factory, corpus_dir, 2, WORLD2)
+def world2(launches, tmp_path_factory, corpus_dir):
+    return launched_world(launches, tmp_path_factory, corpus_dir, 2, WORLD2)
 
 
 @pytest.fixture(scope="module")
-def world4(tmp_path_factory, corpus_dir):
-    return launched_world(tmp_path_factory, corpus_dir, 4, WORLD4)
+def world4(launches, tmp_path_factory, corpus_dir):
+    return launched_world(launches, tmp_path_factory, corpus_dir, 4, WORLD4)
 
 
 def verdict(run, ref, spec) -> list[str]:

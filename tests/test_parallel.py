@@ -2,8 +2,8 @@
 beside FSDP 2 and beside TP 2), and what their runs measured: memory per bucket and bytes per
 collective, against `gridtrain plan --check`.
 
-One torchrun launch per world size (2, 4, 8) runs all of that size's layouts in fp32, plus FSDP 2
-in bf16 (its parameters are gathered in bf16). Each is first compared with one process by the
+One torchrun launch per world size (2, 4, 8), shared with other modules (tests/launches.py), runs
+all of that size's layouts in fp32, plus FSDP 2 in bf16 (its parameters are gathered in bf16). Each is first compared with one process by the
 parity check (gridtrain/parity/compare.py: losses, gradient norms with clipping active, gathered
 weights); the matrix of every layout, precision and recomputation mode is tests/test_parity.py.
 """
@@ -17,7 +17,7 @@ import pytest
 
 from gridtrain.parity.compare import deviation, problems, tolerance
 from gridtrain.parity.matrix import GLOBAL_BATCH, base_overrides as parity_base
-from gridtrain.parity.run import launch as launch_cases
+from gridtrain.parity.run import launch as launch_runs
 from gridtrain.parity.run import load_result
 from gridtrain.parity.sweep import References
 
@@ -69,20 +69,19 @@ def base_overrides(tmp: Path, corpus: Path) -> dict[str, object]:
 
 
 def launch(world: int, spec: dict[str, dict[str, object]], out: Path) -> None:
-    proc = launch_cases(world, spec, out, timeout_s=900)
+    proc = launch_runs(world, spec, out, timeout_s=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
 
 
+def launch_cases(work: Path, corpus: Path) -> dict[int, dict[str, dict[str, object]]]:
+    """Every layout, in the launch of its world size that the test modules share (tests/launches.py)."""
+    base = base_overrides(work, corpus)
+    return {world: {name: {**base, **layout} for name, layout in layouts.items()} for world, layouts in LAYOUTS.items()}
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory, corpus_dir: Path) -> dict[int, Path]:
-    """Launch each world size once with all its layouts."""
-    outs = {}
-    for world, layouts in LAYOUTS.items():
-        out = tmp_path_factory.mktemp(f"world{world}")
-        base = base_overrides(out, corpus_dir)
-        launch(world, {name: {**base, **layout} for name, layout in layouts.items()}, out)
-        outs[world] = out
-    return outs
+def runs(launches) -> dict[int, Path]:  # noqa: ANN001 - tests/launches.py
+    return {world: launches.out(__name__, world) for world in LAYOUTS}
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from gridtrain.cli import main
-from gridtrain.parity.run import launch
 
 pytestmark = pytest.mark.dist  # every test here starts several processes
 
@@ -56,10 +55,9 @@ def small_run(out: Path, corpus: Path) -> dict[str, object]:
             "metrics.progress": False, "metrics.account_every": 1, "metrics.log_every": 1}
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory, corpus_dir: Path) -> Path:
-    out = tmp_path_factory.mktemp("plan-check")
-    base = small_run(out, corpus_dir)
+def launch_cases(work: Path, corpus: Path) -> dict[int, dict[str, dict[str, object]]]:
+    """Every run, in the launch of 2 processes that the test modules share (tests/launches.py)."""
+    base = small_run(work, corpus)
     spec = {f"{name}-{prec}": {**base, **overrides, "train.precision": prec}
             for name, (overrides, _) in LAYOUTS.items() for prec in PRECISIONS if name not in SAME_RUN}
     # One step but for pipelines: what a rank saves up to its first backward, and the state it
@@ -68,9 +66,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory, corpus_dir: Path) -> Path:
     spec.update({f"acts-{name}-{prec}-{mode}": {**base, **ACTIVATION_LAYOUTS[name], "train.precision": prec,
                                                 "train.recompute": mode, "train.steps": 2 if name[:3] == "pp_" else 1}
                  for name, prec, mode in ACTIVATION_CASES})
-    proc = launch(2, spec, out)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return out
+    return {2: spec}
+
+
+@pytest.fixture(scope="module")
+def runs(launches) -> Path:  # noqa: ANN001 - tests/launches.py
+    return launches.out(__name__, 2)
 
 
 def plan_json(layout: str, precision: str) -> dict:

@@ -11,8 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from gridtrain.parity.run import launch
-
 pytestmark = pytest.mark.dist  # starts several processes
 
 FSDP2 = {"parallel.zero_stage": 3, "parallel.dp_shard": 2, "parallel.dp_replicate": 1}
@@ -39,24 +37,27 @@ CASES4 = {
 }
 
 
-def _launched(out: Path, corpus_dir: Path, world: int, cases: dict) -> Path:
-    base = {"model.preset": "tiny-moe", "data.corpus": str(corpus_dir), "data.cache_dir": str(out / "cache"),
+def _spec(work: Path, corpus_dir: Path, world: int, cases: dict) -> dict:
+    base = {"model.preset": "tiny-moe", "data.corpus": str(corpus_dir), "data.cache_dir": str(work / "cache"),
             "data.seq_len": 32, "train.micro_batch": 2, "train.global_batch": 4 * world, "train.steps": 2,
             "train.warmup_steps": 1, "train.val_every": 0, "metrics.tensorboard": False,
             "metrics.progress": False, "metrics.account_every": 1, "metrics.log_every": 1}
-    proc = launch(world, {name: {**base, **keys} for name, keys in cases.items()}, out)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return out
+    return {name: {**base, **keys} for name, keys in cases.items()}
+
+
+def launch_cases(work: Path, corpus: Path) -> dict[int, dict]:
+    """Both worlds' runs, in the launches the test modules share (tests/launches.py)."""
+    return {2: _spec(work, corpus, 2, CASES), 4: _spec(work, corpus, 4, CASES4)}
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory, corpus_dir: Path) -> Path:
-    return _launched(tmp_path_factory.mktemp("plan-check-moe"), corpus_dir, 2, CASES)
+def runs(launches) -> Path:  # noqa: ANN001 - tests/launches.py
+    return launches.out(__name__, 2)
 
 
 @pytest.fixture(scope="module")
-def runs4(tmp_path_factory: pytest.TempPathFactory, corpus_dir: Path) -> Path:
-    return _launched(tmp_path_factory.mktemp("plan-check-moe4"), corpus_dir, 4, CASES4)
+def runs4(launches) -> Path:  # noqa: ANN001 - tests/launches.py
+    return launches.out(__name__, 4)
 
 
 def _predicted_exactly(rows: list, ranks: int) -> list:

@@ -19,7 +19,7 @@ from gridtrain.model.args import model_args
 from gridtrain.model.stats import build_meta
 from gridtrain.parity.compare import deviation, problems, tolerance
 from gridtrain.parity.matrix import base_overrides as parity_base
-from gridtrain.parity.run import MEASURE, launch, load_result, run_reference
+from gridtrain.parity.run import MEASURE, load_result, run_reference
 
 pytestmark = pytest.mark.dist
 
@@ -41,14 +41,15 @@ def overrides(tmp: Path, corpus: Path) -> dict[str, object]:
             "data.corpus": str(corpus), "data.cache_dir": str(tmp / "cache")}
 
 
+def launch_cases(work: Path, corpus: Path) -> dict[int, dict[str, dict[str, object]]]:
+    """The layouts, in the launch of 4 processes that the test modules share (tests/launches.py)."""
+    base = overrides(work, corpus)
+    return {WORLD: {name: {**base, **layout, MEASURE: True} for name, layout in LAYOUTS.items()}}
+
+
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory: pytest.TempPathFactory, corpus_dir: Path) -> tuple[Path, dict[str, object]]:
-    tmp = tmp_path_factory.mktemp("sharded-init")
-    base = overrides(tmp, corpus_dir)
-    spec = {name: {**base, **layout, MEASURE: True} for name, layout in LAYOUTS.items()}
-    proc = launch(WORLD, spec, tmp / "out", timeout_s=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return tmp / "out", base
+def launched(launches) -> tuple[Path, dict[str, object]]:  # noqa: ANN001 - tests/launches.py
+    return launches.out(__name__, WORLD), overrides(launches.work / __name__, launches.corpus)
 
 
 def measured(out: Path, name: str) -> list[dict[str, int]]:

@@ -213,9 +213,11 @@ def launch(world: int, spec: dict[str, dict[str, object]], out: Path, timeout_s:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
            "-m", "gridtrain.parity.run", str(spec_path), str(out)]
     root = str(Path(__file__).resolve().parents[2])
-    # A parity case makes a few hundred collectives a step: a recorder of 4,000 is read 5x faster
-    # than the default 20,000 when full, which it soon is in a launch of many cases.
-    env = {"TORCH_FR_BUFFER_SIZE": "4000", **os.environ, "OMP_NUM_THREADS": "1",
+    # The step accounting reads the whole flight recorder at every step it accounts, and a launch
+    # of many cases soon fills it: about 90 ms a read at 4,000 entries, so a case accounted on every step took
+    # 2 s late in a launch of 30 that took 0.8 s early. The largest step of the tests' cases made
+    # 215 collectives; a window that overflows the recorder is an error, not a wrong count.
+    env = {"TORCH_FR_BUFFER_SIZE": "1000", **os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
     with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           start_new_session=True) as proc:
