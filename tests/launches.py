@@ -2,8 +2,8 @@
 selected module that declares them.
 
 Starting the processes costs more than most cases: each imports torch and DTensor (about 2 s),
-so a launch of 8 processes on this 2-core machine spends some 15 s before its first case, and
-CI started a launch of each world size from each of seven modules. A module declares its
+so a launch of 8 processes on this 2-core machine spends at least 8 s before its first case,
+and CI started a launch of each world size from each of seven modules. A module declares its
 cases with a module-level function
 
     def launch_cases(work: Path, corpus: Path) -> dict[int, dict[str, dict]]:

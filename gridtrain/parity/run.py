@@ -214,9 +214,10 @@ def launch(world: int, spec: dict[str, dict[str, object]], out: Path, timeout_s:
            "-m", "gridtrain.parity.run", str(spec_path), str(out)]
     root = str(Path(__file__).resolve().parents[2])
     # The step accounting reads the whole flight recorder at every step it accounts, and a launch
-    # of many cases soon fills it: about 90 ms a read at 4,000 entries, so a case accounted on every step took
-    # 2 s late in a launch of 30 that took 0.8 s early. The largest step of the tests' cases made
-    # 215 collectives; a window that overflows the recorder is an error, not a wrong count.
+    # of many cases soon fills it: about 90 ms a read at 4,000 entries, so a case accounted on
+    # every step took 2 s late in a launch of 30 that took 0.8 s early. The largest step of the
+    # tests' cases made 215 collectives; a window that overflows the recorder is an error, not a
+    # wrong count.
     env = {"TORCH_FR_BUFFER_SIZE": "1000", **os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
     with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
