@@ -217,8 +217,9 @@ def launch(world: int, spec: dict[str, dict[str, object]], out: Path, timeout_s:
     # of many cases soon fills it: about 90 ms a read at 4,000 entries, so a case accounted on
     # every step took 2 s late in a launch of 30 that took 0.8 s early. The largest step of the
     # tests' cases made 215 collectives; a window that overflows the recorder is an error, not a
-    # wrong count.
-    env = {"TORCH_FR_BUFFER_SIZE": "1000", **os.environ, "OMP_NUM_THREADS": "1",
+    # wrong count. Set over the caller's environment: importing gridtrain.train.distributed sets
+    # 20,000 there, which CI's parity launches inherited (a full one is read 5x slower).
+    env = {**os.environ, "TORCH_FR_BUFFER_SIZE": "1000", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
     with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           start_new_session=True) as proc:
