@@ -3,9 +3,10 @@ beside FSDP 2 and beside TP 2), and what their runs measured: memory per bucket 
 collective, against `gridtrain plan --check`.
 
 One torchrun launch per world size (2, 4, 8), shared with other modules (tests/launches.py), runs
-all of that size's layouts in fp32, plus FSDP 2 in bf16 (its parameters are gathered in bf16). Each is first compared with one process by the
-parity check (gridtrain/parity/compare.py: losses, gradient norms with clipping active, gathered
-weights); the matrix of every layout, precision and recomputation mode is tests/test_parity.py.
+all of that size's layouts in fp32, plus FSDP 2 in bf16 (its parameters are gathered in bf16).
+Each is first compared with one process by the parity check (gridtrain/parity/compare.py: losses,
+gradient norms with clipping active, gathered weights); the matrix of every layout, precision and
+recomputation mode is tests/test_parity.py.
 """
 
 from __future__ import annotations
