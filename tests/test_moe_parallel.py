@@ -92,11 +92,11 @@ def launched_world(launches, tmp_path_factory, corpus_dir, world: int, cases: di
     from gridtrain.parity.run import run_reference
 
     out, work = launches.out(__name__, world), tmp_path_factory.mktemp(f"moe{world}")
-    micro = GLOBAL_BATCH // world // 2
     spec = launches.cases()[__name__][world]
     results = {}
     for name, (keys, _) in cases.items():
         one = {k: v for k, v in keys.items() if k.startswith(MODEL_KEYS)}
+        micro = spec[name]["train.micro_batch"]
         ref = run_reference({**overrides(work / "ref" / name, corpus_dir, one, micro),
                              "run_dir": str(work / "ref" / name / "run")}, leg=True)
         run = load_result(out, name)
