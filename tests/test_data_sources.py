@@ -103,3 +103,20 @@ def test_a_saved_datasets_json_goes_through_the_input_boundary(tmp_path):
     os.mkfifo(folder / "state.json")
     with pytest.raises(UserError, match="state.json"):
         saved_dataset_files(folder)
+
+
+def test_a_readable_source_is_walked_once_a_process(tmp_path, monkeypatch):
+    """source_problem walks a folder once per process while it stays readable (a launch of many
+    runs on one corpus validated it for each); a missing or unreadable source is found every time."""
+    from gridtrain.data import corpus
+
+    (tmp_path / "a").mkdir()
+    write_parquet(tmp_path / "a" / "part-0.parquet", DOCS)
+    walks = []
+    monkeypatch.setattr(corpus, "source_files", lambda path: walks.append(path) or [path / "part-0.parquet"])
+    assert corpus.source_problem(tmp_path / "a") is None and corpus.source_problem(tmp_path / "a") is None
+    assert len(walks) == 1
+    assert corpus.source_problem(tmp_path / "a", "content") is not None  # another column: walked again
+    (tmp_path / "a" / "part-0.parquet").unlink()
+    (tmp_path / "a").rmdir()
+    assert "not found" in corpus.source_problem(tmp_path / "a")
