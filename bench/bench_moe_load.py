@@ -17,6 +17,10 @@ The default runs are the README's 300-step small-moe runs, 8 experts at top-2 as
 runs/moe300/NAME: `gridtrain train --model.preset small-moe --model.moe.balance B
 [--model.moe.score sigmoid] [--model.moe.bias_update_rate R] --train.steps 300 --run_dir
 runs/moe300/NAME` with aux_loss, bias (rate 0.001), bias_0.01, bias_sigmoid_0.01 and none.
+The fine-grained routings the planner also reads (32 and 128 experts at top-8, width 96) are
+trained the same way with `--model.moe.num_experts E --model.moe.top_k 8
+--model.moe.expert_ffn_dim 96` and given as RUN_DIR, with --sequences 1000 (every validation
+sequence).
 """
 
 from __future__ import annotations

@@ -298,11 +298,12 @@ def test_the_routing_allowance_is_the_busiest_ranks_rows_as_measured():
     each rank holding E / ep consecutive experts. Counts [3, 1, 1, 1, 1, 1, 1, 1] in each of four
     micro-batches (5 tokens at top-2): ep 2 ranks receive 12 and 8 rows (1.2x the mean), ep 4 ranks
     8, 4, 4, 4 (1.6x), ep 8 ranks 6 and seven 2s (2.4x). The planner's allowance is the aux-loss
-    run's figures at ep 2, 4, 8, linear in log2(ep) between, held beyond."""
+    runs' figures at the measured ep, linear in log2(ep) between, held beyond, from the measured
+    routing whose expert count is nearest the model's in log2 (the fewer experts on a tie)."""
     import importlib.util
     from pathlib import Path
 
-    from gridtrain.plan.moe_cost import routing_imbalance
+    from gridtrain.plan.moe_cost import imbalance_table, routing_imbalance
 
     path = Path(__file__).resolve().parents[1] / "bench" / "bench_moe_load.py"
     spec = importlib.util.spec_from_file_location("bench_moe_load", path)
@@ -312,5 +313,10 @@ def test_the_routing_allowance_is_the_busiest_ranks_rows_as_measured():
     for ep, expected in ((2, 1.2), (4, 1.6), (8, 2.4)):
         assert bench.rank_imbalance(counts, ep) == pytest.approx((expected, expected))
     assert bench.rank_imbalance(counts, 2, per_rank=2) == pytest.approx((1.2, 1.2))
-    assert [routing_imbalance(ep) for ep in (1, 2, 4, 8, 64)] == [1.0, 1.11, 1.20, 1.37, 1.37]
-    assert routing_imbalance(3) == pytest.approx(1.11 + 0.09 * 0.5849625, rel=1e-6)
+    assert [routing_imbalance(ep, 8) for ep in (1, 2, 4, 8, 64)] == [1.0, 1.11, 1.20, 1.37, 1.37]
+    assert routing_imbalance(3, 8) == pytest.approx(1.11 + 0.09 * 0.5849625, rel=1e-6)
+    assert [routing_imbalance(ep, 32) for ep in (1, 2, 8, 32, 64)] == [1.0, 1.045, 1.162, 1.535, 1.535]
+    assert [routing_imbalance(ep, 128) for ep in (2, 8, 64, 128)] == [1.031, 1.272, 2.040, 2.040]
+    assert routing_imbalance(2, 2) == 1.11 and routing_imbalance(8, 256) == 1.272
+    assert [imbalance_table(e) for e in (2, 8, 15, 16, 17, 32, 64, 65, 1024)] == \
+        [(8, 2)] * 4 + [(32, 8)] * 3 + [(128, 8)] * 2

@@ -351,7 +351,7 @@ def probe_activations(shape: ModelShape, layout: Layout, act_bytes: int = 2,
     def per_block(recompute: str, moe: bool) -> float:
         return layer_activation_bytes(shape, layout.seq_len, layout.micro_batch, layout.tp, layout.sequence_parallel,
                                       layout.cp, recompute, layout.flash_attention, act_bytes, moe,
-                                      layout.ep if moe else 1, imbalance(layout) if moe else 1.0)
+                                      layout.ep if moe else 1, imbalance(shape, layout) if moe else 1.0)
 
     dense = per_block(layout.recompute, False)
     per_layer = (dense, per_block(layout.recompute, True) if shape.num_experts else dense)
@@ -399,7 +399,7 @@ def census_activations(shape: ModelShape, layout: Layout, rank: int, act_bytes: 
     tokens = layout.micro_batch * layout.seq_len / layout.cp
     precision = "fp32" if act_bytes == 4 else "bf16"
     acts = held_bytes(shape, held, counts, tokens, precision, layout.recompute,
-                      layout.tp, layout.sequence_parallel, fsdp_gathers(layout), layout.ep, imbalance(layout))
+                      layout.tp, layout.sequence_parallel, fsdp_gathers(layout), layout.ep, imbalance(shape, layout))
     # The last CP rank keeps the most of ring attention under selective recomputation.
     ring = ring_selective_bytes_per_token(shape, precision, layout.recompute, layout.tp, layout.cp, layout.cp - 1)
     acts += ring * tokens * sum(n * counts[s] for s, n in held.items())

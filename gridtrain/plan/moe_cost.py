@@ -23,16 +23,22 @@ gridtrain's MoE layer (model/moe.py, parallel/expert_parallel.py) on a rank of a
 
 ROUTING_IMBALANCE is the planner's allowance for that: the rows the busiest expert-parallel rank
 receives over the mean, by ep, applied to its routed-expert compute, to the rows it receives and
-to its routed activations. It is measured, not guessed (`python bench/bench_moe_load.py`): the
-300-step small-moe run balanced by the auxiliary loss (gridtrain's default, and Mixtral's and
-Qwen3's), 8 experts at top-2 as Mixtral, its validation sequences routed by the final checkpoint
-and grouped as an ep group's micro-batch is, each rank holding E / ep consecutive experts: the
-busiest rank's rows over the mean, averaged over layers and micro-batches (what a step sums, layer
-after layer), 1.11 at ep 2, 1.20 at ep 4, 1.37 at ep 8 (one expert a rank: the per-expert load),
-at 1,024 tokens a rank. It is the experts' popularity more than sampling noise: at 4,096 tokens a
-rank the figures move by 0.02 at most. Between the measured ep it is interpolated in log2(ep), and
-beyond ep 8 held at ep 8's (not measured there). The other balance methods measured at ep 2, 4, 8:
-the expert bias at rate 0.01 with sigmoid scores (DeepSeek-V3's pairing) 1.06, 1.13, 1.24, with
+to its routed activations. It is measured, not guessed (`python bench/bench_moe_load.py`): 300-step
+runs of small-moe's shape balanced by the auxiliary loss (gridtrain's default, and Mixtral's and
+Qwen3's), their validation sequences routed by the final checkpoint and grouped as an ep group's
+micro-batch is, each rank holding E / ep consecutive experts: the busiest rank's rows over the
+mean, averaged over layers and micro-batches (what a step sums, layer after layer), at 1,024
+tokens a rank. It depends on the routing's shape as much as on ep: at ep 8, 8 experts at top-2
+(Mixtral's routing, one expert a rank) measure 1.37, 32 experts at top-8 (four a rank) 1.16, 128
+at top-8 (Qwen3's routing, sixteen a rank) 1.27: 300 steps balance 128 experts worse than 32. So
+there is one table per measured routing, (E, k), and a plan reads the one whose expert count is
+nearest its model's (in log2 E): 8 experts for Mixtral, 128 for Qwen3. These are routers trained
+for 300 steps; one trained far longer may be balanced better, which they cannot show. It is the
+experts' popularity more than sampling noise: at 4,096 tokens a rank the figures move by 0.04 at
+most.
+Between the measured ep it is interpolated in log2(ep), and beyond the widest held there (not
+measured there). The other balance methods, measured on the 8-expert shape at ep 2, 4, 8: the
+expert bias at rate 0.01 with sigmoid scores (DeepSeek-V3's pairing) 1.06, 1.13, 1.24, with
 softmax scores 1.06, 1.20, 1.39; no balancing 1.63, 2.48, 3.53.
 """
 
@@ -45,26 +51,38 @@ from gridtrain.plan.layout import Layout
 from gridtrain.plan.shape import ModelShape, moe_mlp_params
 from gridtrain.plan.specs import ClusterSpec
 
-ROUTING_IMBALANCE = {2: 1.11, 4: 1.20, 8: 1.37}
-"""Rows the busiest of ep expert-parallel ranks receives over the mean, measured (module docstring)."""
+ROUTING_IMBALANCE: dict[tuple[int, int], dict[int, float]] = {
+    (8, 2): {2: 1.11, 4: 1.20, 8: 1.37},
+    (32, 8): {2: 1.045, 4: 1.092, 8: 1.162, 16: 1.401, 32: 1.535},
+    (128, 8): {2: 1.031, 4: 1.125, 8: 1.272, 16: 1.402, 32: 1.574, 64: 2.040},
+}
+"""Rows the busiest of ep expert-parallel ranks receives over the mean, by the measured routing's
+(experts, top-k) and ep (module docstring)."""
 
 
-def routing_imbalance(ep: int) -> float:
-    """The allowance at ep ranks: 1 for one rank running every expert (it receives exactly its own
-    assignments, dropless), ROUTING_IMBALANCE at the measured ep, linear in log2(ep) between them
-    (from 1 at ep 1), held beyond the widest."""
+def imbalance_table(experts: int) -> tuple[int, int]:
+    """The measured routing a model of `experts` routed experts is costed by: the nearest in
+    log2 of the expert count (the fewer experts on a tie, the larger allowance)."""
+    return min(ROUTING_IMBALANCE, key=lambda key: (abs(math.log2(key[0] / experts)), key[0]))
+
+
+def routing_imbalance(ep: int, experts: int) -> float:
+    """The allowance at ep ranks for a model of `experts` routed experts: 1 for one rank running
+    every expert (it receives exactly its own assignments, dropless), the measured table's
+    (imbalance_table) at its ep, linear in log2(ep) between them (from 1 at ep 1), held beyond
+    the widest."""
     if ep <= 1:
         return 1.0
-    points = [(1, 1.0), *sorted(ROUTING_IMBALANCE.items())]
+    points = [(1, 1.0), *sorted(ROUTING_IMBALANCE[imbalance_table(experts)].items())]
     for (lo, a), (hi, b) in zip(points, points[1:]):
         if ep <= hi:
             return a + (b - a) * math.log2(ep / lo) / math.log2(hi / lo)
     return points[-1][1]
 
 
-def imbalance(layout: Layout) -> float:
+def imbalance(shape: ModelShape, layout: Layout) -> float:
     """The allowance of the layout's expert-parallel ranks (routing_imbalance)."""
-    return routing_imbalance(layout.ep)
+    return routing_imbalance(layout.ep, shape.num_experts)
 
 
 def recomputes_experts(recompute: str) -> bool:
@@ -154,7 +172,7 @@ def ep_seconds(shape: ModelShape, layout: Layout, cluster: ClusterSpec, intra: f
     """Seconds of all-to-all per MoE layer and micro-batch on the critical path: every call at
     the pace of the busiest rank, whose rows are the imbalance allowance over the mean."""
     levels = ep_levels(cluster, layout, intra, inter)
-    slow = imbalance(layout)
+    slow = imbalance(shape, layout)
     return sum(placement.all_to_all_time(size * (slow if rows else 1.0), levels)
                for size, rows in all_to_all_payloads(shape, layout, act_bytes))
 

@@ -207,7 +207,7 @@ def layer_cost(shape: ModelShape, cluster: ClusterSpec, eff: Efficiency, seq_len
     tokens = micro_batch * seq_len / cp
     keys = seq_len if span is None else span
     if moe:
-        slow = routing_imbalance(ep)
+        slow = routing_imbalance(ep, shape.num_experts)
         hw = (layer_attention_part_flops_per_token(shape, keys, recompute) * tokens / tp
               + moe_ffn_flops_per_token(shape, recompute, slow) * tokens)
     else:
