@@ -3,9 +3,11 @@
 gathered weights), every other one listed with validate's reason.
 
     python bench/parity_sweep.py [--results FILE] [--pairwise] [--only SUBSTRING] [--name NAME ...] [--chunk 24]
+                                 [--report]
 
 Verdicts go to FILE (JSON lines, default runs/parity/results.jsonl) as they come, so a stopped
-sweep resumes where it stopped; delete the file to start over. The default corpus (the Python
+sweep resumes where it stopped; delete the file to start over. `--report` prints the report of
+the verdicts FILE holds (of the cases --only and --name select) and runs nothing. The default corpus (the Python
 standard library) is prepared once in the usual cache. At the end it prints the counts by status
 and world size, the largest deviations that passed, per precision, and every failure. The
 attention axis's cases (`--only .doc_`) read a corpus of short documents written into the results'
@@ -23,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gridtrain.parity import matrix  # noqa: E402
 from gridtrain.parity.matrix import AXES, all_cases, pairwise  # noqa: E402
-from gridtrain.parity.sweep import References, run_cases, summarize  # noqa: E402
+from gridtrain.parity.sweep import References, read_results, run_cases, summarize  # noqa: E402
 
 
 def main() -> None:
@@ -34,6 +36,8 @@ def main() -> None:
     parser.add_argument("--name", action="append", default=[], help="only this case (repeatable)")
     parser.add_argument("--chunk", type=int, default=24, help="cases per torchrun launch")
     parser.add_argument("--corpus", type=Path, default=None, help="default: the Python standard library")
+    parser.add_argument("--report", action="store_true",
+                        help="print the report of the verdicts already in --results and run nothing")
     parser.add_argument("--resume-world", type=int, default=matrix.RESUME_MAX_WORLD,
                         help="the widest world whose cases resume under another layout of their world "
                              "(wider ones resume in one process)")
@@ -47,6 +51,10 @@ def main() -> None:
     unknown = sorted(set(args.name) - {c.name for c in all_cases()})
     if unknown:
         parser.error(f"no case of the matrix is named {', '.join(unknown)}")
+    if args.report:
+        done = read_results(args.results)
+        print(report({c.name: done[c.name] for c in cases if c.name in done}))
+        return
     args.results.parent.mkdir(parents=True, exist_ok=True)
     work = args.results.parent / "work"
     work.mkdir(exist_ok=True)
@@ -87,6 +95,8 @@ def report(verdicts: dict[str, dict]) -> str:
         passed = [v for v in verdicts.values() if v["status"] == "passed" and v["precision"] == precision]
         if passed:
             worst = {k: max(v[k] for v in passed) for k in ("loss_rel", "grad_norm_rel", "update_rel", "max_abs")}
+            worst.update((k, max(v[k] for v in passed if v.get(k) is not None))  # the second leg's
+                         for k in ("val_rel", "leg_loss_rel") if any(v.get(k) is not None for v in passed))
             lines.append(f"  {precision}: " + ", ".join(f"{k} {v:.2e}" for k, v in worst.items()))
     bad = [v for v in verdicts.values() if v["status"] in ("failed", "crashed")]
     lines += ["", f"{len(bad)} failed or crashed:"] + [f"  {v['name']}: {v['problems'][:3]}" for v in bad]
