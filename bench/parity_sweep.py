@@ -23,6 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from gridtrain.data.corpus import remember_readable_sources  # noqa: E402
 from gridtrain.parity import matrix  # noqa: E402
 from gridtrain.parity.matrix import AXES, all_cases, pairwise  # noqa: E402
 from gridtrain.parity.sweep import References, read_results, run_cases, summarize  # noqa: E402
@@ -52,9 +53,17 @@ def main() -> None:
     if unknown:
         parser.error(f"no case of the matrix is named {', '.join(unknown)}")
     if args.report:
+        if not args.results.exists():
+            parser.error(f"--report: {args.results} does not exist")
         done = read_results(args.results)
-        print(report({c.name: done[c.name] for c in cases if c.name in done}))
+        verdicts = {c.name: done.get(c.name) or {"name": c.name, "world": c.world, **dict(c.choices),
+                                                 "status": "refused", "problems": [c.refused]}
+                    for c in cases if c.name in done or not c.accepted}
+        print(report(verdicts))
+        todo = sum(c.accepted and c.name not in done for c in cases)
+        print(f"\n{todo} of {sum(c.accepted for c in cases)} accepted cases not yet run")
         return
+    remember_readable_sources()  # the comparing process builds a run per case on one corpus too
     args.results.parent.mkdir(parents=True, exist_ok=True)
     work = args.results.parent / "work"
     work.mkdir(exist_ok=True)

@@ -105,15 +105,22 @@ def test_a_saved_datasets_json_goes_through_the_input_boundary(tmp_path):
         saved_dataset_files(folder)
 
 
-def test_a_readable_source_is_walked_once_a_process(tmp_path, monkeypatch):
-    """source_problem walks a folder once per process while it stays readable (a launch of many
-    runs on one corpus validated it for each); a missing or unreadable source is found every time."""
+def test_a_readable_source_is_walked_once_a_process_only_when_asked(tmp_path, monkeypatch):
+    """source_problem walks a folder at every check, so a file broken since the last one is
+    found before launch; a process that validates many runs on an unchanging corpus (a parity
+    launch) asks it to walk a readable source once. A missing source is found every time."""
     from gridtrain.data import corpus
 
     (tmp_path / "a").mkdir()
     write_parquet(tmp_path / "a" / "part-0.parquet", DOCS)
+    assert corpus.source_problem(tmp_path / "a") is None
+    (tmp_path / "a" / "b.parquet").write_bytes(b"PA")  # broken after a check: found by the next
+    assert "b.parquet" in corpus.source_problem(tmp_path / "a")
+    (tmp_path / "a" / "b.parquet").unlink()
     walks = []
+    monkeypatch.setattr(corpus, "_SOURCES_READ", None)
     monkeypatch.setattr(corpus, "source_files", lambda path: walks.append(path) or [path / "part-0.parquet"])
+    corpus.remember_readable_sources()
     assert corpus.source_problem(tmp_path / "a") is None and corpus.source_problem(tmp_path / "a") is None
     assert len(walks) == 1
     assert corpus.source_problem(tmp_path / "a", "content") is not None  # another column: walked again

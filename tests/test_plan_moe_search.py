@@ -299,11 +299,11 @@ def test_the_routing_allowance_is_the_busiest_ranks_rows_as_measured():
     micro-batches (5 tokens at top-2): ep 2 ranks receive 12 and 8 rows (1.2x the mean), ep 4 ranks
     8, 4, 4, 4 (1.6x), ep 8 ranks 6 and seven 2s (2.4x). The planner's allowance is the aux-loss
     runs' figures at the measured ep, linear in log2(ep) between, held beyond, from the measured
-    routing whose expert count is nearest the model's in log2 (the fewer experts on a tie)."""
+    routing whose expert count is nearest the model's in log2 (the larger of two equally near)."""
     import importlib.util
     from pathlib import Path
 
-    from gridtrain.plan.moe_cost import imbalance_table, routing_imbalance
+    from gridtrain.plan.moe_cost import imbalance_tables, routing_imbalance
 
     path = Path(__file__).resolve().parents[1] / "bench" / "bench_moe_load.py"
     spec = importlib.util.spec_from_file_location("bench_moe_load", path)
@@ -318,5 +318,9 @@ def test_the_routing_allowance_is_the_busiest_ranks_rows_as_measured():
     assert [routing_imbalance(ep, 32) for ep in (1, 2, 8, 32, 64)] == [1.0, 1.045, 1.162, 1.535, 1.535]
     assert [routing_imbalance(ep, 128) for ep in (2, 8, 64, 128)] == [1.031, 1.272, 2.040, 2.040]
     assert routing_imbalance(2, 2) == 1.11 and routing_imbalance(8, 256) == 1.272
-    assert [imbalance_table(e) for e in (2, 8, 15, 16, 17, 32, 64, 65, 1024)] == \
-        [(8, 2)] * 4 + [(32, 8)] * 3 + [(128, 8)] * 2
+    assert routing_imbalance(8, 0) == 1.0  # a dense model
+    assert [imbalance_tables(e) for e in (2, 8, 15, 17, 32, 63, 65, 1024)] == \
+        [[(8, 2)]] * 3 + [[(32, 8)]] * 3 + [[(128, 8)]] * 2
+    assert imbalance_tables(16) == [(8, 2), (32, 8)] and imbalance_tables(64) == [(32, 8), (128, 8)]
+    assert routing_imbalance(16, 16) == 1.401 and routing_imbalance(8, 16) == 1.37  # the larger at a tie
+    assert routing_imbalance(64, 64) == 2.040 and routing_imbalance(2, 64) == 1.045

@@ -135,23 +135,33 @@ def _is_json_lines(path: Path, column: str = "text") -> bool:
     return isinstance(obj, dict) and column in obj
 
 
-_SOURCES_READ: set[tuple[str, str]] = set()
-"""(source, column) pairs source_problem found readable in this process."""
+_SOURCES_READ: set[tuple[str, str]] | None = None
+"""(source, column) pairs source_problem found readable in this process, once a process that
+validates many runs on an unchanging corpus asks it to (remember_readable_sources); None: every
+check walks the source."""
+
+
+def remember_readable_sources() -> None:
+    """Let source_problem walk a source it found readable only once in this process: for a process
+    that validates many runs on a corpus nothing changes meanwhile (a parity launch of many cases
+    on the standard library walked its 12,000 files twice a case, 15% of the case's time). Its
+    files are not looked at again, so a file broken later is named only when it is read."""
+    global _SOURCES_READ
+    if _SOURCES_READ is None:
+        _SOURCES_READ = set()
 
 
 def source_problem(source: str | Path, column: str = "text") -> str | None:
     """Why `source` cannot be read, found before anything is written (a missing path; a parquet or
     Arrow file whose footer or schema is broken or lacks `column`; a JSON-lines file whose first
     record lacks it), or None. Reads schemas and first lines only: bytes further in are checked
-    as they are read. A source found readable is not walked again in this process: a launch that
-    builds many runs on one corpus (the parity sweep's, the tests') walked the standard library's
-    12,000 files for each, 15% of a case's time; a file broken later is still named when it is read."""
+    as they are read; after remember_readable_sources, a source found readable is not walked again."""
     path = Path(source)
     if not path.exists():
         return (f"corpus {source} not found: give a text file, a parquet file, JSON lines (.jsonl, .gz, .zst), a folder "
                 "that datasets' save_to_disk wrote, or a directory of those")
     key = (str(path.resolve()), column)
-    if key in _SOURCES_READ:
+    if _SOURCES_READ is not None and key in _SOURCES_READ:
         return None
     try:
         for file in source_files(path):
@@ -161,5 +171,6 @@ def source_problem(source: str | Path, column: str = "text") -> str | None:
                 next(iter(json_lines_texts(file, column)), None)
     except BadInput as err:
         return str(err)
-    _SOURCES_READ.add(key)
+    if _SOURCES_READ is not None:
+        _SOURCES_READ.add(key)
     return None

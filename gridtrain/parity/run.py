@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from gridtrain.config_load import load_config
+from gridtrain.data.corpus import remember_readable_sources
 from gridtrain.train.live_bytes import LiveBytes
 
 MEASURE = "measure_bytes"
@@ -194,6 +195,7 @@ def worker(spec_path: Path, out: Path) -> None:
 
     spec = json.loads(spec_path.read_text())
     out.mkdir(parents=True, exist_ok=True)
+    remember_readable_sources()  # every case reads the same corpus, which nothing writes meanwhile
     for name, overrides in spec.items():
         try:
             run_case(name, overrides, out)

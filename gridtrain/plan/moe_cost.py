@@ -60,24 +60,30 @@ ROUTING_IMBALANCE: dict[tuple[int, int], dict[int, float]] = {
 (experts, top-k) and ep (module docstring)."""
 
 
-def imbalance_table(experts: int) -> tuple[int, int]:
-    """The measured routing a model of `experts` routed experts is costed by: the nearest in
-    log2 of the expert count (the fewer experts on a tie, the larger allowance)."""
-    return min(ROUTING_IMBALANCE, key=lambda key: (abs(math.log2(key[0] / experts)), key[0]))
+def imbalance_tables(experts: int) -> list[tuple[int, int]]:
+    """The measured routings a model of `experts` routed experts is costed by: the nearest in log2
+    of the expert count, both where two are equally near (routing_imbalance takes the larger)."""
+    distance = {key: abs(math.log2(key[0] / experts)) for key in ROUTING_IMBALANCE}
+    return [key for key in ROUTING_IMBALANCE if distance[key] == min(distance.values())]
 
 
-def routing_imbalance(ep: int, experts: int) -> float:
-    """The allowance at ep ranks for a model of `experts` routed experts: 1 for one rank running
-    every expert (it receives exactly its own assignments, dropless), the measured table's
-    (imbalance_table) at its ep, linear in log2(ep) between them (from 1 at ep 1), held beyond
+def _interpolated(table: dict[int, float], ep: int) -> float:
+    """A measured table at ep: linear in log2(ep) between its points (from 1 at ep 1), held beyond
     the widest."""
-    if ep <= 1:
-        return 1.0
-    points = [(1, 1.0), *sorted(ROUTING_IMBALANCE[imbalance_table(experts)].items())]
+    points = [(1, 1.0), *sorted(table.items())]
     for (lo, a), (hi, b) in zip(points, points[1:]):
         if ep <= hi:
             return a + (b - a) * math.log2(ep / lo) / math.log2(hi / lo)
     return points[-1][1]
+
+
+def routing_imbalance(ep: int, experts: int) -> float:
+    """The allowance at ep ranks for a model of `experts` routed experts: 1 for one rank running
+    every expert (it receives exactly its own assignments, dropless) and for a dense model, else
+    the nearest measured table's at its ep (imbalance_tables; the larger of two equally near)."""
+    if ep <= 1 or experts <= 0:
+        return 1.0
+    return max(_interpolated(ROUTING_IMBALANCE[key], ep) for key in imbalance_tables(experts))
 
 
 def imbalance(shape: ModelShape, layout: Layout) -> float:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from gridtrain.plan.moe_cost import imbalance_table, routing_imbalance
+from gridtrain.plan.moe_cost import imbalance_tables, routing_imbalance
 from gridtrain.plan.search import Candidate, Constraints, PlanError, Problem, _divisors, search
 from gridtrain.plan.stop import SearchTimeout
 
@@ -58,10 +58,10 @@ def _compared(problem: Problem, constraints: Constraints, chosen: Candidate) -> 
     ep = chosen.layout.ep
 
     def allowance(spread: int) -> str:
-        measured, top = imbalance_table(experts)
+        measured = " or ".join(f"{e} experts at top-{k}" for e, k in imbalance_tables(experts))
         return (f"the busiest of the {spread} expert-parallel ranks is costed at "
                 f"{routing_imbalance(spread, experts):.2f}x the mean rows (moe_cost.ROUTING_IMBALANCE, measured on "
-                f"gridtrain's own runs routing to {measured} experts at top-{top})")
+                f"gridtrain's own runs routing to {measured})")
 
     if ep > 1:
         other = _best(problem, constraints, [1])
