@@ -289,9 +289,9 @@ def _float8_shape_problems(args: ModelArgs, tp: int) -> list[str]:
 def _check_moe(cfg: Config, dims: ParallelDims) -> list[str]:
     """A mixture-of-experts model where it has been compared with one process: one process, data
     parallelism (DDP, ZeRO-2, FSDP, HSDP), tensor parallelism (experts replicated over it), pipelines,
-    context parallelism, and expert parallelism over every data- and context-parallel rank, or over a
-    divisor of them beside data and context parallelism alone (tests/test_moe_parallel.py); expert
-    parallelism only for a mixture of experts."""
+    context parallelism, and expert parallelism over every data- and context-parallel rank or a
+    divisor of them, beside each of those (tests/test_moe_parallel.py); expert parallelism only for
+    a mixture of experts."""
     args, p = shape_of(cfg), cfg.parallel
     if args is None or args.moe is None:
         if dims.ep > 1 and args is not None:
@@ -311,11 +311,6 @@ def _check_moe(cfg: Config, dims: ParallelDims) -> list[str]:
                             f"since each rank holds an equal share of the experts: set parallel.ep to a divisor of "
                             f"{args.moe.num_experts}")
         problems += _check_expert_shards(cfg, dims, args.moe.num_experts)
-        if dims.ep < dims.dp * dims.cp and (dims.tp > 1 or dims.pp > 1):
-            problems.append(f"parallel.ep ({dims.ep}) below dp x cp ({dims.dp * dims.cp}) is compared with one process "
-                            f"beside data and context parallelism only, not beside parallel.tp ({dims.tp}) or "
-                            f"parallel.pp ({dims.pp}): set parallel.ep to {dims.dp * dims.cp} (every data- and "
-                            "context-parallel rank), or tp and pp to 1")
     if cfg.data.doc_mask and cfg.train.precision == "fp16" and math.prod(dims.degrees.values()) > 1:
         # parity cases zero3.none.none.tied.fp16.full.one.none.moe.ep.doc_mask and none.none.none.tied.fp16.none.
         # many.cp.moe.ep.doc_restart: one token of the first step took another expert than in one process

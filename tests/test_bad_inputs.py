@@ -108,10 +108,6 @@ TRAIN = [
     (["train", "--model.preset", "tiny-moe", "--nproc", "16", "--parallel.ep", "2", "--model.moe.expert_ffn_dim", "36"],
      "model.moe.expert_ffn_dim (36) must be a multiple of the 8 ranks that FSDP shards each expert over "
      "(dp_shard x cp / ep = 16 x 1 / 2)"),
-    (["train", "--model.preset", "tiny-moe", "--nproc", "8", "--parallel.ep", "2", "--parallel.dp_shard", "4",
-      "--parallel.tp", "2"],
-     "parallel.ep (2) below dp x cp (4) is compared with one process beside data and context parallelism only, "
-     "not beside parallel.tp (2) or parallel.pp (1): set parallel.ep to 4"),
     (["train", "--model.preset", "tiny-moe", "--nproc", "2", "--parallel.ep", "2", "--model.moe.num_experts", "3",
       "--model.moe.top_k", "1"], "parallel.ep (2) must divide model.moe.num_experts (3)"),
     (["train", "--model.preset", "tiny-moe", "--train.compile"], "which train.compile has not been compared"),

@@ -70,6 +70,12 @@ WORLD4: dict[str, tuple[dict, dict | None]] = {
     "ep2.fsdp4.bias": ({**FSDP4, **EP2, **BIAS}, None),
     "ep2.cp2.fsdp.bias": ({**FSDP2, **CP2, **EP2, **BIAS}, {**DDP4, **EP2}),  # the experts' copies all-reduced
 }
+WORLD8: dict[str, tuple[dict, dict | None]] = {
+    # ep below dp x cp beside tensor parallelism (the experts whole on each TP rank) and beside a
+    # pipeline: each stage's experts FSDP-sharded over the 2 data-parallel ranks ep leaves
+    "ep2.fsdp4.tp2": ({**FSDP4, **EP2, **TP2}, None),
+    "ep2.fsdp4.pp2.1f1b.bias": ({**FSDP4, **EP2, **PP2["1f1b"], **BIAS}, None),
+}
 MODEL_KEYS = ("model.", "train.precision", "train.recompute")
 
 
@@ -78,14 +84,15 @@ def overrides(work, corpus, keys: dict, micro_batch: int) -> dict:
             "data.cache_dir": str(work / "data-cache"), "train.micro_batch": micro_batch, **LEG_OVERRIDES, **keys}
 
 
-def _spec(work, corpus, world: int, cases: dict) -> dict:
-    micro = GLOBAL_BATCH // world // 2  # two micro-batches per rank: accumulation everywhere
+def _spec(work, corpus, world: int, cases: dict, ranks_per_batch: int = 1) -> dict:
+    micro = GLOBAL_BATCH * ranks_per_batch // world // 2  # two micro-batches per rank: accumulation everywhere
     return {name: {**overrides(work, corpus, keys, micro), LEG: resume} for name, (keys, resume) in cases.items()}
 
 
 def launch_cases(work, corpus) -> dict[int, dict]:
     """Both worlds' cases, in the launches the test modules share (tests/launches.py)."""
-    return {2: _spec(work, corpus, 2, WORLD2), 4: _spec(work, corpus, 4, WORLD4)}
+    return {2: _spec(work, corpus, 2, WORLD2), 4: _spec(work, corpus, 4, WORLD4),
+            8: _spec(work, corpus, 8, WORLD8, ranks_per_batch=2)}  # dp 4: tp or pp takes the other 2
 
 
 def launched_world(launches, tmp_path_factory, corpus_dir, world: int, cases: dict) -> dict:
@@ -116,6 +123,11 @@ def world4(launches, tmp_path_factory, corpus_dir):
     return launched_world(launches, tmp_path_factory, corpus_dir, 4, WORLD4)
 
 
+@pytest.fixture(scope="module")
+def world8(launches, tmp_path_factory, corpus_dir):
+    return launched_world(launches, tmp_path_factory, corpus_dir, 8, WORLD8)
+
+
 def verdict(run, ref, spec) -> list[str]:
     """Everything that differs from one process beyond the parity module's bounds."""
     precision, tokens = spec.get("train.precision", "fp32"), GLOBAL_BATCH * 32
@@ -144,6 +156,14 @@ def test_moe_layouts_over_two_ranks_train_resume_and_validate_as_one_process(wor
 @pytest.mark.parametrize("name", list(WORLD4))
 def test_moe_layouts_over_four_ranks_train_resume_and_validate_as_one_process(world4, name):
     run, ref, spec = world4[name]
+    assert run is not None
+    assert verdict(run, ref, spec) == []
+    _same_biases(run, ref, name)
+
+
+@pytest.mark.parametrize("name", list(WORLD8))
+def test_moe_layouts_over_eight_ranks_train_resume_and_validate_as_one_process(world8, name):
+    run, ref, spec = world8[name]
     assert run is not None
     assert verdict(run, ref, spec) == []
     _same_biases(run, ref, name)
