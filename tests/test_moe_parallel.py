@@ -153,17 +153,10 @@ def test_moe_layouts_over_two_ranks_train_resume_and_validate_as_one_process(wor
         assert {f"moe/load/layer{i}" for i in range(4)} <= set(record), sorted(record)
 
 
-@pytest.mark.parametrize("name", list(WORLD4))
-def test_moe_layouts_over_four_ranks_train_resume_and_validate_as_one_process(world4, name):
-    run, ref, spec = world4[name]
-    assert run is not None
-    assert verdict(run, ref, spec) == []
-    _same_biases(run, ref, name)
-
-
-@pytest.mark.parametrize("name", list(WORLD8))
-def test_moe_layouts_over_eight_ranks_train_resume_and_validate_as_one_process(world8, name):
-    run, ref, spec = world8[name]
+@pytest.mark.usefixtures("launches")  # the fixture is asked for by name below: the shared launches must know
+@pytest.mark.parametrize("world, name", [(4, name) for name in WORLD4] + [(8, name) for name in WORLD8])
+def test_moe_layouts_over_four_and_eight_ranks_train_resume_and_validate_as_one_process(request, world, name):
+    run, ref, spec = request.getfixturevalue(f"world{world}")[name]
     assert run is not None
     assert verdict(run, ref, spec) == []
     _same_biases(run, ref, name)
