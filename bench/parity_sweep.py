@@ -7,11 +7,11 @@ gathered weights), every other one listed with validate's reason.
 
 Verdicts go to FILE (JSON lines, default runs/parity/results.jsonl) as they come, so a stopped
 sweep resumes where it stopped; delete the file to start over. `--report` prints the report of
-the verdicts FILE holds (of the cases --only and --name select) and runs nothing. The default corpus (the Python
-standard library) is prepared once in the usual cache. At the end it prints the counts by status
-and world size, the largest deviations that passed, per precision, and every failure. The
-attention axis's cases (`--only .doc_`) read a corpus of short documents written into the results'
-folder (`gridtrain.parity.sweep.write_short_documents`), whatever --corpus says.
+the verdicts FILE holds (of the cases --only and --name select) and runs nothing. The default
+corpus (the Python standard library) is prepared once in the usual cache. At the end it prints
+the counts by status and world size, the largest deviations that passed, per precision, and every
+failure. The attention axis's cases (`--only .doc_`) read a corpus of short documents written
+into the results' folder (`gridtrain.parity.sweep.write_short_documents`), whatever --corpus says.
 """
 
 from __future__ import annotations

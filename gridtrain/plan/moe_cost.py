@@ -35,10 +35,9 @@ there is one table per measured routing, (E, k), and a plan reads the one whose 
 nearest its model's (in log2 E): 8 experts for Mixtral, 128 for Qwen3. These are routers trained
 for 300 steps; one trained far longer may be balanced better, which they cannot show. It is the
 experts' popularity more than sampling noise: at 4,096 tokens a rank the figures move by 0.04 at
-most.
-Between the measured ep it is interpolated in log2(ep), and beyond the widest held there (not
-measured there). The other balance methods, measured on the 8-expert shape at ep 2, 4, 8: the
-expert bias at rate 0.01 with sigmoid scores (DeepSeek-V3's pairing) 1.06, 1.13, 1.24, with
+most. Between the measured ep it is interpolated in log2(ep), and beyond the widest held there
+(not measured there). The other balance methods, measured on the 8-expert shape at ep 2, 4, 8:
+the expert bias at rate 0.01 with sigmoid scores (DeepSeek-V3's pairing) 1.06, 1.13, 1.24, with
 softmax scores 1.06, 1.20, 1.39; no balancing 1.63, 2.48, 3.53.
 """
 
