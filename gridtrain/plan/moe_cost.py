@@ -63,7 +63,8 @@ def imbalance_tables(experts: int) -> list[tuple[int, int]]:
     """The measured routings a model of `experts` routed experts is costed by: the nearest in log2
     of the expert count, both where two are equally near (routing_imbalance takes the larger)."""
     distance = {key: abs(math.log2(key[0] / experts)) for key in ROUTING_IMBALANCE}
-    return [key for key in ROUTING_IMBALANCE if distance[key] == min(distance.values())]
+    nearest = min(distance.values())
+    return [key for key, d in distance.items() if d == nearest]
 
 
 def _interpolated(table: dict[int, float], ep: int) -> float:
