@@ -22,10 +22,13 @@ class Mesh:
     rather than sliced from the root): `mesh["tp"]`, `mesh["dp_replicate", "dp_shard"]`,
     `mesh["dp"]`."""
 
-    def __init__(self, dims: ParallelDims, root: DeviceMesh, flat: dict[str, DeviceMesh]) -> None:
+    def __init__(self, dims: ParallelDims, root: DeviceMesh, flat: dict[str, DeviceMesh],
+                 experts: dict[tuple, DeviceMesh] | None = None) -> None:
         self.dims = dims
         self.root = root
         self.flat = flat
+        self._experts = {} if experts is None else experts
+        """The experts' meshes built on this root, by shape (kept with it: `_Built`)."""
 
     def __getitem__(self, axes: str | tuple[str, ...]) -> DeviceMesh:
         if isinstance(axes, str) and axes in self.flat:
@@ -38,8 +41,10 @@ class Mesh:
         alike (it creates process groups)."""
         if "experts" not in self.flat:
             replicate, shard = expert_data_parallel(self.dims, zero_stage)
-            self.flat["experts"] = self.flat["dp_cp"]._unflatten(
-                0, (replicate, shard, self.dims.ep), ("edp_replicate", "edp_shard", "ep"))
+            shape = (replicate, shard, self.dims.ep)
+            if shape not in self._experts:
+                self._experts[shape] = self.flat["dp_cp"]._unflatten(0, shape, ("edp_replicate", "edp_shard", "ep"))
+            self.flat["experts"] = self._experts[shape]
         return self.flat["experts"]
 
     def axis_groups(self) -> dict[str, dist.ProcessGroup]:
@@ -58,13 +63,53 @@ class Mesh:
         return groups
 
 
+class _Built:
+    """The meshes this process built in its current default group, by shape: a process that
+    builds several Trainers of one layout (a parity launch builds hundreds) makes their process
+    groups once. Each group torch keeps slows the next one's creation and every read of the flight
+    recorder, which lists them all (`gridtrain.parity.run.forget_case_groups` destroys the
+    others); and DTensor's sharding cache takes meshes of one shape and axis names for one (it
+    compares no groups), so a DTensor of a later mesh may run on an earlier mesh's groups, which
+    must therefore live. Emptied when the default group changes (a process group torn down and
+    made again, as dry runs do)."""
+
+    def __init__(self) -> None:
+        self.world: object = None
+        self.roots: dict[tuple, tuple[DeviceMesh, dict[str, DeviceMesh], dict[tuple, DeviceMesh]]] = {}
+        """(shape, device type) -> the root, its flattened axes, its experts' meshes."""
+
+    def current(self) -> _Built:
+        if self.world is not dist.group.WORLD:
+            self.world, self.roots = dist.group.WORLD, {}
+        return self
+
+    def groups(self) -> list[dist.ProcessGroup]:
+        """The process groups of every mesh kept."""
+        meshes = [m for root, flat, experts in self.current().roots.values()
+                  for m in (root, *flat.values(), *experts.values())]
+        return [g for m in meshes for g in m.get_all_groups()]
+
+
+_BUILT = _Built()
+
+
 def build_mesh(dims: ParallelDims, device_type: str) -> Mesh:
+    """The run's mesh; one built before in this process for the same shape is reused (_Built)."""
     shape = tuple(dims.degrees.values())
-    root = init_device_mesh(device_type, shape, mesh_dim_names=MESH_AXES)
-    flat = {"dp": root["dp_replicate", "dp_shard"]._flatten("dp"),
-            "dp_cp": root["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
-            "dp_shard_cp": root["dp_shard", "cp"]._flatten("dp_shard_cp")}
-    return Mesh(dims, root, flat)
+    built = _BUILT.current()
+    if (shape, device_type) not in built.roots:
+        root = init_device_mesh(device_type, shape, mesh_dim_names=MESH_AXES)
+        flat = {"dp": root["dp_replicate", "dp_shard"]._flatten("dp"),
+                "dp_cp": root["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
+                "dp_shard_cp": root["dp_shard", "cp"]._flatten("dp_shard_cp")}
+        built.roots[shape, device_type] = root, flat, {}
+    root, flat, experts = built.roots[shape, device_type]
+    return Mesh(dims, root, dict(flat), experts)
+
+
+def mesh_groups() -> list[dist.ProcessGroup]:
+    """The process groups of the meshes this process keeps for reuse (`build_mesh`)."""
+    return _BUILT.groups()
 
 
 def group(mesh: Mesh | None, axis: str) -> dist.ProcessGroup | None:
