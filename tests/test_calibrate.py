@@ -47,7 +47,8 @@ def test_an_idle_calibration_is_cached_as_the_best_of_its_rounds(tmp_path, monke
 def test_a_run_faster_than_its_cached_peak_measures_the_peak_again(tmp_path, make_config, monkeypatch, caplog, on_cpu):
     """A cached peak of 1 MFLOP/s makes the tiny model's MFU far above 100%: the trainer measures
     the peak again once, and reports MFU against that. (A CPU's peak is measured; an accelerator's
-    is its published one, never re-measured: so the trainer runs on the CPU here.)"""
+    is its published one, never re-measured: so the trainer runs on the CPU here.) A process
+measures it once, whatever number of Trainers it builds."""
     from gridtrain.train.trainer import Trainer
 
     cache = tmp_path / "cache"
@@ -68,6 +69,11 @@ def test_a_run_faster_than_its_cached_peak_measures_the_peak_again(tmp_path, mak
     assert calls == [("fp32",)]  # once, not every step
     assert all(m < 100 for m in mfus) and trainer.peak == 1e15
     assert any("measured low" in r.getMessage() for r in caplog.records)
+    # A second Trainer of the process (a parity launch builds two a case) takes what it measured.
+    again = Trainer(make_config(tmp_path / "again", **{"train.steps": 3, "train.threads": 1}))
+    again.train_step()
+    again.release()
+    assert calls == [("fp32",)] and again.peak == 1e15
 
 
 def test_the_elementwise_share_is_what_the_block_spends_beyond_its_kernels(monkeypatch):

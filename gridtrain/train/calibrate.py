@@ -209,16 +209,25 @@ def calibrate(threads: int | None = None, seconds: float = 2.0, modes: tuple[str
     return entry, ""
 
 
+_MEASURED: dict[tuple[int, str], float] = {}
+"""Peaks this process measured (threads, precision): a busy machine's figures are not cached,
+and a process that builds many Trainers (a parity launch builds two a case) measured 1.5 s for
+each of them, on every rank, while its own ranks kept the machine busy."""
+
+
 def cpu_peak_flops(precision: str, threads: int | None = None, remeasure: bool = False) -> float:
     """The cached measured peak for this CPU and thread count; measured now if not cached (or
-    `remeasure`)."""
+    `remeasure`), once a process (_MEASURED)."""
     threads = threads or torch.get_num_threads()
+    if (threads, precision) in _MEASURED:
+        return _MEASURED[threads, precision]
     peaks = cached_entry(threads).get("peak_flops", {})
     if precision not in peaks or remeasure:
         log.info("%s %s calibration for this CPU with %d threads: measuring the matmul peak now "
                  "(`gridtrain calibrate` does it ahead)", "re-measuring the" if remeasure else "no", precision,
                  threads)
         peaks = calibrate(threads, seconds=1.5, modes=(precision,), local=False)[0]["peak_flops"]
+        _MEASURED[threads, precision] = peaks[precision]
     return peaks[precision]
 
 
