@@ -48,7 +48,7 @@ def test_a_run_faster_than_its_cached_peak_measures_the_peak_again(tmp_path, mak
     """A cached peak of 1 MFLOP/s makes the tiny model's MFU far above 100%: the trainer measures
     the peak again once, and reports MFU against that. (A CPU's peak is measured; an accelerator's
     is its published one, never re-measured: so the trainer runs on the CPU here.) A process
-measures it once, whatever number of Trainers it builds."""
+    measures it once, whatever number of Trainers it builds."""
     from gridtrain.train.trainer import Trainer
 
     cache = tmp_path / "cache"
