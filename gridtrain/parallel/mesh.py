@@ -23,11 +23,11 @@ class Mesh:
     `mesh["dp"]`."""
 
     def __init__(self, dims: ParallelDims, root: DeviceMesh, flat: dict[str, DeviceMesh],
-                 experts: dict[tuple, DeviceMesh] | None = None) -> None:
+                 experts: dict[tuple, DeviceMesh]) -> None:
         self.dims = dims
         self.root = root
         self.flat = flat
-        self._experts = {} if experts is None else experts
+        self._experts = experts
         """The experts' meshes built on this root, by shape (kept with it: `_Built`)."""
 
     def __getitem__(self, axes: str | tuple[str, ...]) -> DeviceMesh:
