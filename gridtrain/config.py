@@ -8,6 +8,7 @@ numbers and the fix.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -27,6 +28,12 @@ class ConfigError(UserError, ValueError):
             super().__init__(f"invalid configuration: {problems[0]}")
         else:
             super().__init__("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+@functools.cache
+def _names(cls: type) -> tuple[str, ...]:
+    """A dataclass's field names, read once (`ModelConfig.args` is asked for often)."""
+    return tuple(f.name for f in fields(cls))
 
 
 @dataclass
@@ -101,8 +108,8 @@ class ModelConfig:
     def args(self) -> ModelArgs:
         """The shape: the preset's, with these keys' values over it (raises ValueError for MoE keys on
         a dense preset; `validate` reports it first)."""
-        overrides = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("preset", "moe", "head_dim")}
-        moe = {f.name: getattr(self.moe, f.name) for f in fields(self.moe)}
+        overrides = {name: getattr(self, name) for name in _names(type(self)) if name not in ("preset", "moe", "head_dim")}
+        moe = {name: getattr(self.moe, name) for name in _names(type(self.moe))}
         return model_args(self.preset, moe=moe, explicit_head_dim=self.head_dim, **overrides)
 
 

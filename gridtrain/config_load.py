@@ -35,7 +35,13 @@ def field_docs(cls: type) -> dict[str, str]:
 
 def all_keys(cfg: Any = None, prefix: str = "") -> dict[str, tuple[Any, str]]:
     """Every dotted key with its (type, docstring)."""
-    return dict(_keys_of(type(cfg) if cfg is not None else Config, prefix))
+    return dict(_key_table(type(cfg) if cfg is not None else Config, prefix))
+
+
+@functools.cache
+def _key_table(cls: type, prefix: str) -> dict[str, tuple[Any, str]]:
+    """`all_keys` of a class, built once (`set_key` reads it for every key it sets); not to be changed."""
+    return dict(_keys_of(cls, prefix))
 
 
 @functools.cache
@@ -70,28 +76,36 @@ BARE_FLAG = "\0flag"
 """What `parse_overrides` gives `--key` without a value: true for a boolean key, an error for others."""
 
 
+@functools.cache
+def _hint_parts(hint: Any) -> tuple[tuple[Any, ...], tuple[Any, ...], Any]:
+    """A field's type taken apart once: (its Literal choices, its arguments, its origin)."""
+    return (tuple(a for a in typing.get_args(hint) if typing.get_origin(a) is typing.Literal),
+            typing.get_args(hint), typing.get_origin(hint))
+
+
 def _convert(key: str, raw: Any, hint: Any) -> Any:
     """Turn a TOML value or command-line string into the field's type."""
-    choices = [a for a in typing.get_args(hint) if typing.get_origin(a) is typing.Literal]
-    if choices and isinstance(raw, str) and raw.lower() in typing.get_args(choices[0]):
+    choices, args, origin = _hint_parts(hint)
+    values = _hint_parts(choices[0])[1] if choices else ()
+    if choices and isinstance(raw, str) and raw.lower() in values:
         raw = raw.lower()  # 'None' is the choice 'none' as much as 'none' is
-    if choices and raw is not None and (raw in typing.get_args(choices[0])
-                                        or not (isinstance(raw, str) and raw.lower() in ("none", "null"))):
+    if choices and raw is not None and (raw in values or not (isinstance(raw, str) and raw.lower() in ("none", "null"))):
         # An optional choice (model.moe.balance): a value is one of the choices, 'none' too where it
         # is one (balance 'none'); unset, the preset's.
         hint = choices[0]
-    if typing.get_origin(hint) is typing.Literal:  # a choice ('none' may be one): validate names the values
+        _, args, origin = _hint_parts(hint)
+    if origin is typing.Literal:  # a choice ('none' may be one): validate names the values
         if raw == BARE_FLAG or not isinstance(raw, str):
-            raise ConfigError([f"{key} = {raw!r} is not one of {', '.join(typing.get_args(hint))}"
+            raise ConfigError([f"{key} = {raw!r} is not one of {', '.join(args)}"
                                if raw != BARE_FLAG else f"--{key} needs a value (--{key} VALUE)"])
         return raw
-    options = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+    options = [a for a in args if a is not type(None)] or [hint]
     if raw == BARE_FLAG:
         if bool not in options:
             raise ConfigError([f"--{key} needs a value (--{key} VALUE)"])
         raw = "true"
     if raw is None or (isinstance(raw, str) and raw.lower() in ("none", "null")):
-        if type(None) in typing.get_args(hint):
+        if type(None) in args:
             return None
         raise ConfigError([f"{key} cannot be none"])
     for target in options:
@@ -152,7 +166,7 @@ def _whole(raw: str | int | float) -> int | None:
 
 
 def set_key(cfg: Config, key: str, raw: Any) -> None:
-    keys = all_keys(cfg)
+    keys = _key_table(type(cfg), "")
     if key not in keys:
         raise ConfigError([_unknown_key(key)])
     *path, name = key.split(".")

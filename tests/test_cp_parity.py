@@ -16,7 +16,8 @@ import pytest
 
 from gridtrain.parity.compare import deviation, problems, tolerance
 from gridtrain.parity.matrix import GLOBAL_BATCH, base_overrides
-from gridtrain.parity.run import load_result, run_reference
+from gridtrain.parity.run import LEG, load_result, run_reference
+from gridtrain.parity.sweep import LEG_OVERRIDES
 
 pytestmark = pytest.mark.dist
 
@@ -47,6 +48,10 @@ LAYOUTS = {
 }
 
 
+RESUMED_AS = {"parallel.tp": 2, "parallel.dp_shard": 2}
+"""The layout the CP 2 x FSDP 2 case's checkpoint resumes under, in the same launch."""
+
+
 def _base(tmp: Path, corpus: Path) -> dict[str, object]:
     return {**base_overrides(), "train.precision": "fp32", "parallel.dp_shard": 1,
             "data.corpus": str(corpus), "data.cache_dir": str(tmp / "cache")}
@@ -55,7 +60,9 @@ def _base(tmp: Path, corpus: Path) -> dict[str, object]:
 def launch_cases(work: Path, corpus: Path) -> dict[int, dict[str, dict[str, object]]]:
     """Every layout, in the launch of its world size that the test modules share (tests/launches.py)."""
     base = _base(work, corpus)
-    return {world: {name: {**base, **layout} for name, layout in layouts.items()} for world, layouts in LAYOUTS.items()}
+    cases = {world: {name: {**base, **layout} for name, layout in layouts.items()} for world, layouts in LAYOUTS.items()}
+    cases[4]["cp2_fsdp2_leg"] = {**base, **LAYOUTS[4]["cp2_fsdp2"], **LEG_OVERRIDES, LEG: RESUMED_AS}
+    return cases
 
 
 @pytest.mark.parametrize("world", sorted(LAYOUTS))
@@ -72,44 +79,27 @@ def test_context_parallel_trains_as_one_process(world, tmp_path, corpus_dir, lau
         tol = tolerance(precision, GLOBAL_BATCH * 32, ref.lrs, 0.9, 0.95)
         dev = deviation(load_result(out, name), ref)
         assert not problems(dev, tol), (name, problems(dev, tol))
+        # Throughput counts the global batch's tokens once (8 sequences of 32), not once per CP rank.
+        steps = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
+        assert [r["throughput/tokens_per_s"] * r["time/step_s"] for r in steps] == \
+            pytest.approx([GLOBAL_BATCH * 32] * len(steps)), name
         if precision == "fp32":
             for got, want in dev.losses + dev.grad_norms:  # measured: within 1e-6
                 assert got == pytest.approx(want, rel=1e-5), name
 
 
-def test_a_cp_checkpoint_resumes_in_one_process_and_under_tp(tmp_path, corpus_dir):
-    """Checkpoints stay layout-free: a CP 2 x FSDP 2 run's step-4 checkpoint continues in one
-    process and under TP 2 with the losses of steps 5-8 that one process trained straight through
-    gives (1e-5). The CP run's own training and validation losses are that run's too (each CP
-    rank validates its chunks of every sequence)."""
-    import shutil
-
-    from test_recovery import losses, train
-
-    val = ["--checkpoint.keep", "10", "--train.val_every", "4", "--data.val_fraction", "0.2"]
-    train(tmp_path, corpus_dir, "ref", 1, *val)
-    train(tmp_path, corpus_dir, "cp", 4, "--parallel.cp", "2", "--parallel.dp_shard", "2", *val)
-    want = losses(tmp_path / "ref")
-    assert set(want) == set(range(1, 9))
-    assert losses(tmp_path / "cp") == pytest.approx(want, rel=1e-5)
-    validated = [val_losses(tmp_path / run) for run in ("ref", "cp")]
-    assert set(validated[0]) == {0, 4, 8} and validated[1] == pytest.approx(validated[0], rel=1e-5)
-    # Throughput counts the global batch's tokens once (4 sequences of 32), not once per CP rank.
-    records = [json.loads(line) for line in (tmp_path / "cp" / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in records if "throughput/tokens_per_s" in r]
-    assert len(steps) == 8
-    assert all(r["throughput/tokens_per_s"] * r["time/step_s"] == pytest.approx(4 * 32) for r in steps)
-    for name, nproc, layout in (("one", 1, []), ("tp2", 2, ["--parallel.tp", "2"])):
-        shutil.copytree(tmp_path / "cp", tmp_path / name)
-        for step in (6, 8):
-            shutil.rmtree(tmp_path / name / "checkpoints" / f"step-{step:07d}")
-        proc = train(tmp_path, corpus_dir, name, nproc, "--checkpoint.resume", "true", *val, *layout)
-        assert "at step 4 (sample offset 16)" in proc.stdout + proc.stderr, proc.stderr[-3000:]
-        got = losses(tmp_path / name)
-        for step in (5, 6, 7, 8):
-            assert got[step] == pytest.approx(want[step], rel=1e-5), (name, step)
-
-
-def val_losses(run_dir: Path) -> dict[int, float]:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss/val"] for r in records if "loss/val" in r}
+def test_a_cp_checkpoint_resumes_under_tp_and_validates_as_one_process(tmp_path, corpus_dir, launches):
+    """Checkpoints stay layout-free: a CP 2 x FSDP 2 run validates after its first 2 steps with one
+    process's validation loss (each CP rank validates its chunks of every sequence), saves, and its
+    checkpoint continues under TP 2 x FSDP 2 with the last step of one process's straight run
+    (1e-5, fp32). CP resumed in one process is the parity subset's (its 8-rank CP cases)."""
+    out = launches.out(__name__, 4)
+    base = _base(tmp_path, corpus_dir)
+    ref = run_reference({**base, **LEG_OVERRIDES, "run_dir": str(tmp_path / "ref")}, leg=True)
+    run = load_result(out, "cp2_fsdp2_leg")
+    assert run is not None and run.leg is not None and len(run.leg.losses) == LEG_OVERRIDES["train.steps"]
+    assert run.val_loss == pytest.approx(ref.val_loss, rel=1e-5)
+    dev, tol = deviation(run.leg, ref.leg), tolerance("fp32", GLOBAL_BATCH * 32, ref.leg.lrs, 0.9, 0.95)
+    assert not problems(dev, tol), problems(dev, tol)
+    for got, want in dev.losses + dev.grad_norms:
+        assert got == pytest.approx(want, rel=1e-5)

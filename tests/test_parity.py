@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from gridtrain.parity.compare import adam_ratio_bound, tolerance
-from gridtrain.parity.matrix import AXES, all_cases, make_case, pairwise, resume_layout
-from gridtrain.parity.run import launch, load_result
+from gridtrain.parity.matrix import AXES, Case, all_cases, make_case, pairwise, resume_layout
+from gridtrain.parity.run import load_result
 from gridtrain.parity.sweep import References, case_overrides, run_cases, verdict
 
 # Accepted once and trained wrong with no error: PP 2 x DDP 2 (1F1B), PP 2 x FSDP 2 under both
@@ -128,7 +128,9 @@ def test_doc_mask_cases_read_sequences_that_cross_documents(tmp_path, corpus_dir
 def verdicts(tmp_path_factory: pytest.TempPathFactory, corpus_dir: Path) -> dict[str, dict]:
     work = tmp_path_factory.mktemp("parity")
     refs = References(corpus_dir, work / "cache", work)
-    return run_cases(SUBSET, refs, work / "results.jsonl")
+    # One launch per world size (the sweep's chunks of 24 bound what a crash costs; here each
+    # launch of 2, 4 and 8 processes costs 4 to 14 s before its first case).
+    return run_cases(SUBSET, refs, work / "results.jsonl", chunk=len(SUBSET))
 
 
 @pytest.mark.dist
@@ -205,18 +207,12 @@ def test_every_layout_of_the_subset_dry_runs_its_last_rank_as_planned(tmp_path, 
     assert not off
 
 
-@pytest.mark.dist
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_parity_check_fails_on_other_data_and_without_clipping(tmp_path_factory, corpus_dir, precision):
-    """The check can fail: FSDP 2 runs on another corpus, and without the reference's gradient
-    clipping, each differ from one process beyond the tolerance (in losses and in the weights'
-    updates); from another seed, its initial weights differ; the same layout on the same data
-    does not. In fp32, the doc_mask case of that layout run without the mask (attention across
-    its short documents) differs from its reference in the same way."""
+def _detection_cases(work: Path, corpus: Path, precision: str) -> tuple[Case, Case, References, dict[str, dict]]:
+    """FSDP 2 (and its doc_mask case), its references, and the runs that must fail: on another
+    corpus, without clipping, from another seed, and (fp32) the doc_mask case without its mask."""
     from conftest import write_corpus
 
-    work = tmp_path_factory.mktemp(f"detect-{precision}")
-    refs = References(corpus_dir, work / "cache", work)
+    refs = References(corpus, work / "cache", work)
     case = make_case({"dp": "zero3", "tp": "none", "pp": "none", "embeddings": "untied",
                       "precision": precision, "recompute": "none", "accumulation": "many", "cp": "none"})
     same = case_overrides(case, refs)
@@ -225,10 +221,28 @@ def test_parity_check_fails_on_other_data_and_without_clipping(tmp_path_factory,
             "no-clip": {**same, "train.grad_clip": 0.0}, "other-init": {**same, "train.seed": 1}}
     if precision == "fp32":
         spec["no-mask"] = {**case_overrides(masked, refs), "data.doc_mask": False}
-    proc = launch(2, spec, work / "runs")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    found = {name: verdict(masked if name == "no-mask" else case, load_result(work / "runs", name), "", refs)
-             for name in spec}
+    return case, masked, refs, spec
+
+
+def launch_cases(work: Path, corpus: Path) -> dict[int, dict[str, dict[str, object]]]:
+    """The detection runs of both precisions, in the launch of 2 processes that the test modules
+    share (tests/launches.py)."""
+    return {2: {f"detect-{precision}-{name}": overrides for precision in ("fp32", "bf16")
+                for name, overrides in _detection_cases(work / f"detect-{precision}", corpus, precision)[3].items()}}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_parity_check_fails_on_other_data_and_without_clipping(launches, corpus_dir, precision):
+    """The check can fail: FSDP 2 runs on another corpus, and without the reference's gradient
+    clipping, each differ from one process beyond the tolerance (in losses and in the weights'
+    updates); from another seed, its initial weights differ; the same layout on the same data
+    does not. In fp32, the doc_mask case of that layout run without the mask (attention across
+    its short documents) differs from its reference in the same way."""
+    out = launches.out(__name__, 2)
+    case, masked, refs, spec = _detection_cases(launches.work / __name__ / f"detect-{precision}", corpus_dir, precision)
+    found = {name: verdict(masked if name == "no-mask" else case, load_result(out, f"detect-{precision}-{name}"), "",
+                           refs) for name in spec}
     assert found["same"]["status"] == "passed", found["same"]["problems"]
     for name in ("other-data", "no-clip") + (("no-mask",) if precision == "fp32" else ()):
         rec = found[name]

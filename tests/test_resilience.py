@@ -256,6 +256,32 @@ def test_a_lost_store_is_named_as_such_not_as_peers_behind(tmp_path, monkeypatch
     assert json.loads((tmp_path / "failures" / "rank1.json").read_text())["ranks_last_step"] is None
 
 
+def test_a_rank_whose_peer_dropped_the_connection_is_not_named_silent(tmp_path):
+    """Rank 0 stopped inside step 7; rank 2's wait timed out first and closed its sockets, so rank
+    1 saw "Connection closed by peer" and failed at once. Rank 1 answers the roll call without
+    waiting for it: rank 2's roll call names rank 0 alone (it named rank 1 first, before)."""
+    import datetime
+
+    from gridtrain.train.resilience import ProgressBoard, collective_failure
+
+    host = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    boards = []
+    for rank in range(3):
+        board = ProgressBoard.__new__(ProgressBoard)
+        board.rank, board.world_size = rank, 3
+        board.store = dist.TCPStore("127.0.0.1", host.port, 1, is_master=False, timeout=datetime.timedelta(seconds=5))
+        board.post(7)
+        boards.append(board)
+    dropped = collective_failure(RuntimeError("Connection closed by peer [127.0.0.1]:1234"), 1, 7, 5.0, boards[1],
+                                 None, tmp_path, "at step 7")
+    assert "rank 1 lost a peer in a collective at step 7" in str(dropped)
+    waited = str(collective_failure(RuntimeError("Timed out waiting 5000ms for recv"), 2, 7, 5.0, boards[2], None,
+                                    tmp_path, "at step 7"))
+    assert "gave up on a collective at step 7 after 5 s (train.collective_timeout_s): rank 0 started step 7 but " \
+           "went silent inside it" in waited, waited
+    assert "rank 1" not in waited.split("Cause")[0], waited
+
+
 def test_a_straggler_is_the_slowest_rank_in_two_windows_in_a_row(caplog):
     """Hand-made per-rank CPU seconds per step: the spread is (slowest - fastest) / median; one
     slow window is noise, two in a row by the same rank over 1.2x the median name it, a window in

@@ -6,6 +6,7 @@ the checkpoint cadence chosen from the measured save time (Young/Daly).
 from __future__ import annotations
 
 import collections
+import contextlib
 import datetime
 import json
 import logging
@@ -162,6 +163,13 @@ class ProgressBoard:
         return steps
 
 
+    def answer(self) -> None:
+        """Answer the failure roll call without waiting for it: a rank whose peer dropped the
+        connection is alive and failed too, and must not be named silent by those who wait."""
+        with contextlib.suppress(Exception):  # the store's host is gone: last_steps says so
+            self.store.set_timeout(datetime.timedelta(seconds=5))
+            self.store.set(f"{self.FAILED}{self.rank}", "1")
+
     def roll_call(self, wait_s: float) -> set[int] | None:
         """Answer the failure roll call, and the ranks that answered within `wait_s` (every live
         rank's collective fails within about the same time); None if the store does not answer."""
@@ -192,7 +200,11 @@ def collective_failure(err: BaseException, rank: int, step: int, timeout_s: floa
     timed_out = "timed out" in str(err).lower()
     # A timeout ends every live rank's wait at about the same time: a roll call tells the silent
     # one. A lost connection reaches the ranks one after another: there it would name the slow.
+    # A lost connection often comes from a peer whose own wait just timed out and closed its
+    # sockets: this rank answers, so that the peer's roll call does not name it silent.
     answered = board.roll_call(min(max(3.0, timeout_s / 2), 30.0)) if board and timed_out else None
+    if board and not timed_out:
+        board.answer()
     steps = board.last_steps() if board else {}
     store_lost = steps is None
     stalled = {r: s for r, s in (steps or {}).items() if r != rank and (s is None or s < step)}
