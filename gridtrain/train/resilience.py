@@ -162,7 +162,6 @@ class ProgressBoard:
             return None
         return steps
 
-
     def answer(self) -> None:
         """Answer the failure roll call without waiting for it: a rank whose peer dropped the
         connection is alive and failed too, and must not be named silent by those who wait."""
@@ -203,10 +202,10 @@ def collective_failure(err: BaseException, rank: int, step: int, timeout_s: floa
     # A lost connection often comes from a peer whose own wait just timed out and closed its
     # sockets: this rank answers, so that the peer's roll call does not name it silent.
     answered = board.roll_call(min(max(3.0, timeout_s / 2), 30.0)) if board and timed_out else None
-    if board and not timed_out:
-        board.answer()
     steps = board.last_steps() if board else {}
     store_lost = steps is None
+    if board and not timed_out and not store_lost:  # a lost store would hold the answer 5 s more
+        board.answer()
     stalled = {r: s for r, s in (steps or {}).items() if r != rank and (s is None or s < step)}
     silent = sorted(r for r in (steps or {}) if r not in stalled and answered is not None and r not in answered)
     dump_flight_recorder(Path(run_dir) / "failures", rank)
