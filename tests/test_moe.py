@@ -248,6 +248,28 @@ def test_capacity_one_with_every_token_forced_to_two_experts_drops_the_arithmeti
         assert torch.isfinite(torch.tensor(metrics["loss/train"]))
 
 
+def test_capacity_binds_in_training_only_so_a_tokens_output_does_not_depend_on_its_company():
+    # Under a capacity a forward of N tokens keeps ceil(c N k / E) assignments an expert; applied in
+    # eval mode, a prefix's logits and a cached decode's (one token a step: nothing ever dropped)
+    # differed from the whole sequence's forward by up to 3.6e-4 here.
+    from gridtrain.model.generate import KVCache, forward_cached
+
+    model = build_model(tiny_moe(capacity_factor=1.0), 0, CPU)
+    tokens = torch.randint(0, 320, (1, 24), generator=torch.Generator().manual_seed(3))
+    model.train()
+    with torch.no_grad():  # the training forward still drops: the layers' inputs differ
+        assert not torch.equal(model(tokens), build_model(tiny_moe(), 0, CPU).train()(tokens))
+    model.eval()
+    with torch.no_grad():
+        whole = model(tokens)
+        assert torch.equal(whole, build_model(tiny_moe(), 0, CPU).eval()(tokens))  # eval routes dropless
+        torch.testing.assert_close(model(tokens[:, :8]), whole[:, :8], rtol=0, atol=1e-6)
+        cache = KVCache(model, 1, 24)
+        steps = [forward_cached(model, tokens[:, :8], cache)]
+        steps += [forward_cached(model, tokens[:, t:t + 1], cache) for t in range(8, 24)]
+        torch.testing.assert_close(torch.cat(steps, dim=1), whole, rtol=0, atol=1e-5)
+
+
 def test_the_bias_is_updated_once_per_step_under_accumulation(tmp_path, make_config):
     cfg = moe_config(make_config, tmp_path, **{"model.moe.balance": "bias", "model.moe.bias_update_rate": 0.125,
                                                "train.global_batch": 8, "train.micro_batch": 2, "train.steps": 1})

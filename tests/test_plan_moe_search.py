@@ -5,6 +5,7 @@ choosing (or not) expert parallelism with its reason."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 
 import pytest
@@ -324,3 +325,31 @@ def test_the_routing_allowance_is_the_busiest_ranks_rows_as_measured():
     assert imbalance_tables(16) == [(8, 2), (32, 8)] and imbalance_tables(64) == [(32, 8), (128, 8)]
     assert routing_imbalance(16, 16) == 1.401 and routing_imbalance(8, 16) == 1.37  # the larger at a tie
     assert routing_imbalance(64, 64) == 2.040 and routing_imbalance(2, 64) == 1.045
+
+
+def test_a_capacity_factor_caps_the_busiest_ranks_rows_and_the_rows_sent():
+    """Under capacity factor c a rank sends an expert at most ceil(c N k / E) of its N k assignments,
+    so an ep rank holding E / ep experts receives at most c N k rows (c x the mean) and sends at
+    most min(1, c) N k: Mixtral at ep 8, costed at 1.37x the mean dropless, is capped at 1.25x
+    with c = 1.25, and at c = 0.5 its busiest rank runs half the mean and sends half the rows."""
+    from gridtrain.plan.moe_cost import busiest_rows, ep_seconds
+
+    layout = Layout(dp_replicate=8, ep=8, seq_len=4096)
+    capped = {c: dataclasses.replace(MIXTRAL, capacity_factor=c) for c in (1.25, 0.5, 4.0)}
+    assert busiest_rows(MIXTRAL, 8) == 1.37 and busiest_rows(capped[4.0], 8) == 1.37
+    assert busiest_rows(capped[1.25], 8) == 1.25 and busiest_rows(capped[0.5], 8) == 0.5
+    assert busiest_rows(capped[0.5], 1) == 0.5 and busiest_rows(capped[1.25], 1) == 1.0
+    rows = 4096 * 2 * 4096
+    assert ep_bytes_per_layer(capped[0.5], layout) == pytest.approx((64 + 12 * rows * 0.5) * 7 / 8)
+    assert ep_bytes_per_layer(capped[1.25], layout) == ep_bytes_per_layer(MIXTRAL, layout)
+    cluster = specs.cluster("dgx-h100")
+    slow = [ep_seconds(shape, layout, cluster, 0.6, 0.8) for shape in (MIXTRAL, capped[1.25])]
+    levels = placement.axis_levels(cluster, 8, 1, 0.6, 0.8)
+    by_hand = [sum(placement.all_to_all_time(size * (f if carries else 1.0), levels)
+                   for size, carries in all_to_all_payloads(MIXTRAL, layout, 2)) for f in (1.37, 1.25)]
+    assert slow == pytest.approx(by_hand)
+    flops = [moe_ffn_flops_per_token(shape, "none", busiest_rows(shape, 8)) for shape in (MIXTRAL, capped[1.25])]
+    routed = 6 * 3 * 2 * 4096 * 14336
+    assert flops[0] - flops[1] == pytest.approx(routed * (1.37 - 1.25))
+    assert from_args(dataclasses.replace(model_args("tiny-moe"), moe=dataclasses.replace(
+        model_args("tiny-moe").moe, capacity_factor=1.5))).capacity_factor == 1.5

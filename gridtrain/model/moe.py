@@ -6,7 +6,8 @@ One micro-batch of N tokens (x: (N, dim)):
    top k: by score, or by score + expert bias under the DeepSeek-V3 balance (the bias chooses,
    the gate values stay the scores). The k gate values are optionally renormalised and scaled.
 2. The N k (token, expert) assignments are sorted by expert (stable: token order within an
-   expert); with a capacity factor each expert keeps its first `capacity` and drops the rest.
+   expert); with a capacity factor each expert keeps its first `capacity` and drops the rest
+   (in training; a module in eval mode routes dropless, as DeepSeek-V2 (2024, §2.2.3) may at inference).
 3. The experts run on their contiguous groups, through `torch._grouped_mm` with the groups' end
    offsets, or a loop over the experts (the same numbers, bit for bit).
 4. Each assignment's output is put back in (token, choice) order and the k outputs of a token
@@ -211,7 +212,10 @@ class MoE(nn.Module):
         if self.fixed_routing is not None:
             experts, order, kept_counts, counts = self.fixed_routing(tokens.shape[0])
         else:
-            order, kept_counts = dispatch_order(experts, a.num_experts, a.capacity(tokens.shape[0]))
+            # Capacity binds in training only: in validation, evaluation and sampling a token's output
+            # must not depend on how many tokens share its forward (a cached decode step holds one).
+            capacity = a.capacity(tokens.shape[0]) if self.training else None
+            order, kept_counts = dispatch_order(experts, a.num_experts, capacity)
             counts = torch.bincount(experts.flatten(), minlength=a.num_experts)
         routed = self.experts(tokens[order // a.top_k], kept_counts)
         # Back to (token, choice) order; dropped assignments stay zero.

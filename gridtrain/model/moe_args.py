@@ -56,7 +56,9 @@ class MoEArgs:
     logsumexp(router logits)^2; 0 turns it off."""
     capacity_factor: float | None = None
     """None: dropless. Otherwise each expert takes at most ceil(capacity_factor x tokens x k / E) tokens
-    of a micro-batch, in token order; the rest of its choices are dropped (the token keeps its residual)."""
+    of a micro-batch, in token order; the rest of its choices are dropped (the token keeps its residual).
+    In training only: validation, `eval` and sampling route dropless, so that a token's output does
+    not depend on how many tokens share its forward (a cached decode step holds one)."""
     every: int = 1
     """An MoE feed-forward on every n-th layer from first_dense on; the others are dense."""
     first_dense: int = 0

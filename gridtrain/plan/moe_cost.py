@@ -23,7 +23,7 @@ gridtrain's MoE layer (model/moe.py, parallel/expert_parallel.py) on a rank of a
 
 ROUTING_IMBALANCE is the planner's allowance for that: the rows the busiest expert-parallel rank
 receives over the mean, by ep, applied to its routed-expert compute, to the rows it receives and
-to its routed activations. It is measured, not guessed (`python bench/bench_moe_load.py`): 300-step
+to its routed activations (a capacity factor c caps it at c: busiest_rows). It is measured, not guessed (`python bench/bench_moe_load.py`): 300-step
 runs of small-moe's shape balanced by the auxiliary loss (gridtrain's default, and Mixtral's and
 Qwen3's), their validation sequences routed by the final checkpoint and grouped as an ep group's
 micro-batch is, each rank holding E / ep consecutive experts: the busiest rank's rows over the
@@ -86,9 +86,25 @@ def routing_imbalance(ep: int, experts: int) -> float:
     return max(_interpolated(ROUTING_IMBALANCE[key], ep) for key in imbalance_tables(experts))
 
 
+def busiest_rows(shape: ModelShape, ep: int) -> float:
+    """Rows the busiest of ep expert-parallel ranks runs, over the mean of dropless routing: the
+    allowance (routing_imbalance), capped by a capacity factor c. Each rank sends an expert at most
+    ceil(c N k / E) of its N k assignments, so a rank holding E / ep experts receives at most about
+    c N k rows from its ep peers, c times the mean; at ep 1 the rank keeps at most min(1, c) of its
+    own (an upper bound where routing is uneven: what it drops depends on routing)."""
+    slow = routing_imbalance(ep, shape.num_experts)
+    return slow if shape.capacity_factor is None else min(slow, shape.capacity_factor)
+
+
+def kept_share(shape: ModelShape) -> float:
+    """The share of a rank's assignments it dispatches at most: min(1, c) under a capacity factor
+    c (moe_collectives.assignments under uniform routing), all of them dropless."""
+    return 1.0 if shape.capacity_factor is None else min(1.0, shape.capacity_factor)
+
+
 def imbalance(shape: ModelShape, layout: Layout) -> float:
-    """The allowance of the layout's expert-parallel ranks (routing_imbalance)."""
-    return routing_imbalance(layout.ep, shape.num_experts)
+    """The allowance of the layout's expert-parallel ranks (busiest_rows)."""
+    return busiest_rows(shape, layout.ep)
 
 
 def recomputes_experts(recompute: str) -> bool:
@@ -112,7 +128,8 @@ def moe_ffn_flops_per_token(shape: ModelShape, recompute: str, ep_imbalance: flo
 
 def all_to_all_payloads(shape: ModelShape, layout: Layout, act_bytes: int) -> list[tuple[float, bool]]:
     """(bytes one rank puts into it, whether it carries rows) of each all-to-all per MoE layer and
-    micro-batch, in the order they run (module docstring). Empty without expert parallelism."""
+    micro-batch, in the order they run (module docstring), the rows dropless. Empty without expert
+    parallelism."""
     if layout.ep == 1 or not shape.num_experts:
         return []
     rows = layout.tokens_per_microbatch / layout.cp * shape.top_k * shape.hidden
@@ -176,7 +193,8 @@ def expert_dp_seconds(shape: ModelShape, layout: Layout, cluster: ClusterSpec, i
 def ep_seconds(shape: ModelShape, layout: Layout, cluster: ClusterSpec, intra: float, inter: float,
                act_bytes: int = 2) -> float:
     """Seconds of all-to-all per MoE layer and micro-batch on the critical path: every call at
-    the pace of the busiest rank, whose rows are the imbalance allowance over the mean."""
+    the pace of the busiest rank, whose rows are the imbalance allowance over the mean (capped by
+    a capacity factor: busiest_rows)."""
     levels = ep_levels(cluster, layout, intra, inter)
     slow = imbalance(shape, layout)
     return sum(placement.all_to_all_time(size * (slow if rows else 1.0), levels)
@@ -185,5 +203,7 @@ def ep_seconds(shape: ModelShape, layout: Layout, cluster: ClusterSpec, intra: f
 
 def ep_bytes_per_layer(shape: ModelShape, layout: Layout, act_bytes: int = 2) -> float:
     """Bytes one rank sends to other ranks per MoE layer and micro-batch: (ep - 1) / ep of every
-    all-to-all's payload (its own share stays), at uniform routing."""
-    return sum(size for size, _ in all_to_all_payloads(shape, layout, act_bytes)) * (layout.ep - 1) / layout.ep
+    all-to-all's payload (its own share stays), at uniform routing, of the rows it keeps (kept_share)."""
+    kept = kept_share(shape)
+    return (sum(size * (kept if rows else 1.0) for size, rows in all_to_all_payloads(shape, layout, act_bytes))
+            * (layout.ep - 1) / layout.ep)

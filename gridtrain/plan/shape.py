@@ -64,6 +64,9 @@ class ModelShape:
     """The auxiliary balance loss is on (what the router saves)."""
     router_sigmoid: bool = False
     """Sigmoid scores, not softmax (what the auxiliary loss saves)."""
+    capacity_factor: float | None = None
+    """Each expert keeps at most capacity_factor x its even share of a micro-batch's assignments
+    in training (MoEArgs.capacity_factor); None: dropless."""
 
     @property
     def head_dim(self) -> int:
@@ -105,7 +108,8 @@ def from_args(args: ModelArgs) -> ModelShape:
         num_experts=moe.num_experts, top_k=moe.top_k, expert_ffn=moe.expert_ffn_dim,
         num_shared_experts=moe.num_shared_experts, moe_every=moe.every, moe_first_dense=moe.first_dense,
         moe_normalize=moe.normalize_top_k, router_z_loss=moe.z_loss_coef > 0, moe_grouped=moe.grouped_mm,
-        router_aux_loss=moe.balance == "aux_loss" and moe.aux_loss_coef > 0, router_sigmoid=moe.score == "sigmoid")
+        router_aux_loss=moe.balance == "aux_loss" and moe.aux_loss_coef > 0, router_sigmoid=moe.score == "sigmoid",
+        capacity_factor=moe.capacity_factor)
     return ModelShape(hidden=args.dim, num_layers=args.n_layers, num_heads=args.n_heads,
                       num_kv_heads=args.n_kv_heads or args.n_heads, ffn=args.hidden_dim,
                       vocab=args.vocab_size, block="llama", tie_embeddings=args.tie_embeddings,

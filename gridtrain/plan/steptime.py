@@ -45,7 +45,7 @@ from gridtrain.plan.flops import flops_per_token, hardware_flops_per_token
 from gridtrain.plan.layout import Layout
 from gridtrain.plan.memory import (edge_ranks, kv_heads_per_rank, layer_activation_bytes, layers_per_rank,
                                    moe_layers_per_rank, rank_expert_params, rank_params)
-from gridtrain.plan.moe_cost import ep_seconds, moe_ffn_flops_per_token, routing_imbalance
+from gridtrain.plan.moe_cost import busiest_rows, ep_seconds, moe_ffn_flops_per_token
 from gridtrain.plan.pipeline import schedule_bubble, split_cost
 from gridtrain.plan.shape import (ModelShape, attention_params, block_params, matmul_params, moe_block_active_params,
                                   norm_params)
@@ -194,7 +194,8 @@ def layer_cost(shape: ModelShape, cluster: ClusterSpec, eff: Efficiency, seq_len
     cp sends of its fp32 gradient (comm.ring_attention_payloads), less what the attention core hides.
 
     With `moe`, a mixture-of-experts layer: its feed-forward runs whole on every TP rank
-    (moe_cost.moe_ffn_flops_per_token, the routed experts at the imbalance allowance when ep > 1),
+    (moe_cost.moe_ffn_flops_per_token, the routed experts at moe_cost.busiest_rows: the imbalance
+    allowance when ep > 1, capped by a capacity factor),
     so only the attention's 2 all-reduces (3 with full recomputation) cross the tp axis, and under
     sequence parallelism the mixture's own all-gathers: its fp32 input along the sequence forward
     (again where the forward is recomputed) and its output's gradient backward (act_bytes), as
@@ -207,7 +208,7 @@ def layer_cost(shape: ModelShape, cluster: ClusterSpec, eff: Efficiency, seq_len
     tokens = micro_batch * seq_len / cp
     keys = seq_len if span is None else span
     if moe:
-        slow = routing_imbalance(ep, shape.num_experts)
+        slow = busiest_rows(shape, ep)
         hw = (layer_attention_part_flops_per_token(shape, keys, recompute) * tokens / tp
               + moe_ffn_flops_per_token(shape, recompute, slow) * tokens)
     else:

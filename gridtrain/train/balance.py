@@ -24,6 +24,15 @@ def set_loss_scale(parts: list[nn.Module], scale: float) -> None:
             layer.loss_scale = scale
 
 
+def reset_routing(parts: list[nn.Module]) -> None:
+    """Zero the MoE layers' counters of the step's routing (after it is read, or when a step is run
+    again: its first attempt's routing must not count)."""
+    for part in parts:
+        for _, layer in moe_layers(part):
+            for buffer in (layer.tokens_per_expert, layer.dropped, layer.balance_losses):
+                buffer.zero_()
+
+
 def balance_step(parts: list[nn.Module], groups: list[dist.ProcessGroup], shares: int, stepped: bool,
                  n_layers: int, pp_group: dist.ProcessGroup | None = None) -> dict[str, float]:
     """Sum the step's routing over `groups` (data and context parallelism), move the expert biases
@@ -38,6 +47,7 @@ def balance_step(parts: list[nn.Module], groups: list[dist.ProcessGroup], shares
     table = metrics_table(parts, n_layers)
     if layers:
         counts, losses = reduce_routing(layers, groups)
+        reset_routing(parts)
         for (name, layer), row in zip(layers, counts):
             load = row[:-1].double()
             if stepped:
@@ -45,8 +55,6 @@ def balance_step(parts: list[nn.Module], groups: list[dist.ProcessGroup], shares
             i = _layer_index(name)
             table[3 * i:3 * i + 3] = torch.stack([load.max() / load.mean() if load.sum() > 0 else load.sum(),
                                                   row[-1].double(), load.sum()])
-            for buffer in (layer.tokens_per_expert, layer.dropped, layer.balance_losses):
-                buffer.zero_()
         table[-2:] = losses.sum(dim=0).double()
     if pp_group is not None:
         dist.all_reduce(table, group=pp_group)

@@ -35,7 +35,7 @@ from gridtrain.parallel.mesh import build_mesh, group
 from gridtrain.parallel.tensor_parallel import loss_context
 from gridtrain.rundir import OWN, RunRecord, job_id
 from gridtrain.runlock import job_dirs
-from gridtrain.train.balance import balance_step, set_loss_scale
+from gridtrain.train.balance import balance_step, reset_routing, set_loss_scale
 from gridtrain.train.build import Batch, build_data, loss_fn, restart_positions, scalar, with_documents
 from gridtrain.train.calibrate import cpu_peak_flops, peak_flops
 from gridtrain.checkpoint.state import InvalidCheckpointError
@@ -284,6 +284,7 @@ class Trainer:
         if self.ft and not self.ft.commit(self.step + 1):
             for opt in self.optimizers:
                 opt.zero_grad(set_to_none=True)
+            reset_routing(self.pmodel.parts)  # (validate refuses fault tolerance beside MoE today)
             return self.train_step()  # a group died inside the step: the live ones run it again
         account.optimizer_begins(reporting)
         # fp16's scaler skips overflowing steps itself (and lowers the scale): the guard sees the loss.

@@ -59,9 +59,11 @@ def _compared(problem: Problem, constraints: Constraints, chosen: Candidate) -> 
 
     def allowance(spread: int) -> str:
         measured = " or ".join(f"{e} experts at top-{k}" for e, k in imbalance_tables(experts))
+        slow, cap = routing_imbalance(spread, experts), problem.shape.capacity_factor
+        capped = f", capped at {cap:g} by the capacity factor" if cap is not None and cap < slow else ""
         return (f"the busiest of the {spread} expert-parallel ranks is costed at "
-                f"{routing_imbalance(spread, experts):.2f}x the mean rows (moe_cost.ROUTING_IMBALANCE, measured on "
-                f"gridtrain's own runs routing to {measured})")
+                f"{slow:.2f}x the mean rows (moe_cost.ROUTING_IMBALANCE, measured on "
+                f"gridtrain's own runs routing to {measured}){capped}")
 
     if ep > 1:
         other = _best(problem, constraints, [1])
