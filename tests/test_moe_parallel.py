@@ -69,12 +69,16 @@ WORLD4: dict[str, tuple[dict, dict | None]] = {
     "ep2.fsdp4": ({**FSDP4, **EP2}, {**FSDP4, **EP4}),
     "ep2.fsdp4.bias": ({**FSDP4, **EP2, **BIAS}, None),
     "ep2.cp2.fsdp.bias": ({**FSDP2, **CP2, **EP2, **BIAS}, {**DDP4, **EP2}),  # the experts' copies all-reduced
+    "ep2.ddp4.bias": ({**DDP4, **EP2, **BIAS}, {**HSDP4, **EP2}),  # DDP beside EP: 2 whole copies, all-reduced
 }
 WORLD8: dict[str, tuple[dict, dict | None]] = {
     # ep below dp x cp beside tensor parallelism (the experts whole on each TP rank) and beside a
     # pipeline: each stage's experts FSDP-sharded over the 2 data-parallel ranks ep leaves
     "ep2.fsdp4.tp2": ({**FSDP4, **EP2, **TP2}, None),
     "ep2.fsdp4.pp2.1f1b.bias": ({**FSDP4, **EP2, **PP2["1f1b"], **BIAS}, None),
+    # the experts on a 3-D mesh: ep 2 of HSDP 2 x 2 x CP 2, FSDP-sharded over the 2 ranks left of
+    # dp_shard x cp and replicated over dp_replicate's 2 (edp_replicate 2 x edp_shard 2 x ep 2)
+    "ep2.hsdp4.cp2.bias": ({**HSDP4, **CP2, **EP2, **BIAS}, None),
 }
 MODEL_KEYS = ("model.", "train.precision", "train.recompute")
 
