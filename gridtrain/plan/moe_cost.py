@@ -22,23 +22,24 @@ gridtrain's MoE layer (model/moe.py, parallel/expert_parallel.py) on a rank of a
 - the busiest rank sets the pace of every all-to-all and of the experts behind it.
 
 ROUTING_IMBALANCE is the planner's allowance for that: the rows the busiest expert-parallel rank
-receives over the mean, by ep, applied to its routed-expert compute, to the rows it receives and
-to its routed activations (a capacity factor c caps it at c: busiest_rows). It is measured, not guessed (`python bench/bench_moe_load.py`): 300-step
-runs of small-moe's shape balanced by the auxiliary loss (gridtrain's default, and Mixtral's and
-Qwen3's), their validation sequences routed by the final checkpoint and grouped as an ep group's
-micro-batch is, each rank holding E / ep consecutive experts: the busiest rank's rows over the
-mean, averaged over layers and micro-batches (what a step sums, layer after layer), at 1,024
-tokens a rank. It depends on the routing's shape as much as on ep: at ep 8, 8 experts at top-2
-(Mixtral's routing, one expert a rank) measure 1.37, 32 experts at top-8 (four a rank) 1.16, 128
-at top-8 (Qwen3's routing, sixteen a rank) 1.27: 300 steps balance 128 experts worse than 32. So
-there is one table per measured routing, (E, k), and a plan reads the one whose expert count is
-nearest its model's (in log2 E): 8 experts for Mixtral, 128 for Qwen3. These are routers trained
-for 300 steps; one trained far longer may be balanced better, which they cannot show. It is the
-experts' popularity more than sampling noise: at 4,096 tokens a rank the figures move by 0.04 at
-most. Between the measured ep it is interpolated in log2(ep), and beyond the widest held there
-(not measured there). The other balance methods, measured on the 8-expert shape at ep 2, 4, 8:
-the expert bias at rate 0.01 with sigmoid scores (DeepSeek-V3's pairing) 1.06, 1.13, 1.24, with
-softmax scores 1.06, 1.20, 1.39; no balancing 1.63, 2.48, 3.53.
+receives over the mean, by ep, applied to its routed-expert compute, to the rows it receives and to
+its routed activations (a capacity factor c caps it at c: busiest_rows). It is measured, not
+guessed (`python bench/bench_moe_load.py`): 300-step runs of small-moe's shape balanced by the
+auxiliary loss (gridtrain's default, and Mixtral's and Qwen3's), their validation sequences routed
+by the final checkpoint and grouped as an ep group's micro-batch is, each rank holding E / ep
+consecutive experts: the busiest rank's rows over the mean, averaged over layers and micro-batches
+(what a step sums, layer after layer), at 1,024 tokens a rank. It depends on the routing's shape as
+much as on ep: at ep 8, 8 experts at top-2 (Mixtral's routing, one expert a rank) measure 1.37, 32
+experts at top-8 (four a rank) 1.16, 128 at top-8 (Qwen3's routing, sixteen a rank) 1.27: 300 steps
+balance 128 experts worse than 32. So there is one table per measured routing, (E, k), and a plan
+reads the one whose expert count is nearest its model's (in log2 E): 8 experts for Mixtral, 128 for
+Qwen3. These are routers trained for 300 steps; one trained far longer may be balanced better,
+which they cannot show. It is the experts' popularity more than sampling noise: at 4,096 tokens a
+rank the figures move by 0.04 at most. Between the measured ep it is interpolated in log2(ep), and
+beyond the widest held there (not measured there). The other balance methods, measured on the
+8-expert shape at ep 2, 4, 8: the expert bias at rate 0.01 with sigmoid scores (DeepSeek-V3's
+pairing) 1.06, 1.13, 1.24, with softmax scores 1.06, 1.20, 1.39; no balancing 1.63, 2.48, 3.53.
+A plan reads the auxiliary loss's tables whatever the model's balance method (every preset uses it).
 """
 
 from __future__ import annotations
