@@ -29,8 +29,12 @@ def reset_routing(parts: list[nn.Module]) -> None:
     again: its first attempt's routing must not count)."""
     for part in parts:
         for _, layer in moe_layers(part):
-            for buffer in (layer.tokens_per_expert, layer.dropped, layer.balance_losses):
-                buffer.zero_()
+            _zero_counters(layer)
+
+
+def _zero_counters(layer: MoE) -> None:
+    for buffer in (layer.tokens_per_expert, layer.dropped, layer.balance_losses):
+        buffer.zero_()
 
 
 def balance_step(parts: list[nn.Module], groups: list[dist.ProcessGroup], shares: int, stepped: bool,
@@ -47,8 +51,8 @@ def balance_step(parts: list[nn.Module], groups: list[dist.ProcessGroup], shares
     table = metrics_table(parts, n_layers)
     if layers:
         counts, losses = reduce_routing(layers, groups)
-        reset_routing(parts)
         for (name, layer), row in zip(layers, counts):
+            _zero_counters(layer)  # read into counts and losses
             load = row[:-1].double()
             if stepped:
                 _move_bias(layer, load)

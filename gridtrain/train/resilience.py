@@ -199,12 +199,13 @@ def collective_failure(err: BaseException, rank: int, step: int, timeout_s: floa
     timed_out = "timed out" in str(err).lower()
     # A timeout ends every live rank's wait at about the same time: a roll call tells the silent
     # one. A lost connection reaches the ranks one after another: there it would name the slow.
-    # A lost connection often comes from a peer whose own wait just timed out and closed its
-    # sockets: this rank answers, so that the peer's roll call does not name it silent.
     answered = board.roll_call(min(max(3.0, timeout_s / 2), 30.0)) if board and timed_out else None
     steps = board.last_steps() if board else {}
     store_lost = steps is None
-    if board and not timed_out and not store_lost:  # a lost store would hold the answer 5 s more
+    # A lost connection often comes from a peer whose own wait just timed out and closed its
+    # sockets: this rank answers, so that the peer's roll call does not name it silent (unless the
+    # store is lost: the answer would wait 5 s more for it).
+    if board and not timed_out and not store_lost:
         board.answer()
     stalled = {r: s for r, s in (steps or {}).items() if r != rank and (s is None or s < step)}
     silent = sorted(r for r in (steps or {}) if r not in stalled and answered is not None and r not in answered)
