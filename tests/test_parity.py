@@ -14,6 +14,7 @@ import math
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -323,6 +324,44 @@ def test_a_launch_that_dies_is_retried_alone_once_and_says_so(monkeypatch, tmp_p
     assert done[victim]["retried"] == "rank      : 3 (local_rank: 3) exitcode  : -11 (pid: 4242) traceback : Signal 11 (SIGSEGV) received by PID 4242"
     assert launches[1] == [victim]  # alone, before the cases after it
     assert "retried" not in done[cases[2].name]
+
+
+def test_each_launch_runs_while_the_one_before_it_is_judged(monkeypatch, tmp_path):
+    """Judging a launch's cases (their one-process resumptions) keeps one core busy; the next
+    launch runs meanwhile, never beside another launch. Every verdict is recorded, in order."""
+    import threading
+
+    import gridtrain.parity.sweep as sweep
+
+    cases = [c for c in CASES if c.accepted and c.world == 2][:3]
+    started = {c.name: threading.Event() for c in cases}
+    overlapped, running = [], []
+
+    def fake_launch(world, spec, out):
+        running.append(out)
+        assert len(running) == 1, "two launches at once"
+        for name in spec:
+            started[name].set()
+            (out / f"{name}.pp0.pt").touch()
+        time.sleep(0.2)
+        running.remove(out)
+        return subprocess.CompletedProcess([], 0, "", "")
+
+    def fake_verdict(case, result, error, refs):
+        following = cases.index(case) + 1
+        if following < len(cases):  # the next launch starts while this one is judged
+            overlapped.append(started[cases[following].name].wait(timeout=10))
+        return {"name": case.name, "status": "passed", "problems": []}
+
+    monkeypatch.setattr(sweep, "launch", fake_launch)
+    monkeypatch.setattr(sweep, "load_result", lambda out, name: "ran" if (out / f"{name}.pp0.pt").exists() else None)
+    monkeypatch.setattr(sweep, "verdict", fake_verdict)
+    recorded = []
+    run_cases(cases, References(tmp_path, tmp_path, tmp_path), tmp_path / "results.jsonl", chunk=1,
+              on_verdict=lambda rec: recorded.append(rec["name"]))
+
+    assert overlapped == [True, True] and not running
+    assert recorded == [c.name for c in cases]
 
 
 GLOO_READ_ERROR = ("RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
