@@ -364,6 +364,44 @@ def test_each_launch_runs_while_the_one_before_it_is_judged(monkeypatch, tmp_pat
     assert recorded == [c.name for c in cases]
 
 
+def test_an_error_while_judging_kills_the_launch_running_beside(monkeypatch, tmp_path):
+    """torchrun runs in a session of its own, which an error or an interrupt of the sweep does not
+    reach: left alone, the launch running beside the judging would outlive the sweep."""
+    import signal
+
+    import gridtrain.parity.run as run
+    import gridtrain.parity.sweep as sweep
+
+    cases = [c for c in CASES if c.accepted and c.world == 2][:2]
+    beside = []
+
+    def fake_launch(world, spec, out):
+        if cases[1].name in spec:  # the launch that runs while the first is judged
+            proc = subprocess.Popen(["sleep", "60"], start_new_session=True)
+            run._RUNNING.add(proc)
+            beside.append(proc)
+            proc.wait()
+            run._RUNNING.discard(proc)
+        for name in spec:
+            (out / f"{name}.pp0.pt").touch()
+        return subprocess.CompletedProcess([], 0, "", "")
+
+    def failing_verdict(case, result, error, refs):
+        for _ in range(1000):
+            if beside:
+                break
+            time.sleep(0.01)
+        raise ValueError("the judging failed")
+
+    monkeypatch.setattr(sweep, "launch", fake_launch)
+    monkeypatch.setattr(sweep, "load_result", lambda out, name: "ran" if (out / f"{name}.pp0.pt").exists() else None)
+    monkeypatch.setattr(sweep, "verdict", failing_verdict)
+    with pytest.raises(ValueError, match="the judging failed"):
+        run_cases(cases, References(tmp_path, tmp_path, tmp_path), tmp_path / "results.jsonl", chunk=1)
+
+    assert beside and beside[0].wait(timeout=10) == -signal.SIGKILL
+
+
 GLOO_READ_ERROR = ("RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
                    "[127.0.0.1]:62643: Connection reset by peer")
 

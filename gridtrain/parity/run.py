@@ -226,6 +226,18 @@ def forget_case_groups() -> None:
             dist.destroy_process_group(group)
 
 
+_RUNNING: set[subprocess.Popen] = set()
+"""The launches under way in this process (`launch`), for `kill_launches`."""
+
+
+def kill_launches() -> None:
+    """Kill every launch under way in this process, torchrun and the workers it started: each is
+    a session of its own, which an interrupt or an error of this process does not reach."""
+    for proc in list(_RUNNING):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
 def launch(world: int, spec: dict[str, dict[str, object]], out: Path, timeout_s: float = 3600) -> subprocess.CompletedProcess:
     """Run the spec's cases in one torchrun launch of `world` processes, one thread each."""
     out.mkdir(parents=True, exist_ok=True)
@@ -244,12 +256,15 @@ def launch(world: int, spec: dict[str, dict[str, object]], out: Path, timeout_s:
            "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
     with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           start_new_session=True) as proc:
+        _RUNNING.add(proc)
         try:
             stdout, stderr = proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)  # torchrun and every worker it started
             stdout, stderr = proc.communicate()
             return subprocess.CompletedProcess(cmd, 124, stdout, f"{stderr}\nlaunch timed out after {timeout_s:.0f} s")
+        finally:
+            _RUNNING.discard(proc)
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 

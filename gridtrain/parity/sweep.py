@@ -29,7 +29,8 @@ import torch
 
 from gridtrain.parity.compare import deviation, problems, tolerance
 from gridtrain.parity.matrix import GLOBAL_BATCH, STEPS, Case, base_overrides, resume_layout
-from gridtrain.parity.run import LEG, Result, launch, load_result, resume_in_one_process, run_reference
+from gridtrain.parity.run import (LEG, Result, kill_launches, launch, load_result, resume_in_one_process,
+                                  run_reference)
 
 
 SHORT_DOCUMENTS = 30_000
@@ -193,13 +194,16 @@ def run_cases(cases: Iterable[Case], refs: References, results: Path, chunk: int
 
 
 def _overlapped(queues: list[list[Case]], refs: References, record: Callable[[dict], None]) -> None:
-    """Launch each queue in turn, as soon as the one before has ended, and judge that one
-    (`_judge`) while the next runs; what a launch's death left is launched after that, alone.
-    Judging a case wider than RESUME_MAX_WORLD resumes its checkpoint in this process: 59 s for a
-    launch of 72 eight-rank MoE cases, time a sweep once added to each such launch (7 to 9 minutes)."""
+    """Launch each queue in turn and judge the one before it (`_judge`) while it runs: launch N + 1
+    starts once launch N has ended and launch N - 1 has been judged. What a launch's death left
+    (its culprit alone, then the cases after it) is launched after it and judged without overlap.
+    Judging a case that resumes in one process (every case wider than RESUME_MAX_WORLD, and
+    narrower ones that draw it) resumes its checkpoint here: 59 s for a launch of 72 eight-rank MoE
+    cases, time a sweep once added to each such launch (7 to 9 minutes). An error or an interrupt
+    kills the running launch."""
     ended: tuple[list[Case], Path, subprocess.CompletedProcess] | None = None
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # judging 12 such cases: 7.0 to 8.9 s of CPU, 9.1 to 9.8 s with two threads
+    torch.set_num_threads(1)  # beside a launch: judging 12 such cases took 7.0 to 8.9 s of CPU, 9.1 to 9.8 s with 2
     try:
         for queue in [*queues, None]:
             running = None
@@ -212,13 +216,16 @@ def _overlapped(queues: list[list[Case]], refs: References, record: Callable[[di
             ended = None if running is None else (running[0], running[1], running[2].result())
             for again in left:
                 _run_launch(again, refs, record, retried)
+    except BaseException:
+        kill_launches()  # else it would outlive this process, beside the launches of a resumed sweep
+        raise
     finally:
         torch.set_num_threads(threads)
 
 
 class _Background:
     """A call run in a daemon thread (a launch waits on its processes, without the GIL); `result`
-    waits for it. A daemon, so that an interrupted sweep exits without waiting for the launch."""
+    waits for it. A daemon, so that an interrupted sweep does not wait for it (`kill_launches`)."""
 
     def __init__(self, fn: Callable, *args: object) -> None:
         self._outcome: tuple[bool, object] = (False, None)
