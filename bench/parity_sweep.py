@@ -79,7 +79,7 @@ def main() -> None:
         mark = "" if rec["status"] == "passed" else f"  {rec['status'].upper()}: {rec['problems'][:2]}"
         print(f"[{count[0]}/{runnable} {time.time() - start:6.0f} s] {rec['name']}{mark}", flush=True)
 
-    verdicts = run_cases(cases, refs, args.results, args.chunk, progress)
+    verdicts = run_cases(cases, refs, args.results, args.chunk, progress, overlap=True)
     verdicts = {c.name: verdicts[c.name] for c in cases}
     print(report(verdicts))
 

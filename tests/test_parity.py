@@ -358,7 +358,7 @@ def test_each_launch_runs_while_the_one_before_it_is_judged(monkeypatch, tmp_pat
     monkeypatch.setattr(sweep, "verdict", fake_verdict)
     recorded = []
     run_cases(cases, References(tmp_path, tmp_path, tmp_path), tmp_path / "results.jsonl", chunk=1,
-              on_verdict=lambda rec: recorded.append(rec["name"]))
+              on_verdict=lambda rec: recorded.append(rec["name"]), overlap=True)
 
     assert overlapped == [True, True] and not running
     assert recorded == [c.name for c in cases]
@@ -397,7 +397,7 @@ def test_an_error_while_judging_kills_the_launch_running_beside(monkeypatch, tmp
     monkeypatch.setattr(sweep, "load_result", lambda out, name: "ran" if (out / f"{name}.pp0.pt").exists() else None)
     monkeypatch.setattr(sweep, "verdict", failing_verdict)
     with pytest.raises(ValueError, match="the judging failed"):
-        run_cases(cases, References(tmp_path, tmp_path, tmp_path), tmp_path / "results.jsonl", chunk=1)
+        run_cases(cases, References(tmp_path, tmp_path, tmp_path), tmp_path / "results.jsonl", chunk=1, overlap=True)
 
     assert beside and beside[0].wait(timeout=10) == -signal.SIGKILL
 

@@ -1,8 +1,8 @@
 """Run cases of the parity matrix against one process and record each verdict.
 
-Cases of one world size share torchrun launches (`chunk` at a time), each run while the comparing
-process judges the one before it (`_overlapped`). Each verdict is one line of a JSON-lines file,
-written as soon as it is known, so an interrupted sweep resumes where it stopped: 'passed' or
+Cases of one world size share torchrun launches (`chunk` at a time); the sweep runs each while the
+comparing process judges the one before it (`_overlapped`). Each verdict is one line of a JSON-lines
+file, written as soon as it is known, so an interrupted sweep resumes where it stopped: 'passed' or
 'failed' (with the problems and the largest deviations), 'crashed' (with the error), or 'refused'
 (validate's reason; never run). A case whose launch died without an error of its own, or whose error
 is a peer's death seen through gloo (a read error, a reset or closed connection, a timeout), is run
@@ -169,10 +169,10 @@ def read_results(path: Path) -> dict[str, dict]:
 
 
 def run_cases(cases: Iterable[Case], refs: References, results: Path, chunk: int = 24,
-              on_verdict: Callable[[dict], None] = lambda rec: None) -> dict[str, dict]:
+              on_verdict: Callable[[dict], None] = lambda rec: None, overlap: bool = False) -> dict[str, dict]:
     """Run every accepted case not yet in `results` (and record the refused ones); returns all
-    verdicts by name. Each launch runs while the comparing process judges the one before it
-    (`_overlapped`)."""
+    verdicts by name. With `overlap`, each launch runs while this process judges the one before it
+    (`_overlapped`: the sweep's); else one after another, as CI's subset runs."""
     cases = list(cases)
     done = read_results(results)
     with open(results, "a") as f:
@@ -188,8 +188,11 @@ def run_cases(cases: Iterable[Case], refs: References, results: Path, chunk: int
                         "problems": [case.refused]})
         todo = [c for c in cases if c.accepted and c.name not in done]
         groups = [[c for c in todo if c.world == world] for world in sorted({c.world for c in todo})]
-        _overlapped([group[start:start + chunk] for group in groups for start in range(0, len(group), chunk)],
-                    refs, record)
+        queues = [group[start:start + chunk] for group in groups for start in range(0, len(group), chunk)]
+        if overlap:
+            _overlapped(queues, refs, record)
+        for queue in [] if overlap else queues:
+            _run_launch(queue, refs, record, {})
     return done
 
 
