@@ -21,7 +21,7 @@ import string
 import shutil
 import subprocess
 import tempfile
-import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -191,8 +191,9 @@ def run_cases(cases: Iterable[Case], refs: References, results: Path, chunk: int
         queues = [group[start:start + chunk] for group in groups for start in range(0, len(group), chunk)]
         if overlap:
             _overlapped(queues, refs, record)
-        for queue in [] if overlap else queues:
-            _run_launch(queue, refs, record, {})
+        else:
+            for queue in queues:
+                _run_launch(queue, refs, record, {})
     return done
 
 
@@ -207,13 +208,14 @@ def _overlapped(queues: list[list[Case]], refs: References, record: Callable[[di
     ended: tuple[list[Case], Path, subprocess.CompletedProcess] | None = None
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # beside a launch: judging 12 such cases took 7.0 to 8.9 s of CPU, 9.1 to 9.8 s with 2
+    pool = ThreadPoolExecutor(max_workers=1)  # a launch waits on its processes without the GIL
     try:
         for queue in [*queues, None]:
             running = None
             if queue is not None:
                 out = Path(tempfile.mkdtemp(prefix=f"world{queue[0].world}-", dir=refs.work))
                 spec = {c.name: case_overrides(c, refs) for c in queue}
-                running = (queue, out, _Background(launch, queue[0].world, spec, out))
+                running = (queue, out, pool.submit(launch, queue[0].world, spec, out))
             retried: dict[str, str] = {}
             left = [] if ended is None else _judge(*ended, refs, record, retried)
             ended = None if running is None else (running[0], running[1], running[2].result())
@@ -223,30 +225,8 @@ def _overlapped(queues: list[list[Case]], refs: References, record: Callable[[di
         kill_launches()  # else it would outlive this process, beside the launches of a resumed sweep
         raise
     finally:
+        pool.shutdown(wait=False)
         torch.set_num_threads(threads)
-
-
-class _Background:
-    """A call run in a daemon thread (a launch waits on its processes, without the GIL); `result`
-    waits for it. A daemon, so that an interrupted sweep does not wait for it (`kill_launches`)."""
-
-    def __init__(self, fn: Callable, *args: object) -> None:
-        self._outcome: tuple[bool, object] = (False, None)
-        self._thread = threading.Thread(target=self._run, args=(fn, args), daemon=True)
-        self._thread.start()
-
-    def _run(self, fn: Callable, args: tuple) -> None:
-        try:
-            self._outcome = (True, fn(*args))
-        except BaseException as error:  # noqa: BLE001 - raised again in the caller's thread
-            self._outcome = (False, error)
-
-    def result(self) -> object:
-        self._thread.join()
-        ok, value = self._outcome
-        if not ok:
-            raise value  # type: ignore[misc]
-        return value
 
 
 PEER_DIED = re.compile(r"Read error|Connection reset|Connection closed by peer|[Tt]imed out")
