@@ -18,8 +18,38 @@ from gridtrain.plan.machine import machine_key
 from gridtrain.train import calibrate as hardware
 from gridtrain.train.calibrate import CALIBRATION_DTYPES
 from launches import Launches
+from workers import ALONE, Turns, assign_groups, group_of, starts_processes
 
 FAKE_PEAK_FLOPS = 1.0e11
+TURNS = pytest.StashKey[Turns]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker (tests/workers.py)
+        config.stash[TURNS] = Turns(config.workerinput["testrunuid"])
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if TURNS in config.stash:
+        assign_groups(items)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):  # noqa: ANN201 - a hook wrapper
+    """Under xdist, an `alone` test runs while no other worker's `dist` test does (tests/workers.py)."""
+    turns = item.config.stash.get(TURNS, None)
+    if turns is None or (group_of(item) != ALONE and not starts_processes(item)):
+        return (yield)
+    if group_of(item) != ALONE:
+        with turns.shared():
+            return (yield)
+    turns.enter_alone()
+    try:
+        return (yield)
+    finally:
+        if nextitem is None or group_of(nextitem) != ALONE:
+            turns.leave_alone()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -284,6 +284,7 @@ PLAN = json.dumps({"model": "llama3-8b", "num_gpus": 16})
 """A plan request whose search takes about 0.15 s on one core."""
 
 
+@pytest.mark.alone  # GETs under a second, searches within 3 s (tests/workers.py)
 def test_50_plan_requests_at_once_are_all_answered_and_gets_meanwhile_are_quick(server, monkeypatch):
     # The 50 searches are about 7 s of CPU in all: computed all at once, many ran out of a 3 s
     # budget and a GET waited seconds; queued, each search's budget starts when it does.

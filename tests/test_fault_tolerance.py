@@ -23,7 +23,7 @@ import torch
 
 from test_multinode import free_port, records
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.alone]  # torchft's heartbeats every second (tests/workers.py)
 
 ROOT = Path(__file__).resolve().parents[1]
 

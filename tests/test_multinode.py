@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.alone]  # rendezvous keep-alives every 2 s (tests/workers.py)
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, KILL_AFTER, AGENT_KILLED_AFTER, NODE_LOST_AFTER = 30, 5, 10, 18

@@ -111,6 +111,7 @@ def test_fsdp4_checkpoint_continues_under_tp2_dp2_and_one_process(tmp_path, corp
         assert trainer.train_step()["loss/train"] == pytest.approx(reference[step], rel=1e-5), step
 
 
+@pytest.mark.alone  # a healthy collective must never take 5 s (tests/workers.py)
 def test_stalled_rank_ends_the_run_within_the_timeout(tmp_path, corpus_dir):
     """Rank 1 stops responding at step 3; rank 0 gives up after train.collective_timeout_s (5 s),
     names rank 1, the collective and the step, and writes its last collectives; torchrun then
@@ -200,6 +201,7 @@ def _descendant_with_rank(pid: int, rank: int) -> int | None:
     return None
 
 
+@pytest.mark.alone  # the same 5 s, and named within 18 s (tests/workers.py)
 def test_a_straggler_is_named_then_a_stopped_rank_within_the_timeout(tmp_path, corpus_dir):
     """Four processes (FSDP 4). Rank 2 computes at half speed (fault.slow_rank): after two windows
     of 3 steps the log names it as a straggler. Rank 3 is then stopped with SIGSTOP (alive, its
