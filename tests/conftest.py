@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
+import uuid
 from pathlib import Path
 from typing import Any, Callable
 
@@ -18,21 +20,40 @@ from gridtrain.plan.machine import machine_key
 from gridtrain.train import calibrate as hardware
 from gridtrain.train.calibrate import CALIBRATION_DTYPES
 from launches import Launches
-from workers import ALONE, Turns, assign_groups, group_of, starts_processes
+from workers import ALONE, Turns, assign_groups, group_of, make_scheduler, run_folder, starts_processes
 
 FAKE_PEAK_FLOPS = 1.0e11
 TURNS = pytest.StashKey[Turns]()
+FOLDER = pytest.StashKey[Path]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    if hasattr(config, "workerinput"):  # a pytest-xdist worker (tests/workers.py)
-        config.stash[TURNS] = Turns(config.workerinput["testrunuid"])
+    """Under pytest-xdist (tests/workers.py), the run's folder: the workers' run id, which the
+    controller sets so that its scheduler finds the groups they write."""
+    if hasattr(config, "workerinput"):
+        config.stash[FOLDER] = run_folder(config.workerinput["testrunuid"])
+        config.stash[TURNS] = Turns(config.stash[FOLDER])
+    elif config.getoption("numprocesses", None):
+        config.option.testrunuid = config.option.testrunuid or uuid.uuid4().hex
+        config.stash[FOLDER] = run_folder(config.option.testrunuid)
+        config.stash[FOLDER].mkdir(exist_ok=True)
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if FOLDER in config.stash and not hasattr(config, "workerinput"):
+        shutil.rmtree(config.stash[FOLDER], ignore_errors=True)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    if config.getvalue("dist") != "load" or FOLDER not in config.stash:  # -n 2 alone: --dist load
+        return None  # what was asked for (xdist's own)
+    return make_scheduler(config, log, config.stash[FOLDER])
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if TURNS in config.stash:
-        assign_groups(items)
+        assign_groups(items, config.stash[FOLDER])
 
 
 @pytest.hookimpl(wrapper=True)
@@ -47,9 +68,15 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):  #
     turns.enter_alone()
     try:
         return (yield)
-    finally:
-        if nextitem is None or group_of(nextitem) != ALONE:
+    finally:  # after the group, or where the session stops early (-x): the other worker waits on it
+        if nextitem is None or group_of(nextitem) != ALONE or item.session.shouldfail or item.session.shouldstop:
             turns.leave_alone()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    turns = session.config.stash.get(TURNS, None)
+    if turns is not None:
+        turns.leave_alone()
 
 
 @pytest.fixture(scope="session", autouse=True)

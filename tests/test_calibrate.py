@@ -17,6 +17,7 @@ from gridtrain.train import calibrate as hardware
 REAL_CALIBRATE = hardware.calibrate
 
 
+@pytest.mark.alone  # a busy process on every core (tests/workers.py)
 def test_a_calibration_beside_busy_processes_is_not_cached_and_says_so(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("GRIDTRAIN_CACHE", str(tmp_path))
     cores = os.cpu_count() or 1

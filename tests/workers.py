@@ -5,20 +5,20 @@ Most of the suite's time is multi-process launches that keep one to two cores bu
 single-process tests that keep one: run one after another on 2 cores, a quarter of the machine
 idled. Two workers fill it. Three rules keep that sound:
 
-- **Groups.** Every test runs in an xdist group (`--dist loadgroup`, pyproject.toml): the tests
-  that read the shared launches (tests/launches.py) in one, so that one worker launches each
-  world size once, and every other test in its module's, so that a module-scoped fixture is built
-  once.
+- **Groups.** A worker takes a whole group at a time (`GroupScheduling`): the tests that read the
+  shared launches (tests/launches.py) are one group, so that one worker launches each world size
+  once; the `alone` tests are another; every other test is in its module's group, so that a
+  module-scoped fixture is built once.
 - **Alone.** A test marked `alone` holds wall-clock time to a bound (a collective timeout of 5 s
   that must catch a stalled rank and no healthy one, heartbeats every second, a GET under a
-  second): another worker's launch of 16 processes would make it fail for no fault of the code.
-  While the `alone` group runs, the other worker runs no `dist` test (one that starts
-  processes), only single-process ones: a readers-writer lock on a file, which every `dist` test
-  holds shared and the `alone` group exclusive, with a turnstile that keeps the group from
-  starving.
+  second) or loads every core itself: another worker's launch of 16 processes would make it fail
+  for no fault of the code. While the `alone` group runs, the other worker runs no `dist` test
+  (one that starts processes), only single-process ones: a readers-writer lock on a file, which
+  every `dist` test holds shared and the `alone` group exclusive, with a turnstile that keeps the
+  group from starving.
 - **Order.** The `alone` group is queued first and the single-process groups next, so that the
   other worker has them to run meanwhile; then the two longest groups, so that neither is the
-  last thing running; then the other `dist` groups as collected (`--no-loadscope-reorder`).
+  last thing running; then the other `dist` groups as collected.
 
 Without xdist (plain `pytest`) none of this applies: the tests run one after another as
 collected.
@@ -28,15 +28,21 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
+import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _pytest.nodeid import NodeId
 
 ALONE = "alone"
 LONGEST = ("launches", "test_parity")
+
+
+def run_folder(run_id: str) -> Path:
+    """Where a test run's workers and its controller meet: the groups and the lock files."""
+    return Path(tempfile.gettempdir()) / f"gridtrain-tests-{run_id}"
 
 
 def group_of(item: pytest.Item) -> str:
@@ -51,14 +57,10 @@ def starts_processes(item: pytest.Item) -> bool:
     return item.get_closest_marker("dist") is not None or "launches" in item.fixturenames
 
 
-def assign_groups(items: list[pytest.Item]) -> None:
-    """Put each item in its xdist group and queue the groups in the module docstring's order (a
-    stable sort: within a rank, the collection's order, which every worker shares).
-
-    `--dist loadgroup` reads an item's group from its node id, "NODEID@GROUP". xdist 3.8 writes
-    that id to `item._nodeid` (from the `xdist_group` mark), where pytest 9 no longer reads it
-    (node ids are `NodeId`s in `item._id`), so the groups were silently ignored and each test
-    went to whichever worker was free: written here where pytest 9 reads it."""
+def assign_groups(items: list[pytest.Item], folder: Path) -> None:
+    """Queue the items in the order of the module docstring (a stable sort: within a rank, the
+    collection's order, which every worker shares), and write each one's group for the
+    controller's `GroupScheduling` (every worker writes the same)."""
     groups = {item: group_of(item) for item in items}
     with_processes = {groups[item] for item in items if starts_processes(item)}
 
@@ -71,8 +73,28 @@ def assign_groups(items: list[pytest.Item]) -> None:
         return 2 + LONGEST.index(group) if group in LONGEST else 2 + len(LONGEST)
 
     items.sort(key=rank)
-    for item in items:
-        item._id = NodeId.parse(f"{item.nodeid}@{groups[item]}")
+    written = folder / f"groups.{os.getpid()}.json"
+    written.write_text(json.dumps({item.nodeid: groups[item] for item in items}))
+    os.replace(written, folder / "groups.json")
+
+
+def make_scheduler(config: pytest.Config, log: object, folder: Path) -> object:
+    """xdist's scheduling by scope (a worker takes a whole scope, the scopes queued in collection
+    order), with each test's group as its scope. (xdist's own `--dist loadgroup` reads a group
+    from a node id that pytest 9 no longer lets it change, and changing it ourselves leaks
+    "@GROUP" into every reported id.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        groups: dict[str, str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self.groups is None:  # read once every worker has collected (and written them)
+                self.groups = json.loads((folder / "groups.json").read_text())
+            return self.groups[nodeid]
+
+    config.option.loadscopereorder = False  # keep assign_groups' order, not the largest first
+    return GroupScheduling(config, log)
 
 
 class Turns:
@@ -80,9 +102,8 @@ class Turns:
     `alone` held from the first `alone` test to the last. fcntl locks are released when the process
     holding them dies, so a crashed worker blocks no other."""
 
-    def __init__(self, run_id: str) -> None:
-        self.folder = Path(tempfile.gettempdir()) / f"gridtrain-tests-{run_id}"
-        self.folder.mkdir(exist_ok=True)
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
         self._alone: contextlib.ExitStack | None = None
 
     @contextlib.contextmanager
