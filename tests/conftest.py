@@ -32,8 +32,9 @@ def pytest_configure(config: pytest.Config) -> None:
     controller sets so that its scheduler finds the groups they write."""
     if hasattr(config, "workerinput"):
         config.stash[FOLDER] = run_folder(config.workerinput["testrunuid"])
+        config.stash[FOLDER].mkdir(exist_ok=True)
         config.stash[TURNS] = Turns(config.stash[FOLDER])
-    elif config.getoption("numprocesses", None):
+    elif config.getoption("dist", "no") != "no" and config.getoption("tx", None):  # -n N, or --tx
         config.option.testrunuid = config.option.testrunuid or uuid.uuid4().hex
         config.stash[FOLDER] = run_folder(config.option.testrunuid)
         config.stash[FOLDER].mkdir(exist_ok=True)

@@ -54,7 +54,8 @@ def group_of(item: pytest.Item) -> str:
 
 
 def starts_processes(item: pytest.Item) -> bool:
-    return item.get_closest_marker("dist") is not None or "launches" in item.fixturenames
+    """A `dist` test, one reading the shared launches, or one driving Chromium (its processes)."""
+    return item.get_closest_marker("dist") is not None or not {"launches", "browser"}.isdisjoint(item.fixturenames)
 
 
 def assign_groups(items: list[pytest.Item], folder: Path) -> None:
@@ -62,6 +63,8 @@ def assign_groups(items: list[pytest.Item], folder: Path) -> None:
     collection's order, which every worker shares), and write each one's group for the
     controller's `GroupScheduling` (every worker writes the same)."""
     groups = {item: group_of(item) for item in items}
+    assert not any(groups[item] == ALONE and "launches" in item.fixturenames for item in items), \
+        "an `alone` test reads the shared launches: its worker would launch them a second time"
     with_processes = {groups[item] for item in items if starts_processes(item)}
 
     def rank(item: pytest.Item) -> int:
@@ -91,7 +94,7 @@ def make_scheduler(config: pytest.Config, log: object, folder: Path) -> object:
         def _split_scope(self, nodeid: str) -> str:
             if self.groups is None:  # read once every worker has collected (and written them)
                 self.groups = json.loads((folder / "groups.json").read_text())
-            return self.groups[nodeid]
+            return self.groups.get(nodeid, nodeid.rsplit("::", 1)[0])  # else its module's, as xdist's
 
     config.option.loadscopereorder = False  # keep assign_groups' order, not the largest first
     return GroupScheduling(config, log)
