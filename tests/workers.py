@@ -102,8 +102,8 @@ def make_scheduler(config: pytest.Config, log: object, folder: Path) -> object:
 
 class Turns:
     """The readers-writer lock between a test run's workers: `shared` for every `dist` test,
-    `alone` held from the first `alone` test to the last. fcntl locks are released when the process
-    holding them dies, so a crashed worker blocks no other."""
+    `alone` held from the first `alone` test to the last. An flock is released when the process
+    holding it dies, so a crashed worker blocks no other."""
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
