@@ -256,22 +256,30 @@ def test_a_lost_store_is_named_as_such_not_as_peers_behind(tmp_path, monkeypatch
     assert json.loads((tmp_path / "failures" / "rank1.json").read_text())["ranks_last_step"] is None
 
 
+def _boards_at_step_7(host, world: int) -> list:
+    """`world` ranks' progress boards on `host`'s store, each having started step 7."""
+    import datetime
+
+    from gridtrain.train.resilience import ProgressBoard
+
+    boards = []
+    for rank in range(world):
+        board = ProgressBoard.__new__(ProgressBoard)
+        board.rank, board.world_size = rank, world
+        board.store = dist.TCPStore("127.0.0.1", host.port, 1, is_master=False, timeout=datetime.timedelta(seconds=5))
+        board.post(7)
+        boards.append(board)
+    return boards
+
+
 def test_a_rank_whose_peer_dropped_the_connection_is_not_named_silent(tmp_path):
     """Rank 0 stopped inside step 7; rank 2's wait timed out first and closed its sockets, so rank
     1 saw "Connection closed by peer" and failed at once. Rank 1 answers the roll call without
     waiting for it: rank 2's roll call names rank 0 alone (it named rank 1 first, before)."""
-    import datetime
-
-    from gridtrain.train.resilience import ProgressBoard, collective_failure
+    from gridtrain.train.resilience import collective_failure
 
     host = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
-    boards = []
-    for rank in range(3):
-        board = ProgressBoard.__new__(ProgressBoard)
-        board.rank, board.world_size = rank, 3
-        board.store = dist.TCPStore("127.0.0.1", host.port, 1, is_master=False, timeout=datetime.timedelta(seconds=5))
-        board.post(7)
-        boards.append(board)
+    boards = _boards_at_step_7(host, 3)
     dropped = collective_failure(RuntimeError("Connection closed by peer [127.0.0.1]:1234"), 1, 7, 5.0, boards[1],
                                  None, tmp_path, "at step 7")
     assert "rank 1 lost a peer in a collective at step 7" in str(dropped)
@@ -280,6 +288,39 @@ def test_a_rank_whose_peer_dropped_the_connection_is_not_named_silent(tmp_path):
     assert "gave up on a collective at step 7 after 5 s (train.collective_timeout_s): rank 0 started step 7 but " \
            "went silent inside it" in waited, waited
     assert "rank 1" not in waited.split("Cause")[0], waited
+
+
+def test_a_late_rank_is_heard_and_rank_0_keeps_the_store_until_it_has_read(tmp_path, monkeypatch):
+    """Rank 3 stopped inside step 7; the others' waits time out one after another (a straggler
+    enters the collective late): rank 1 1.6 s after rank 0, rank 2 1.6 s after rank 1, past the
+    3 s roll call of rank 0. Rank 0 still hears rank 2 (the roll call waits 3 s after the last
+    answer), names rank 3 alone, and returns (its process, the store's host, exits) only once
+    ranks 1 and 2 have read the board: neither says the store no longer answers."""
+    import threading
+
+    from gridtrain.train.resilience import collective_failure
+
+    host = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(host.port))
+    boards = _boards_at_step_7(host, 4)
+    said: dict[int, str] = {}
+
+    def fail(rank: int) -> None:
+        time.sleep(1.6 * rank)
+        said[rank] = str(collective_failure(RuntimeError("Timed out waiting 5000ms for recv"), rank, 7, 5.0,
+                                            boards[rank], None, tmp_path, "at step 7"))
+
+    late = [threading.Thread(target=fail, args=(rank,)) for rank in (1, 2)]
+    for thread in late:
+        thread.start()
+    fail(0)
+    del host  # rank 0's process leaves, and the store with it
+    for thread in late:
+        thread.join()
+    for rank in range(3):
+        assert ": rank 3 started step 7 but went silent inside it" in said[rank], said[rank]
+        assert "no longer answers" not in said[rank] and "rank 2 started" not in said[rank], said[rank]
 
 
 def test_a_straggler_is_the_slowest_rank_in_two_windows_in_a_row(caplog):

@@ -140,6 +140,7 @@ class ProgressBoard:
 
     PREFIX = "gridtrain/progress/"
     FAILED = "gridtrain/failed/"
+    READ = "gridtrain/read/"
 
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank, self.world_size = rank, world_size
@@ -158,6 +159,7 @@ class ProgressBoard:
             posted = [r for r, key in enumerate(keys) if self.store.check([key])]
             for r, value in zip(posted, self.store.multi_get([keys[r] for r in posted])):
                 steps[r] = int(value)
+            self.store.set(f"{self.READ}{self.rank}", "1")  # what rank 0 waits for before it leaves
         except Exception:  # a store that cannot be reached (or answers garbage) tells nothing of the peers
             return None
         return steps
@@ -170,20 +172,37 @@ class ProgressBoard:
             self.store.set(f"{self.FAILED}{self.rank}", "1")
 
     def roll_call(self, wait_s: float) -> set[int] | None:
-        """Answer the failure roll call, and the ranks that answered within `wait_s` (every live
-        rank's collective fails within about the same time); None if the store does not answer."""
+        """Answer the failure roll call, and the ranks that answered until every rank had, or
+        `wait_s` passed without a new answer (a live rank that entered the collective late, such
+        as a straggler, times out as late: it is still heard); None if the store does not answer."""
         keys = [f"{self.FAILED}{r}" for r in range(self.world_size)]
         try:
             self.store.set_timeout(datetime.timedelta(seconds=5))
             self.store.set(keys[self.rank], "1")
+            answered: set[int] = set()
             deadline = time.monotonic() + wait_s
             while True:
-                answered = {r for r, key in enumerate(keys) if self.store.check([key])}
+                now = {r for r, key in enumerate(keys) if self.store.check([key])}
+                if now - answered:
+                    answered, deadline = now, time.monotonic() + wait_s
                 if len(answered) == self.world_size or time.monotonic() > deadline:
                     return answered
                 time.sleep(0.2)
         except Exception:  # the store's host is gone: last_steps says so
             return None
+
+    def linger(self, wait_s: float) -> None:
+        """Stay until every rank that answered the roll call has read the board (at most `wait_s`):
+        `gridtrain train --nproc` runs without torchrun's agent store, so rank 0's process hosts
+        the store, and its exit would cut short the diagnosis of a peer that timed out later."""
+        deadline = time.monotonic() + wait_s
+        with contextlib.suppress(Exception):
+            while time.monotonic() < deadline:
+                pending = [r for r in range(self.world_size)
+                           if self.store.check([f"{self.FAILED}{r}"]) and not self.store.check([f"{self.READ}{r}"])]
+                if not pending:
+                    return
+                time.sleep(0.05)
 
 
 def store_address() -> str:
@@ -197,9 +216,11 @@ def collective_failure(err: BaseException, rank: int, step: int, timeout_s: floa
     `step` is the last step any rank may have started, `doing` what this rank was at."""
     records = comm_log.last(20) if comm_log else []
     timed_out = "timed out" in str(err).lower()
-    # A timeout ends every live rank's wait at about the same time: a roll call tells the silent
-    # one. A lost connection reaches the ranks one after another: there it would name the slow.
-    answered = board.roll_call(min(max(3.0, timeout_s / 2), 30.0)) if board and timed_out else None
+    # A timeout ends every live rank's wait within about a step's imbalance of the others: a roll
+    # call tells the silent one. A lost connection reaches the ranks one after another: there it
+    # would name the slow.
+    wait_s = min(max(3.0, timeout_s / 2), 30.0)
+    answered = board.roll_call(wait_s) if board and timed_out else None
     steps = board.last_steps() if board else {}
     store_lost = steps is None
     # A lost connection often comes from a peer whose own wait just timed out and closed its
@@ -227,6 +248,8 @@ def collective_failure(err: BaseException, rank: int, step: int, timeout_s: floa
         who = (f"the job's store at {store_address()} no longer answers: its host (rank 0's process, or node 0's "
                "torchrun agent) is gone or stopped; without node 0's agent no node can restart the job: start "
                "it again with --resume")
+    if board and rank == 0 and not store_lost:
+        board.linger(wait_s)
     how = (f"gave up on {what} {doing} after {timeout_s:g} s (train.collective_timeout_s)" if timed_out
            else f"lost a peer in {what} {doing}")
     return CollectiveTimeout(
