@@ -1,7 +1,7 @@
 """gridtrain data prepare: parquet, .jsonl.zst and save_to_disk corpora prepared and trained on; the
 manifest against the tokenizer run by hand; workers give the same shards; an interrupted prepare
-serves nothing and continues where it stopped; a 128K-vocabulary Llama 3 style tokenizer.json; the
-closing summary and `data stats`."""
+serves nothing and continues where it stopped; a second job waits for the prepare that runs; a
+128K-vocabulary Llama 3 style tokenizer.json; the closing summary and `data stats`."""
 
 from __future__ import annotations
 
@@ -122,6 +122,39 @@ def test_an_interrupted_prepare_serves_nothing_and_continues(tmp_path, corpora, 
     assert index == reference  # the same shards, checksums and counts
     assert resumed.seen == 301 - progress["docs"]  # the records before the progress point were not encoded again
     assert not partial.exists()
+
+
+def test_a_second_job_waits_for_the_prepare_that_runs_and_uses_its_result(tmp_path, corpora):
+    """Two jobs on one cache (torchft's replica groups start together): the second one's rank 0
+    found the first's prepare running and stopped with "another prepare is writing". It waits now:
+    for the first to publish (it uses that result), or to die (it continues the prepare itself)."""
+    import fcntl
+    import os
+    import threading
+
+    from gridtrain.data.prepare import LOCK_FILE
+    from gridtrain.data.shards import ensure_prepared
+
+    reference = load_index(prepare(corpora["zst"], ByteTokenizer(), tmp_path / "ref", val_fraction=0.1, column="content"))
+    for ending in ("publishes", "dies"):
+        cache = tmp_path / ending
+        first = ensure_prepared(corpora["zst"], "byte", cache, val_fraction=0.1, column="content")  # its name
+        work = cache / f".{first.name}.partial"
+        first.rename(work)  # as if the other job were still writing it
+        held = os.open(work / LOCK_FILE, os.O_RDWR | os.O_CREAT)
+        fcntl.flock(held, fcntl.LOCK_EX)
+        got = []
+        second = threading.Thread(target=lambda: got.append(ensure_prepared(corpora["zst"], "byte", cache,
+                                                                            0.1, column="content")))
+        second.start()
+        second.join(timeout=1.0)
+        assert second.is_alive() and not got  # waiting, not refused
+        if ending == "publishes":
+            (work / LOCK_FILE).unlink()
+            work.rename(first)
+        os.close(held)
+        second.join(timeout=60)
+        assert got == [first] and load_index(first) == reference and not work.exists()
 
 
 def llama3_style_tokenizer_json(path):

@@ -141,14 +141,33 @@ def prepare(source: str | Path, tokenizer: Tokenizer, out_dir: Path, val_fractio
     return out_dir
 
 
+class PrepareBusy(ExistingOutput):
+    """Another process prepares the same output now (it holds `lock`)."""
+
+    def __init__(self, work: Path) -> None:
+        super().__init__(f"another prepare is writing {work} now: wait for it to finish "
+                         "(it moves the result into place)")
+        self.lock = work / LOCK_FILE
+
+    def wait(self) -> None:
+        """Until that process has finished or stopped (it unlinks the lock when it publishes)."""
+        try:
+            fd = os.open(self.lock, os.O_RDONLY)
+        except FileNotFoundError:
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+        finally:
+            os.close(fd)
+
+
 def _lock(work: Path) -> int:
     fd = os.open(work / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        raise ExistingOutput(f"another prepare is writing {work} now: wait for it to finish "
-                             "(it moves the result into place)") from None
+        raise PrepareBusy(work) from None
     return fd
 
 

@@ -154,9 +154,12 @@ def ensure_prepared(source: str | Path | None, tokenizer_spec: str, cache_dir: P
     prepared directory is returned as is. The cache key covers the absolute source path, the
     tokenizer spec (and the tokenizer file's content when the spec is a path), val_fraction,
     seed, the text column and the format version; a change to the corpus's files is not detected.
-    Call it on one process and let the others wait (a barrier): a second prepare of the same key
-    while one runs is refused (an interrupted one is continued).
+    Call it on one process and let the others wait (a barrier). Another job that prepares the same
+    key now (a second replica group, a second job on the same cache) is waited for, and its result
+    used; an interrupted prepare is continued.
     """
+    from gridtrain.data.prepare import PrepareBusy
+
     src = Path(source).resolve() if source is not None else default_corpus()
     if (src / INDEX_FILE).is_file():
         return src
@@ -167,7 +170,17 @@ def ensure_prepared(source: str | Path | None, tokenizer_spec: str, cache_dir: P
         return out_dir
     tokenizer = build_tokenizer(tokenizer_spec, corpus=src, cache_dir=Path(cache_dir))
     start = time.perf_counter()
-    prepare(src, tokenizer, out_dir, val_fraction=val_fraction, seed=seed, column=column, workers=workers)
+    while True:
+        try:
+            prepare(src, tokenizer, out_dir, val_fraction=val_fraction, seed=seed, column=column, workers=workers)
+            break
+        except PrepareBusy as busy:
+            logger.info("%s: waiting for another process's prepare of %s", busy, out_dir)
+            busy.wait()
+        except ExistingOutput:
+            if not (out_dir / INDEX_FILE).is_file():
+                raise
+            break  # the other process's result
     index = load_index(out_dir)
     train, val = index["splits"]["train"], index["splits"]["val"]
     logger.info("prepared %s with %s in %.1fs: %d train tokens (%d docs), %d val tokens "
