@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gridtrain.parity.compare import deviation, problems, tolerance
+from gridtrain.parity.compare import deviation, problems, routing_of, tolerance
 from gridtrain.parity.matrix import GLOBAL_BATCH, base_overrides
 from gridtrain.parity.run import LEG, load_result, resume_in_one_process
 from gridtrain.parity.sweep import LEG_OVERRIDES, VAL_BATCHES
@@ -134,10 +134,10 @@ def world8(launches, tmp_path_factory, corpus_dir):
 
 def verdict(run, ref, spec) -> list[str]:
     """Everything that differs from one process beyond the parity module's bounds."""
-    precision, tokens = spec.get("train.precision", "fp32"), GLOBAL_BATCH * 32
-    found = problems(deviation(run, ref), tolerance(precision, tokens, ref.lrs, 0.9, 0.95))
+    precision, tokens, routing = spec.get("train.precision", "fp32"), GLOBAL_BATCH * 32, routing_of(spec)
+    found = problems(deviation(run, ref), tolerance(precision, tokens, ref.lrs, 0.9, 0.95, routing))
     found += [f"resumed: {p}" for p in problems(deviation(run.leg, ref.leg), tolerance(precision, tokens, ref.leg.lrs,
-                                                                                         0.9, 0.95))]
+                                                                                         0.9, 0.95, routing))]
     val_tol = tolerance(precision, VAL_BATCHES * spec["train.micro_batch"] * 32, ref.lrs, 0.9, 0.95).loss_rtol
     if not abs(run.val_loss - ref.val_loss) <= val_tol * ref.val_loss:
         found.append(f"validation loss {run.val_loss} vs {ref.val_loss}")

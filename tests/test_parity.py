@@ -281,6 +281,11 @@ def test_tolerances_scale_with_the_unit_roundoff():
     assert bf16.loss_rtol == pytest.approx(2 ** -8 / 4) and bf16.norm_rtol == 2 ** -8
     assert bf16.update_rtol == pytest.approx(2 ** -8 * 32) and bf16.weight_tol is None
     assert fp16.update_rtol == pytest.approx(bf16.update_rtol / 8)
+    # 8 experts, top-2: a routing flip moves 2 E / (T k) = 16 / 512 of an expert's update a step.
+    moe = tolerance("fp16", 256, lrs, 0.9, 0.95, routing=(8, 2))
+    assert moe.update_rtol == pytest.approx(fp16.update_rtol + 2 / 32)
+    assert (moe.loss_rtol, moe.norm_rtol) == (fp16.loss_rtol, fp16.norm_rtol)
+    assert tolerance("fp32", 256, lrs, 0.9, 0.95, routing=(8, 2)) == fp32
     assert bf16.max_abs == pytest.approx(2 * (1e-3 + 1e-3 * adam_ratio_bound(2, 0.9, 0.95)))
 
 

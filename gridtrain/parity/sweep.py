@@ -27,7 +27,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from gridtrain.parity.compare import deviation, problems, tolerance
+from gridtrain.parity.compare import deviation, problems, routing_of, tolerance
 from gridtrain.parity.matrix import GLOBAL_BATCH, STEPS, Case, base_overrides, resume_layout
 from gridtrain.parity.run import (LEG, Result, kill_launches, launch, load_result, resume_in_one_process,
                                   run_reference)
@@ -121,8 +121,9 @@ def verdict(case: Case, result: Result | None, error: str, refs: References) -> 
     ref = refs.get(overrides)
     precision, tokens = str(overrides["train.precision"]), GLOBAL_BATCH * int(overrides["data.seq_len"])
     betas = float(overrides.get("train.beta1", 0.9)), float(overrides.get("train.beta2", 0.95))
+    routing = routing_of(overrides)
     dev = deviation(result, ref)
-    found = problems(dev, tolerance(precision, tokens, ref.lrs, *betas))
+    found = problems(dev, tolerance(precision, tokens, ref.lrs, *betas, routing))
     other = resume_layout(case)
     resumed_as, leg = "one process" if other is None else other.name, result.leg
     if leg is None and other is None and result.run_dir is not None:
@@ -132,7 +133,7 @@ def verdict(case: Case, result: Result | None, error: str, refs: References) -> 
         found.append(f"the checkpoint did not resume under {resumed_as}")
     else:
         leg_dev = deviation(leg, ref.leg)
-        leg_problems = problems(leg_dev, tolerance(precision, tokens, ref.leg.lrs, *betas))
+        leg_problems = problems(leg_dev, tolerance(precision, tokens, ref.leg.lrs, *betas, routing))
         found += [f"resumed as {resumed_as}: {p}" for p in leg_problems if p not in found]
         legs["leg_loss_rel"] = leg_dev.summary()["loss_rel"]
     val_tol = tolerance(precision, VAL_BATCHES * int(overrides["train.micro_batch"]) * int(overrides["data.seq_len"]),
