@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from gridtrain.parity.compare import adam_ratio_bound, tolerance
+from gridtrain.parity.compare import Deviation, adam_ratio_bound, problems, tolerance
 from gridtrain.parity.matrix import AXES, Case, all_cases, make_case, pairwise, resume_layout
 from gridtrain.parity.run import load_result
 from gridtrain.parity.sweep import References, case_overrides, run_cases, verdict
@@ -282,10 +282,16 @@ def test_tolerances_scale_with_the_unit_roundoff():
     assert bf16.update_rtol == pytest.approx(2 ** -8 * 32) and bf16.weight_tol is None
     assert fp16.update_rtol == pytest.approx(bf16.update_rtol / 8)
     # 8 experts, top-2: a routing flip moves 2 E / (T k) = 16 / 512 of an expert's update a step.
+    # That is the experts', the router's and their FFN norm's bound; every other tensor keeps 16u.
     moe = tolerance("fp16", 256, lrs, 0.9, 0.95, routing=(8, 2))
-    assert moe.update_rtol == pytest.approx(fp16.update_rtol + 2 / 32)
-    assert (moe.loss_rtol, moe.norm_rtol) == (fp16.loss_rtol, fp16.norm_rtol)
+    assert moe.routed_update_rtol == pytest.approx(fp16.update_rtol + 2 / 32)
+    assert (moe.loss_rtol, moe.norm_rtol, moe.update_rtol) == (fp16.loss_rtol, fp16.norm_rtol, fp16.update_rtol)
     assert tolerance("fp32", 256, lrs, 0.9, 0.95, routing=(8, 2)) == fp32
+    dev = Deviation([], [], {}, {}, {}, {}, [], [])
+    for key in ("layers.1.moe.experts.w2", "layers.1.moe.router.gate.weight", "layers.1.ffn_norm.weight",
+                "layers.1.attention.wq.weight", "tok_embeddings.weight"):
+        dev.max_abs[key], dev.beyond[key], dev.numel[key], dev.update[key] = 0.0, 0, 1, 0.05
+    assert [p.split(":")[0] for p in problems(dev, moe)] == ["layers.1.attention.wq.weight", "tok_embeddings.weight"]
     assert bf16.max_abs == pytest.approx(2 * (1e-3 + 1e-3 * adam_ratio_bound(2, 0.9, 0.95)))
 
 

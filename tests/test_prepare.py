@@ -135,6 +135,15 @@ def test_a_second_job_waits_for_the_prepare_that_runs_and_uses_its_result(tmp_pa
     from gridtrain.data.prepare import LOCK_FILE
     from gridtrain.data.shards import ensure_prepared
 
+    def second_job(cache):
+        got = []
+        job = threading.Thread(target=lambda: got.append(ensure_prepared(corpora["zst"], "byte", cache, 0.1,
+                                                                         column="content")))
+        job.start()
+        job.join(timeout=1.0)
+        assert job.is_alive() and not got  # waiting, not refused
+        return job, got
+
     reference = load_index(prepare(corpora["zst"], ByteTokenizer(), tmp_path / "ref", val_fraction=0.1, column="content"))
     for ending in ("publishes", "dies"):
         cache = tmp_path / ending
@@ -143,17 +152,12 @@ def test_a_second_job_waits_for_the_prepare_that_runs_and_uses_its_result(tmp_pa
         first.rename(work)  # as if the other job were still writing it
         held = os.open(work / LOCK_FILE, os.O_RDWR | os.O_CREAT)
         fcntl.flock(held, fcntl.LOCK_EX)
-        got = []
-        second = threading.Thread(target=lambda: got.append(ensure_prepared(corpora["zst"], "byte", cache,
-                                                                            0.1, column="content")))
-        second.start()
-        second.join(timeout=1.0)
-        assert second.is_alive() and not got  # waiting, not refused
-        if ending == "publishes":
-            (work / LOCK_FILE).unlink()
+        job, got = second_job(cache)
+        if ending == "publishes":  # with its lock inside, removed after
             work.rename(first)
+            (first / LOCK_FILE).unlink()
         os.close(held)
-        second.join(timeout=60)
+        job.join(timeout=60)
         assert got == [first] and load_index(first) == reference and not work.exists()
 
 

@@ -323,6 +323,31 @@ def test_a_late_rank_is_heard_and_rank_0_keeps_the_store_until_it_has_read(tmp_p
         assert "no longer answers" not in said[rank] and "rank 2 started" not in said[rank], said[rank]
 
 
+def test_rank_0_that_lost_a_peer_keeps_the_store_until_a_roll_call_it_prolonged_has_ended(tmp_path, monkeypatch):
+    """Rank 2 stopped; rank 1's wait timed out, and its roll call runs; 1.1 s later rank 0 lost
+    a connection, answered (which prolongs rank 1's roll call by its 3 s) and would have left
+    after 3 s of its own, taking the store while rank 1 still waited on it."""
+    import threading
+
+    from gridtrain.train.resilience import collective_failure
+
+    host = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(host.port))
+    boards = _boards_at_step_7(host, 3)
+    said = []
+    waiting = threading.Thread(target=lambda: said.append(str(collective_failure(
+        RuntimeError("Timed out waiting 5000ms for recv"), 1, 7, 5.0, boards[1], None, tmp_path, "at step 7"))))
+    waiting.start()
+    time.sleep(1.1)
+    lost = str(collective_failure(RuntimeError("Connection closed by peer [127.0.0.1]:1234"), 0, 7, 5.0, boards[0],
+                                  None, tmp_path, "at step 7"))
+    del host  # rank 0's process leaves, and the store with it
+    waiting.join()
+    assert "rank 0 lost a peer in a collective at step 7" in lost, lost
+    assert ": rank 2 started step 7 but went silent inside it" in said[0] and "no longer answers" not in said[0], said
+
+
 def test_a_straggler_is_the_slowest_rank_in_two_windows_in_a_row(caplog):
     """Hand-made per-rank CPU seconds per step: the spread is (slowest - fastest) / median; one
     slow window is noise, two in a row by the same rank over 1.2x the median name it, a window in

@@ -7,6 +7,10 @@ is interrupted (Ctrl-C, a kill, a lost machine) continues from its last progress
 not list (a half-written shard) are deleted, the records it covers are skipped unread by the
 tokenizer. Only a finished prepare writes index.json and moves the folder into place, so a reader
 never sees a half-written shard. Bad input (an exception) removes the folder: nothing is left.
+A prepare holds an flock on `.lock` in that folder until it has published it (the lock moves with
+the folder, and is removed after): a second prepare of the same output meanwhile is refused
+(PrepareBusy), or waits for the first (`shards.ensure_prepared`), and looks at the output again
+once it holds the lock.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import logging
 import multiprocessing
 import os
 import shutil
+import time
 from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
@@ -125,14 +130,15 @@ def prepare(source: str | Path, tokenizer: Tokenizer, out_dir: Path, val_fractio
     remove_stale_folders(out_dir.parent)
     work = out_dir.parent / f".{out_dir.name}.partial"
     work.mkdir(exist_ok=True)
-    lock = _lock(work)
+    lock = _lock(work, out_dir)
     try:
+        check_output(out_dir, overwrite)  # again, holding the lock: another prepare may have published it
         state = _resume_state(work, settings)
         _write(state, work, Path(source), tokenizer, dtype, workers)
         (work / INDEX_FILE).write_text(json.dumps(_index(settings, state), indent=2) + "\n")
-        for name in (PROGRESS_FILE, LOCK_FILE):
-            (work / name).unlink(missing_ok=True)
-        _publish(work, out_dir)
+        (work / PROGRESS_FILE).unlink(missing_ok=True)
+        _publish(work, out_dir)  # the lock moves with the folder: no one can take a new one beside this work
+        (out_dir / LOCK_FILE).unlink(missing_ok=True)
     except Exception:
         shutil.rmtree(work, ignore_errors=True)  # bad input or a failure: nothing is left to resume
         raise
@@ -144,16 +150,17 @@ def prepare(source: str | Path, tokenizer: Tokenizer, out_dir: Path, val_fractio
 class PrepareBusy(ExistingOutput):
     """Another process prepares the same output now (it holds `lock`)."""
 
-    def __init__(self, work: Path) -> None:
-        super().__init__(f"another prepare is writing {work} now: wait for it to finish "
+    def __init__(self, work: Path, out_dir: Path) -> None:
+        super().__init__(f"another prepare is writing {out_dir} now (in {work}): wait for it to finish "
                          "(it moves the result into place)")
         self.lock = work / LOCK_FILE
 
     def wait(self) -> None:
-        """Until that process has finished or stopped (it unlinks the lock when it publishes)."""
+        """Until that process has published or stopped."""
         try:
             fd = os.open(self.lock, os.O_RDONLY)
-        except FileNotFoundError:
+        except OSError:  # published or removed already, or a stale handle on a network file system
+            time.sleep(0.1)
             return
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)
@@ -161,13 +168,13 @@ class PrepareBusy(ExistingOutput):
             os.close(fd)
 
 
-def _lock(work: Path) -> int:
+def _lock(work: Path, out_dir: Path) -> int:
     fd = os.open(work / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        raise PrepareBusy(work) from None
+        raise PrepareBusy(work, out_dir) from None
     return fd
 
 

@@ -175,12 +175,13 @@ def ensure_prepared(source: str | Path | None, tokenizer_spec: str, cache_dir: P
             prepare(src, tokenizer, out_dir, val_fraction=val_fraction, seed=seed, column=column, workers=workers)
             break
         except PrepareBusy as busy:
-            logger.info("%s: waiting for another process's prepare of %s", busy, out_dir)
+            logger.info("another process prepares %s now: waiting for it", out_dir)
             busy.wait()
         except ExistingOutput:
             if not (out_dir / INDEX_FILE).is_file():
                 raise
-            break  # the other process's result
+            logger.info("using %s, which another process prepared", out_dir)
+            return out_dir
     index = load_index(out_dir)
     train, val = index["splits"]["train"], index["splits"]["val"]
     logger.info("prepared %s with %s in %.1fs: %d train tokens (%d docs), %d val tokens "

@@ -17,15 +17,19 @@ value by at most the unit roundoff u (2^-8 for bf16, 2^-11 for fp16). The bounds
   tokens cancels (the norm weights' gradients): bound 16 u per step. And every element within
   Adam's largest possible step difference, 2 x sum_t lr_t R_t, where R_t bounds
   |m_hat / sqrt(v_hat)| at step t (Cauchy-Schwarz over the moment sums; about 1 for b1^2 < b2).
-Mixture of experts in bf16, fp16 or FP8: the router's top-k choice is discrete. A token whose k-th
+Mixture of experts in bf16 and fp16: the router's top-k choice is discrete. A token whose k-th
 and (k+1)-th scores are closer than a layout's rounding moves them (about u of the hidden state
 the router reads) goes to another expert in one of the runs: measured on the matrix's tiny-moe
 under TP 2 in fp16, one token of 256 in about one router call of 4, at score gaps of 1.5e-6 to
 9e-6 where the two runs' scores differ by up to 2e-5. The expert then has one of its about T k / E
 assignments of a step more or less (T tokens a step, each to k of E experts), which moves its
-gradient, and with the matrix's Adam epsilon its update, by about E / (T k) of itself. Bound: one
-such token per expert and step, weighing up to twice the mean assignment: 2 E / (T k) per step,
-added to the update's 16 u. (fp32 rounds 2^16 times finer than fp16: no tie that close was met.)
+gradient, and with the matrix's Adam epsilon its update, by about E / (T k) of itself when the
+tokens' gradients agree (more where they cancel: this is an allowance fitted to what was
+measured, 1.4% to 2.0% for one flip at E / (T k) = 1.6%, not a bound). Allowance: one such token
+per expert and step, weighing up to twice the mean assignment, 2 E / (T k) per step added to the
+16 u of the experts, the router and the FFN norms in front of them (the tensors a moved token's
+gradient reaches through its own expert); every other tensor keeps 16 u. fp32 rounds 2^13 times
+finer than fp16, and no tie that close was met there.
 FP8 (train.float8, beside bf16) against the bf16 run of one process: the block linears round
 both operands of every matmul to e4m3 (3 mantissa bits, unit roundoff u = 2^-4; Micikevicius et
 al. 2022, "FP8 Formats for Deep Learning", table 1) after scaling, where bf16 rounded to 2^-8: the
@@ -44,6 +48,7 @@ without the reference's clipping shows.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +67,12 @@ class Tolerance:
     weight_tol: float | None  # elementwise, absolute and relative (fp32); None in low precision
     update_rtol: float | None  # per tensor, relative error of the update (low precision)
     max_abs: float  # no element further than this (Adam's bound)
+    routed_update_rtol: float | None = None  # update_rtol of a mixture of experts' routed tensors (ROUTED)
+
+
+ROUTED = re.compile(r"(^|\.)(moe|ffn_norm)\.")
+"""The tensors a token moved to another expert reaches through that expert: the experts, the
+router and the FFN norm before them."""
 
 
 def adam_ratio_bound(step: int, beta1: float, beta2: float) -> float:
@@ -80,8 +91,8 @@ def tolerance(precision: str, tokens_per_step: int, lrs: list[float], beta1: flo
     if precision == "fp32":
         return Tolerance(FP32_TOL, FP32_TOL, FP32_TOL, None, max_abs)
     u = UNIT_ROUNDOFF[precision]
-    per_step = 16 * u + (0.0 if routing is None else 2 * routing[0] / (tokens_per_step * routing[1]))
-    return Tolerance(4 * u / math.sqrt(tokens_per_step), u, None, per_step * len(lrs), max_abs)
+    routed = None if routing is None else (16 * u + 2 * routing[0] / (tokens_per_step * routing[1])) * len(lrs)
+    return Tolerance(4 * u / math.sqrt(tokens_per_step), u, None, 16 * u * len(lrs), max_abs, routed)
 
 
 def routing_of(overrides: dict[str, object]) -> tuple[int, int] | None:
@@ -153,8 +164,9 @@ def problems(dev: Deviation, tol: Tolerance) -> list[str]:
         if tol.weight_tol is not None and dev.beyond[key]:
             out.append(f"{key}: {dev.beyond[key]} of {dev.numel[key]} elements differ beyond "
                        f"{tol.weight_tol:g} (largest {worst:.3g})")
-        if tol.update_rtol is not None and not dev.update[key] <= tol.update_rtol:
-            out.append(f"{key}: the update differs by {dev.update[key]:.3g} of its size > {tol.update_rtol:.3g}")
+        bound = tol.routed_update_rtol if tol.routed_update_rtol is not None and ROUTED.search(key) else tol.update_rtol
+        if bound is not None and not dev.update[key] <= bound:
+            out.append(f"{key}: the update differs by {dev.update[key]:.3g} of its size > {bound:.3g}")
     return out
 
 

@@ -192,15 +192,19 @@ class ProgressBoard:
             return None
 
     def linger(self, wait_s: float) -> None:
-        """Stay until every rank that answered the roll call has read the board (at most `wait_s`):
-        `gridtrain train --nproc` runs without torchrun's agent store, so rank 0's process hosts
-        the store, and its exit would cut short the diagnosis of a peer that timed out later."""
-        deadline = time.monotonic() + wait_s
+        """Stay until every rank that answered the roll call has read the board, waiting at most
+        `wait_s` + 2 s after the last new answer (each answer prolongs its peers' roll calls by
+        `wait_s`): `gridtrain train --nproc` runs without torchrun's agent store, so rank 0's
+        process hosts the store, and its exit would cut short the diagnosis of a peer that timed
+        out later."""
+        answered: set[int] = set()
+        deadline = time.monotonic() + wait_s + 2.0
         with contextlib.suppress(Exception):
             while time.monotonic() < deadline:
-                pending = [r for r in range(self.world_size)
-                           if self.store.check([f"{self.FAILED}{r}"]) and not self.store.check([f"{self.READ}{r}"])]
-                if not pending:
+                now = {r for r in range(self.world_size) if self.store.check([f"{self.FAILED}{r}"])}
+                if now - answered:
+                    answered, deadline = now, time.monotonic() + wait_s + 2.0
+                if all(self.store.check([f"{self.READ}{r}"]) for r in answered):
                     return
                 time.sleep(0.05)
 
