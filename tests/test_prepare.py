@@ -132,8 +132,7 @@ def test_a_second_job_waits_for_the_prepare_that_runs_and_uses_its_result(tmp_pa
     import os
     import threading
 
-    from gridtrain.data.prepare import LOCK_FILE
-    from gridtrain.data.shards import ensure_prepared
+    from gridtrain.data.shards import LOCK_FILE, ensure_prepared
 
     def second_job(cache):
         got = []
@@ -159,6 +158,9 @@ def test_a_second_job_waits_for_the_prepare_that_runs_and_uses_its_result(tmp_pa
         os.close(held)
         job.join(timeout=60)
         assert got == [first] and load_index(first) == reference and not work.exists()
+    (first / LOCK_FILE).touch()  # a prepare killed between publishing and removing its lock
+    assert load_index(prepare(corpora["zst"], ByteTokenizer(), first, val_fraction=0.1, column="content",
+                              overwrite=True)) == reference
 
 
 def llama3_style_tokenizer_json(path):

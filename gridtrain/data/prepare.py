@@ -32,15 +32,14 @@ import numpy as np
 
 from gridtrain.data.corpus import iter_file_texts
 from gridtrain.data.progress import Progress
-from gridtrain.data.shards import (FORMAT_VERSION, INDEX_FILE, SPLITS, _publish, assign_split, check_output,
-                                   encode_with_eos, remove_stale_folders)
+from gridtrain.data.shards import (FORMAT_VERSION, INDEX_FILE, LOCK_FILE, SPLITS, _publish, assign_split,
+                                   check_output, encode_with_eos, remove_stale_folders)
 from gridtrain.data.tokenizer import Tokenizer
 from gridtrain.errors import BadInput, ExistingOutput
 
 logger = logging.getLogger(__name__)
 
 PROGRESS_FILE = "progress.json"
-LOCK_FILE = ".lock"
 CHUNK_CHARS = 1_000_000
 """Characters of text sent to a worker at once."""
 
@@ -130,9 +129,8 @@ def prepare(source: str | Path, tokenizer: Tokenizer, out_dir: Path, val_fractio
     remove_stale_folders(out_dir.parent)
     work = out_dir.parent / f".{out_dir.name}.partial"
     work.mkdir(exist_ok=True)
-    lock = _lock(work, out_dir)
+    lock = _lock(work, out_dir, overwrite)
     try:
-        check_output(out_dir, overwrite)  # again, holding the lock: another prepare may have published it
         state = _resume_state(work, settings)
         _write(state, work, Path(source), tokenizer, dtype, workers)
         (work / INDEX_FILE).write_text(json.dumps(_index(settings, state), indent=2) + "\n")
@@ -168,13 +166,25 @@ class PrepareBusy(ExistingOutput):
             os.close(fd)
 
 
-def _lock(work: Path, out_dir: Path) -> int:
-    fd = os.open(work / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+def _lock(work: Path, out_dir: Path, overwrite: bool) -> int:
+    """The work folder's lock, then `out_dir` checked again (another prepare may have published
+    it meanwhile: then this one's new work folder, empty but for the lock, goes)."""
+    try:
+        fd = os.open(work / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    except FileNotFoundError:  # the folder was published or removed since this process made it
+        raise PrepareBusy(work, out_dir) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
         raise PrepareBusy(work, out_dir) from None
+    try:
+        check_output(out_dir, overwrite)
+    except ExistingOutput:
+        if {entry.name for entry in work.iterdir()} <= {LOCK_FILE}:
+            shutil.rmtree(work, ignore_errors=True)
+        os.close(fd)
+        raise
     return fd
 
 

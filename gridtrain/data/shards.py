@@ -71,6 +71,11 @@ def assign_split(doc_index: int, seed: int, val_fraction: float) -> str:
     return "val" if int.from_bytes(digest, "little") / 2**64 < val_fraction else "train"
 
 
+LOCK_FILE = ".lock"
+"""A prepare's flock, in its work folder (gridtrain.data.prepare); it moves with the folder when
+published and is removed after, or stays where that prepare was killed in between."""
+
+
 def check_output(out_dir: Path, overwrite: bool) -> None:
     """Refuse an output directory that holds anything but a prepared dataset, and a prepared one
     unless `overwrite` (before any work: nothing is built for a refused output)."""
@@ -88,10 +93,10 @@ def _check_replaceable(out_dir: Path, overwrite: bool) -> None:
                               "or choose a new --out")
     try:
         shards = load_index(out_dir)["splits"]
-        owned = {INDEX_FILE, LENGTHS_PNG} | {name for split in shards.values() for shard in split["shards"]
-                                for name in (shard["file"], shard["docs_file"])}
+        owned = {INDEX_FILE, LENGTHS_PNG, LOCK_FILE} | {name for split in shards.values() for shard in split["shards"]
+                                           for name in (shard["file"], shard["docs_file"])}
     except (OSError, ValueError, KeyError, TypeError):
-        owned = {INDEX_FILE, LENGTHS_PNG}
+        owned = {INDEX_FILE, LENGTHS_PNG, LOCK_FILE}
     foreign = sorted(str(p.relative_to(out_dir)) for p in out_dir.rglob("*") if p.is_file()
                      and str(p.relative_to(out_dir)) not in owned)
     if foreign:
