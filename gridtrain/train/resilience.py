@@ -175,14 +175,13 @@ class ProgressBoard:
         """Answer the failure roll call, and the ranks that answered until every rank had, or
         `wait_s` passed without a new answer (a live rank that entered the collective late, such
         as a straggler, times out as late: it is still heard); None if the store does not answer."""
-        keys = [f"{self.FAILED}{r}" for r in range(self.world_size)]
         try:
             self.store.set_timeout(datetime.timedelta(seconds=5))
-            self.store.set(keys[self.rank], "1")
+            self.store.set(f"{self.FAILED}{self.rank}", "1")
             answered: set[int] = set()
             deadline = time.monotonic() + wait_s
             while True:
-                now = {r for r, key in enumerate(keys) if self.store.check([key])}
+                now = self.answered()
                 if now - answered:
                     answered, deadline = now, time.monotonic() + wait_s
                 if len(answered) == self.world_size or time.monotonic() > deadline:
@@ -190,6 +189,10 @@ class ProgressBoard:
                 time.sleep(0.2)
         except Exception:  # the store's host is gone: last_steps says so
             return None
+
+    def answered(self) -> set[int]:
+        """The ranks that have answered the failure roll call so far."""
+        return {r for r in range(self.world_size) if self.store.check([f"{self.FAILED}{r}"])}
 
     def linger(self, wait_s: float) -> None:
         """Stay until every rank that answered the roll call has read the board, waiting at most
@@ -201,7 +204,7 @@ class ProgressBoard:
         deadline = time.monotonic() + wait_s + 2.0
         with contextlib.suppress(Exception):
             while time.monotonic() < deadline:
-                now = {r for r in range(self.world_size) if self.store.check([f"{self.FAILED}{r}"])}
+                now = self.answered()
                 if now - answered:
                     answered, deadline = now, time.monotonic() + wait_s + 2.0
                 if all(self.store.check([f"{self.READ}{r}"]) for r in answered):
