@@ -1,6 +1,6 @@
 """Published runs the planner is checked against: Megatron-LM's SC21 Table 1 (Narayanan et al.,
 "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", SC21,
-arXiv 2104.04473), the copy in shared/reference/megatron-sc21-table1.csv.
+arXiv 2104.04473), transcribed in SC21_TABLE1 below.
 
 Ten GPT models from 1.7B to 1T parameters on A100-80GB (Selene: 8 GPUs per node on NVSwitch,
 8 x 200 Gb/s HDR InfiniBand per node), sequence 2,048, vocabulary 51,200, interleaved 1F1B, full
