@@ -2,8 +2,8 @@
 `validate` accepts compared with one process (losses, gradient norms with clipping active,
 gathered weights), every other one listed with validate's reason.
 
-    python bench/parity_sweep.py [--results FILE] [--pairwise] [--only SUBSTRING] [--name NAME ...] [--chunk 24]
-                                 [--report]
+    python bench/parity_sweep.py [--results FILE] [--pairwise] [--only SUBSTRING] [--name NAME ...]
+                                 [--choice AXIS=VALUE ...] [--chunk 24] [--report]
 
 Verdicts go to FILE (JSON lines, default runs/parity/results.jsonl) as they come, so a stopped
 sweep resumes where it stopped; delete the file to start over. `--report` prints the report of
@@ -35,6 +35,8 @@ def main() -> None:
     parser.add_argument("--pairwise", action="store_true", help="only the pairwise subset CI runs")
     parser.add_argument("--only", default="", help="only cases whose name contains this")
     parser.add_argument("--name", action="append", default=[], help="only this case (repeatable)")
+    parser.add_argument("--choice", action="append", default=[], metavar="AXIS=VALUE",
+                        help="only cases with this choice on this axis, e.g. model=dense (repeatable)")
     parser.add_argument("--chunk", type=int, default=24, help="cases per torchrun launch")
     parser.add_argument("--corpus", type=Path, default=None, help="default: the Python standard library")
     parser.add_argument("--report", action="store_true",
@@ -48,7 +50,9 @@ def main() -> None:
     cases = all_cases()
     if args.pairwise:
         cases = pairwise(cases)
-    cases = [c for c in cases if args.only in c.name and (not args.name or c.name in args.name)]
+    chosen = _choices(parser, args.choice)
+    cases = [c for c in cases if args.only in c.name and (not args.name or c.name in args.name)
+             and all(c.choice(axis) == value for axis, value in chosen)]
     unknown = sorted(set(args.name) - {c.name for c in all_cases()})
     if unknown:
         parser.error(f"no case of the matrix is named {', '.join(unknown)}")
@@ -82,6 +86,19 @@ def main() -> None:
     verdicts = run_cases(cases, refs, args.results, args.chunk, progress, overlap=True)
     verdicts = {c.name: verdicts[c.name] for c in cases}
     print(report(verdicts))
+
+
+def _choices(parser: argparse.ArgumentParser, given: list[str]) -> list[tuple[str, str]]:
+    """--choice AXIS=VALUE, each checked against the matrix's axes."""
+    out = []
+    for text in given:
+        axis, _, value = text.partition("=")
+        if axis not in AXES:
+            parser.error(f"--choice {text}: the axes are {', '.join(AXES)}")
+        if value not in AXES[axis]:
+            parser.error(f"--choice {text}: {axis} is one of {', '.join(AXES[axis])}")
+        out.append((axis, value))
+    return out
 
 
 def _stdlib() -> Path:
