@@ -3,10 +3,12 @@
 gathered weights), every other one listed with validate's reason.
 
     python bench/parity_sweep.py [--results FILE] [--pairwise] [--only SUBSTRING] [--name NAME ...]
-                                 [--choice AXIS=VALUE ...] [--chunk 24] [--report]
+                                 [--choice AXIS=VALUE ...] [--chunk 24] [--minutes M] [--report]
 
 Verdicts go to FILE (JSON lines, default runs/parity/results.jsonl) as they come, so a stopped
-sweep resumes where it stopped; delete the file to start over. `--report` prints the report of
+sweep resumes where it stopped; delete the file to start over. `--minutes M` starts no torchrun
+launch after M minutes: the running one ends and is judged, and the sweep stops with the report
+(an interrupt instead loses the running launch's cases). `--report` prints the report of
 the verdicts FILE holds (of the cases --only and --name select) and runs nothing. The default
 corpus (the Python standard library) is prepared once in the usual cache. At the end it prints
 the counts by status and world size, the largest deviations that passed, per precision, and every
@@ -17,6 +19,7 @@ into the results' folder (`gridtrain.parity.sweep.write_short_documents`), whate
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from pathlib import Path
@@ -38,6 +41,8 @@ def main() -> None:
     parser.add_argument("--choice", action="append", default=[], metavar="AXIS=VALUE",
                         help="only cases with this choice on this axis, e.g. model=dense (repeatable)")
     parser.add_argument("--chunk", type=int, default=24, help="cases per torchrun launch")
+    parser.add_argument("--minutes", type=float, default=math.inf,
+                        help="start no launch after this many minutes; judge the running one and stop")
     parser.add_argument("--corpus", type=Path, default=None, help="default: the Python standard library")
     parser.add_argument("--report", action="store_true",
                         help="print the report of the verdicts already in --results and run nothing")
@@ -45,6 +50,8 @@ def main() -> None:
                         help="the widest world whose cases resume under another layout of their world "
                              "(wider ones resume in one process)")
     args = parser.parse_args()
+    if not args.minutes > 0:
+        parser.error(f"--minutes {args.minutes:g}: give a positive number of minutes")
     matrix.RESUME_MAX_WORLD = args.resume_world
 
     cases = all_cases()
@@ -83,9 +90,13 @@ def main() -> None:
         mark = "" if rec["status"] == "passed" else f"  {rec['status'].upper()}: {rec['problems'][:2]}"
         print(f"[{count[0]}/{runnable} {time.time() - start:6.0f} s] {rec['name']}{mark}", flush=True)
 
-    verdicts = run_cases(cases, refs, args.results, args.chunk, progress, overlap=True)
-    verdicts = {c.name: verdicts[c.name] for c in cases}
-    print(report(verdicts))
+    deadline = start + 60 * args.minutes
+    verdicts = run_cases(cases, refs, args.results, args.chunk, progress, overlap=True,
+                         stop=lambda: time.time() >= deadline)
+    print(report({c.name: verdicts[c.name] for c in cases if c.name in verdicts}))
+    todo = sum(c.name not in verdicts for c in cases)
+    if todo:
+        print(f"\nstopped after {args.minutes:g} minutes: {todo} accepted cases not yet run")
 
 
 def _choices(parser: argparse.ArgumentParser, given: list[str]) -> list[tuple[str, str]]:

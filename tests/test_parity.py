@@ -375,6 +375,37 @@ def test_each_launch_runs_while_the_one_before_it_is_judged(monkeypatch, tmp_pat
     assert recorded == [c.name for c in cases]
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_sweep_told_to_stop_judges_the_launch_that_ran_and_starts_no_other(monkeypatch, tmp_path, overlap):
+    """`bench/parity_sweep.py --minutes`: once stop() holds, the launch that ran is judged (its
+    verdicts kept) and no launch starts; the cases after it stay for a resumed sweep."""
+    import gridtrain.parity.sweep as sweep
+
+    cases = [c for c in CASES if c.accepted and c.world == 2][:4]
+    launches = []
+
+    def fake_launch(world, spec, out):
+        launches.append(list(spec))
+        for name in spec:
+            (out / f"{name}.pp0.pt").touch()
+        return subprocess.CompletedProcess([], 0, "", "")
+
+    monkeypatch.setattr(sweep, "launch", fake_launch)
+    monkeypatch.setattr(sweep, "load_result", lambda out, name: "ran" if (out / f"{name}.pp0.pt").exists() else None)
+    monkeypatch.setattr(sweep, "verdict", lambda case, result, error, refs: {
+        "name": case.name, "status": "passed", "problems": []})
+    results = tmp_path / "results.jsonl"
+    done = run_cases(cases, References(tmp_path, tmp_path, tmp_path), results, chunk=1, overlap=overlap,
+                     stop=lambda: len(launches) >= 2)
+
+    assert launches == [[cases[0].name], [cases[1].name]]
+    assert list(done) == [cases[0].name, cases[1].name]
+    assert [json.loads(line)["name"] for line in results.read_text().splitlines()] == list(done)
+    launches.clear()
+    done = run_cases(cases, References(tmp_path, tmp_path, tmp_path), results, chunk=1, overlap=overlap)
+    assert launches == [[cases[2].name], [cases[3].name]] and list(done) == [c.name for c in cases]
+
+
 def test_an_error_while_judging_kills_the_launch_running_beside(monkeypatch, tmp_path):
     """torchrun runs in a session of its own, which an error or an interrupt of the sweep does not
     reach: left alone, the launch running beside the judging would outlive the sweep."""

@@ -170,10 +170,13 @@ def read_results(path: Path) -> dict[str, dict]:
 
 
 def run_cases(cases: Iterable[Case], refs: References, results: Path, chunk: int = 24,
-              on_verdict: Callable[[dict], None] = lambda rec: None, overlap: bool = False) -> dict[str, dict]:
+              on_verdict: Callable[[dict], None] = lambda rec: None, overlap: bool = False,
+              stop: Callable[[], bool] = lambda: False) -> dict[str, dict]:
     """Run every accepted case not yet in `results` (and record the refused ones); returns all
     verdicts by name. With `overlap`, each launch runs while this process judges the one before it
-    (`_overlapped`: the sweep's); else one after another, as CI's subset runs."""
+    (`_overlapped`: the sweep's); else one after another, as CI's subset runs. Once `stop()` is
+    true, no launch starts: the one running ends and is judged, and the sweep returns, so a sweep
+    given a time loses no launch's work (an interrupt kills the running launch)."""
     cases = list(cases)
     done = read_results(results)
     with open(results, "a") as f:
@@ -191,29 +194,33 @@ def run_cases(cases: Iterable[Case], refs: References, results: Path, chunk: int
         groups = [[c for c in todo if c.world == world] for world in sorted({c.world for c in todo})]
         queues = [group[start:start + chunk] for group in groups for start in range(0, len(group), chunk)]
         if overlap:
-            _overlapped(queues, refs, record)
+            _overlapped(queues, refs, record, stop)
         else:
             for queue in queues:
+                if stop():
+                    break
                 _run_launch(queue, refs, record, {})
     return done
 
 
-def _overlapped(queues: list[list[Case]], refs: References, record: Callable[[dict], None]) -> None:
+def _overlapped(queues: list[list[Case]], refs: References, record: Callable[[dict], None],
+                stop: Callable[[], bool] = lambda: False) -> None:
     """Launch each queue in turn and judge the one before it (`_judge`) while it runs: launch N + 1
     starts once launch N has ended and launch N - 1 has been judged. What a launch's death left
     (its culprit alone, then the cases after it) is launched after it and judged without overlap.
     Judging a case that resumes in one process (every case wider than RESUME_MAX_WORLD, and
     narrower ones that draw it) resumes its checkpoint here: 59 s for a launch of 72 eight-rank MoE
-    cases, time a sweep once added to each such launch (7 to 9 minutes). An error or an interrupt
-    kills the running launch."""
+    cases, time a sweep once added to each such launch (7 to 9 minutes). Once `stop()` is true no
+    launch starts: the last one is judged, then it returns. An error or an interrupt kills the
+    running launch."""
     ended: tuple[list[Case], Path, subprocess.CompletedProcess] | None = None
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # beside a launch: judging 12 such cases took 7.0 to 8.9 s of CPU, 9.1 to 9.8 s with 2
     pool = ThreadPoolExecutor(max_workers=1)  # a launch waits on its processes without the GIL
     try:
         for queue in [*queues, None]:
-            running = None
-            if queue is not None:
+            last, running = queue is None or stop(), None
+            if not last:
                 out = Path(tempfile.mkdtemp(prefix=f"world{queue[0].world}-", dir=refs.work))
                 spec = {c.name: case_overrides(c, refs) for c in queue}
                 running = (queue, out, pool.submit(launch, queue[0].world, spec, out))
@@ -222,6 +229,8 @@ def _overlapped(queues: list[list[Case]], refs: References, record: Callable[[di
             ended = None if running is None else (running[0], running[1], running[2].result())
             for again in left:
                 _run_launch(again, refs, record, retried)
+            if last:
+                break
     except BaseException:
         kill_launches()  # else it would outlive this process, beside the launches of a resumed sweep
         raise
