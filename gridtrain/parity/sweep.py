@@ -204,7 +204,7 @@ def run_cases(cases: Iterable[Case], refs: References, results: Path, chunk: int
 
 
 def _overlapped(queues: list[list[Case]], refs: References, record: Callable[[dict], None],
-                stop: Callable[[], bool] = lambda: False) -> None:
+                stop: Callable[[], bool]) -> None:
     """Launch each queue in turn and judge the one before it (`_judge`) while it runs: launch N + 1
     starts once launch N has ended and launch N - 1 has been judged. What a launch's death left
     (its culprit alone, then the cases after it) is launched after it and judged without overlap.
